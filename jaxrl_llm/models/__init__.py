@@ -1,0 +1,5 @@
+"""Flax NNX decoder models (Llama 3, Qwen2/2.5, Qwen3), Hugging Face I/O and tokenizers."""
+from ._config import ModelConfig, RopeScaling, to_dtype
+from ._decoder import (CausalLM, KVCache, Transformer, ValueModel, abstract_model, attend,
+                       causal_padding_mask, count_params, default_positions, init_model,
+                       rope_inv_freq)

@@ -1,0 +1,102 @@
+"""Model hyper-parameters: one frozen dataclass for the Llama 3 / Qwen2 / Qwen3 decoder family.
+
+Field names follow Hugging Face's `config.json` so a user can read one against the other.
+Conversion from and to `config.json` lives in `_hf.py`; this module only holds and checks values.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+
+_DTYPES = {
+    "float32": jnp.float32, "fp32": jnp.float32,
+    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+    "float16": jnp.float16, "fp16": jnp.float16,
+}
+
+
+def to_dtype(value: Any):
+    """Accept a jnp dtype or a string such as 'bfloat16' / 'bf16' / 'float32'."""
+    if isinstance(value, str):
+        if value not in _DTYPES:
+            raise ValueError(f"unknown dtype {value!r}; choose one of {sorted(_DTYPES)}")
+        return _DTYPES[value]
+    return jnp.dtype(value).type
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """llama3-type RoPE frequency scaling (`rope_scaling.rope_type == "llama3"`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder hyper-parameters.
+
+    `dtype` is the compute dtype (activations, matmul inputs); `param_dtype` the storage dtype of
+    parameters. `remat` is the rematerialisation policy of each decoder layer in training.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None
+    model_type: str = "qwen2"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2 style); llama also puts one on o_proj
+    qk_norm: bool = False  # RMSNorm on q and k per head before RoPE (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    remat: str = "none"
+
+    def __post_init__(self):
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type={self.model_type!r} is not supported; choose one of {MODEL_TYPES}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r}; choose one of {REMAT_POLICIES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention)")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                    f"{self.num_attention_heads}; set head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        object.__setattr__(self, "dtype", to_dtype(self.dtype))
+        object.__setattr__(self, "param_dtype", to_dtype(self.param_dtype))
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads

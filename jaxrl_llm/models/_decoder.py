@@ -1,0 +1,356 @@
+"""Flax NNX decoder for the Llama 3 / Qwen2 / Qwen3 family, with a causal-LM and a value head.
+
+Layer parameters are stored stacked along a leading `layers` axis and the layers run under
+`jax.lax.scan`, so compile time does not grow with depth and the trainer and the rollout engine
+share one parameter pytree (no unscanning at weight sync). Every parameter carries its logical
+axis names as `logical_axes` metadata; activations are constrained with `sharding.constrain`.
+Mesh axes are `sharding/`'s business, not this module's.
+
+Three ways to run the same weights:
+- `__call__` / `hidden_states`: a full forward for training and scoring (padding mask, positions).
+- `prefill`: a full forward that also returns every layer's keys and values.
+- `decode`: tokens appended to an existing KV cache at per-row offsets (the engine's generate).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import sharding
+
+from ._config import ModelConfig
+
+_NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Keys and values of every layer. Shapes: `k`, `v` [layers, b, s, kv_heads, head_dim]."""
+
+    k: jax.Array
+    v: jax.Array
+
+    LOGICAL_AXES = ("layers", "cache_batch", "cache_length", "kv_heads", "head_dim")
+
+
+def _param(rngs, shape, axes, dtype, std=0.02):
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype),
+                     logical_axes=axes)
+
+
+def _ones(shape, axes, dtype):
+    return nnx.Param(jnp.ones(shape, dtype), logical_axes=axes)
+
+
+def _zeros(shape, axes, dtype):
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale, computed in fp32 and cast back (as Hugging Face does)."""
+
+    def __init__(self, shape, axes, eps, dtype):
+        self.scale = _ones(shape, axes, dtype)
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> jax.Array:
+    """Inverse frequencies [head_dim // 2], with llama3-type scaling when configured."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotate-half RoPE. x [b, t, h, d], positions int32[b, t]."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, d/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attend(q, k, v, mask):
+    """Grouped-query attention. q [b, tq, h, d]; k, v [b, tk, kvh, d]; mask bool[b, tq, tk]."""
+    b, tq, h, d = q.shape
+    kvh = k.shape[2]
+    q = q.reshape(b, tq, kvh, h // kvh, d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(d)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    return out.reshape(b, tq, h, d)
+
+
+class Attention(nnx.Module):
+    def __init__(self, c: ModelConfig, n: int, rngs: nnx.Rngs):
+        e, h, kvh, d, pd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.param_dtype
+        L = ("layers",)
+        self.q_proj = nnx.Dict(kernel=_param(rngs, (n, e, h, d), L + ("embed", "heads", "head_dim"), pd))
+        self.k_proj = nnx.Dict(kernel=_param(rngs, (n, e, kvh, d), L + ("embed", "kv_heads", "head_dim"), pd))
+        self.v_proj = nnx.Dict(kernel=_param(rngs, (n, e, kvh, d), L + ("embed", "kv_heads", "head_dim"), pd))
+        self.o_proj = nnx.Dict(kernel=_param(rngs, (n, h, d, e), L + ("heads", "head_dim", "embed"), pd))
+        if c.attention_bias:
+            self.q_proj["bias"] = _zeros((n, h, d), L + ("heads", "head_dim"), pd)
+            self.k_proj["bias"] = _zeros((n, kvh, d), L + ("kv_heads", "head_dim"), pd)
+            self.v_proj["bias"] = _zeros((n, kvh, d), L + ("kv_heads", "head_dim"), pd)
+            if c.model_type == "llama":
+                self.o_proj["bias"] = _zeros((n, e), L + ("embed",), pd)
+        if c.qk_norm:
+            self.q_norm = RMSNorm((n, d), L + ("head_dim",), c.rms_norm_eps, pd)
+            self.k_norm = RMSNorm((n, d), L + ("head_dim",), c.rms_norm_eps, pd)
+        self.config = c
+
+    def _proj(self, p, x, out_axes):
+        y = jnp.einsum("bte,e...->bt...", x, p["kernel"][...].astype(x.dtype))
+        if "bias" in p:
+            y = y + p["bias"][...].astype(x.dtype)
+        return sharding.constrain(y, ("batch", "length") + out_axes)
+
+    def qkv(self, x, positions, inv_freq):
+        q = self._proj(self.q_proj, x, ("heads", "head_dim"))
+        k = self._proj(self.k_proj, x, ("kv_heads", "head_dim"))
+        v = self._proj(self.v_proj, x, ("kv_heads", "head_dim"))
+        if self.config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def out(self, o):
+        y = jnp.einsum("bthd,hde->bte", o, self.o_proj["kernel"][...].astype(o.dtype))
+        if "bias" in self.o_proj:
+            y = y + self.o_proj["bias"][...].astype(o.dtype)
+        return y
+
+
+class MLP(nnx.Module):
+    def __init__(self, c: ModelConfig, n: int, rngs: nnx.Rngs):
+        e, f, pd = c.hidden_size, c.intermediate_size, c.param_dtype
+        self.gate_proj = nnx.Dict(kernel=_param(rngs, (n, e, f), ("layers", "embed", "mlp"), pd))
+        self.up_proj = nnx.Dict(kernel=_param(rngs, (n, e, f), ("layers", "embed", "mlp"), pd))
+        self.down_proj = nnx.Dict(kernel=_param(rngs, (n, f, e), ("layers", "mlp", "embed"), pd))
+
+    def __call__(self, x):
+        gate = jnp.einsum("bte,ef->btf", x, self.gate_proj["kernel"][...].astype(x.dtype))
+        up = jnp.einsum("bte,ef->btf", x, self.up_proj["kernel"][...].astype(x.dtype))
+        h = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+        return jnp.einsum("btf,fe->bte", h, self.down_proj["kernel"][...].astype(x.dtype))
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers; every parameter has a leading `layers` axis of size num_hidden_layers."""
+
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
+        n, e = c.num_hidden_layers, c.hidden_size
+        self.input_layernorm = RMSNorm((n, e), ("layers", "embed"), c.rms_norm_eps, c.param_dtype)
+        self.self_attn = Attention(c, n, rngs)
+        self.post_attention_layernorm = RMSNorm((n, e), ("layers", "embed"), c.rms_norm_eps, c.param_dtype)
+        self.mlp = MLP(c, n, rngs)
+
+    def layer(self, x, positions, inv_freq, kv_fn):
+        """One layer on a per-layer view of the parameters. kv_fn(k, v) -> (k_all, v_all, mask, extra)."""
+        h = self.input_layernorm(x)
+        q, k, v = self.self_attn.qkv(h, positions, inv_freq)
+        k_all, v_all, mask, extra = kv_fn(k, v)
+        o = attend(q, k_all, v_all, mask)
+        x = x + self.self_attn.out(o)
+        x = sharding.constrain(x, ("batch", "length", "embed"))
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return sharding.constrain(x, ("batch", "length", "embed")), extra
+
+
+_REMAT = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def default_positions(attention_mask):
+    """Positions for left-padded rows: cumsum(mask) - 1, clipped at 0. int32[b, t]."""
+    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def causal_padding_mask(attention_mask):
+    """bool[b, t, t]: query i sees key j when j <= i and key j is a real token."""
+    t = attention_mask.shape[-1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))
+    return causal[None] & attention_mask.astype(jnp.bool_)[:, None, :]
+
+
+class Transformer(nnx.Module):
+    """Embedding, the stacked decoder layers and the final norm (Hugging Face's `model.*`)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.embed_tokens = nnx.Dict(
+            embedding=_param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), c.param_dtype))
+        self.layers = DecoderLayers(c, rngs)
+        self.norm = RMSNorm((c.hidden_size,), ("embed",), c.rms_norm_eps, c.param_dtype)
+
+    def embed(self, input_ids):
+        x = jnp.take(self.embed_tokens["embedding"][...], input_ids, axis=0).astype(self.config.dtype)
+        return sharding.constrain(x, ("batch", "length", "embed"))
+
+    def _scan(self, x, positions, kv_fn, carry_extra, remat: bool):
+        """Runs the layers with lax.scan. kv_fn(layer_index, carry_extra, k, v) -> (k_all, v_all, mask, carry_extra)."""
+        graphdef, params = nnx.split(self.layers)
+        inv_freq = rope_inv_freq(self.config)
+
+        def body(carry, xs):
+            h, extra = carry
+            i, p = xs
+            layer = nnx.merge(graphdef, p)
+            h, extra = layer.layer(h, positions, inv_freq, lambda k, v: kv_fn(i, extra, k, v))
+            return (h, extra), None
+
+        if remat and self.config.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT[self.config.remat], prevent_cse=False)
+        n = self.config.num_hidden_layers
+        (x, carry_extra), _ = jax.lax.scan(body, (x, carry_extra), (jnp.arange(n), params))
+        return self.norm(x), carry_extra
+
+    def __call__(self, input_ids, *, attention_mask=None, positions=None):
+        """Final hidden states [b, t, e] of a full causal forward (training / scoring)."""
+        if attention_mask is None:
+            attention_mask = jnp.ones(input_ids.shape, jnp.int32)
+        if positions is None:
+            positions = default_positions(attention_mask)
+        mask = causal_padding_mask(attention_mask)
+        h, _ = self._scan(self.embed(input_ids), positions, lambda i, e, k, v: (k, v, mask, e), (), remat=True)
+        return h
+
+    def prefill(self, input_ids, *, attention_mask=None, positions=None):
+        """Full forward that also returns the cache. Returns (hidden [b, t, e], KVCache [L, b, t, kvh, d])."""
+        c = self.config
+        b, t = input_ids.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones(input_ids.shape, jnp.int32)
+        if positions is None:
+            positions = default_positions(attention_mask)
+        mask = causal_padding_mask(attention_mask)
+        shape = (c.num_hidden_layers, b, t, c.num_key_value_heads, c.head_dim)
+        cache = KVCache(jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype))
+
+        def kv_fn(i, cache, k, v):
+            cache = KVCache(cache.k.at[i].set(k), cache.v.at[i].set(v))
+            return k, v, mask, cache
+
+        return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False)
+
+    def decode(self, input_ids, *, positions, cache: KVCache, cache_index):
+        """Append tokens to a cache and attend to it.
+
+        input_ids, positions int32[b, t]; cache [L, b, s, kvh, d]; cache_index int32[b] is where row
+        b's first new token is written. Query j of row b sees cache slots <= cache_index[b] + j.
+        Returns (hidden [b, t, e], updated KVCache).
+        """
+        b, t = input_ids.shape
+        s = cache.k.shape[2]
+        write = cache_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [b, t]
+        mask = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= write[:, :, None]  # [b, t, s]
+        rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+
+        def kv_fn(i, cache, k, v):
+            k_all = cache.k.at[i, rows, write].set(k.astype(cache.k.dtype), mode="drop")
+            v_all = cache.v.at[i, rows, write].set(v.astype(cache.v.dtype), mode="drop")
+            return k_all[i], v_all[i], mask, KVCache(k_all, v_all)
+
+        return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False)
+
+
+class CausalLM(nnx.Module):
+    """Decoder with a language-model head. `model(input_ids)` -> logits [b, t, vocab]."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.model = Transformer(config, rngs=rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Dict(kernel=_param(
+                rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), config.param_dtype))
+
+    def unembed_matrix(self) -> jax.Array:
+        """[embed, vocab] matrix mapping final hidden states to logits."""
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens["embedding"][...].T
+        return self.lm_head["kernel"][...]
+
+    def logits(self, hidden):
+        w = self.unembed_matrix().astype(hidden.dtype)
+        out = jnp.einsum("...e,ev->...v", hidden, w, preferred_element_type=jnp.float32)
+        return sharding.constrain(out, ("batch", "length", "vocab")) if out.ndim == 3 else out
+
+    def hidden_states(self, input_ids, *, attention_mask=None, positions=None):
+        return self.model(input_ids, attention_mask=attention_mask, positions=positions)
+
+    def __call__(self, input_ids, *, attention_mask=None, positions=None):
+        """Logits (fp32) [b, t, vocab]."""
+        return self.logits(self.hidden_states(input_ids, attention_mask=attention_mask, positions=positions))
+
+    def prefill(self, input_ids, *, attention_mask=None, positions=None):
+        return self.model.prefill(input_ids, attention_mask=attention_mask, positions=positions)
+
+    def decode(self, input_ids, *, positions, cache, cache_index):
+        return self.model.decode(input_ids, positions=positions, cache=cache, cache_index=cache_index)
+
+
+class ValueModel(nnx.Module):
+    """Decoder with a scalar head per token (critic / reward model). `model(ids)` -> [b, t] fp32.
+
+    Matches Hugging Face's `*ForTokenClassification` with `num_labels=1` (`score.weight/bias`).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.model = Transformer(config, rngs=rngs)
+        self.score = nnx.Dict(
+            kernel=_param(rngs, (config.hidden_size, 1), ("embed", None), config.param_dtype),
+            bias=_zeros((1,), (None,), config.param_dtype))
+
+    def __call__(self, input_ids, *, attention_mask=None, positions=None):
+        h = self.model(input_ids, attention_mask=attention_mask, positions=positions)
+        w = self.score["kernel"][...].astype(h.dtype)
+        out = jnp.einsum("bte,eo->bto", h, w, preferred_element_type=jnp.float32)
+        return out[..., 0] + self.score["bias"][...].astype(jnp.float32)[0]
+
+
+def init_model(config: ModelConfig, *, seed: int = 0, value_head: bool = False) -> Any:
+    """A randomly initialised CausalLM (or ValueModel)."""
+    cls = ValueModel if value_head else CausalLM
+    return cls(config, rngs=nnx.Rngs(params=seed))
+
+
+def abstract_model(config: ModelConfig, *, value_head: bool = False):
+    """The model with ShapeDtypeStructs instead of arrays (nothing allocated)."""
+    cls = ValueModel if value_head else CausalLM
+    return nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(params=0)))
+
+
+def count_params(model_or_state) -> int:
+    state = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(state)))
