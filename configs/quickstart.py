@@ -1,0 +1,74 @@
+"""The embedded default: a tiny transformer learns 2-digit addition on CPU, SFT warm start + GRPO.
+
+Launch (a few minutes on 2 CPU cores):
+  python -m jaxrl_llm.train --config=configs/quickstart.py
+Variants: `configs/quickstart.py:local` runs the workers in-process instead of in a Ray actor;
+`configs/quickstart.py:tiny` is a seconds-long smoke run (tests use it).
+"""
+from jaxrl_llm.config import base_config
+
+
+def get_config(arg: str | None = None):
+    c = base_config()
+    c.data.builtin_task = "arithmetic"
+    c.data.train_files = ("runs/quickstart/data/train.parquet",)
+    c.data.val_files = ("runs/quickstart/data/val.parquet",)
+    c.data.builtin_train_size = 4000
+    c.data.builtin_val_size = 200
+    c.data.max_prompt_length = 16
+    c.data.max_response_length = 8
+    c.data.train_batch_size = 32
+    c.data.val_batch_size = 200
+    c.model.tokenizer = "char"
+    c.model.dtype = "float32"
+    c.model.init.hidden_size = 128
+    c.model.init.intermediate_size = 256
+    c.model.init.num_hidden_layers = 2
+    c.model.init.num_attention_heads = 4
+    c.model.init.num_key_value_heads = 2
+    c.model.init.head_dim = 32
+    c.model.init.max_position_embeddings = 64
+    c.actor.optim.lr = 2e-4
+    c.actor.optim.weight_decay = 0.0
+    c.actor.ppo_mini_batch_size = 32
+    c.actor.ppo_micro_batch_size_per_device = 256
+    c.rollout.n = 8
+    c.rollout.temperature = 1.0
+    c.rollout.max_concurrent_decodes = 256
+    c.rollout.steps_per_sync = 8
+    c.reward.num_workers = 0
+    c.sft.steps = 150
+    c.sft.batch_size = 64
+    c.sft.lr = 2e-3
+    c.sft.warmup_steps = 10
+    c.sft.max_length = 32
+    c.sft.builtin_size = 4000
+    c.trainer.total_training_steps = 60
+    c.trainer.test_freq = 10
+    c.trainer.save_freq = 30
+    c.trainer.default_local_dir = "runs/quickstart"
+    c.trainer.experiment_name = "quickstart"
+    if arg:
+        for variant in arg.split(","):
+            if variant == "local":
+                c.trainer.backend = "local"
+            elif variant == "tiny":
+                c.model.init.hidden_size = 32
+                c.model.init.intermediate_size = 64
+                c.model.init.head_dim = 8
+                c.data.builtin_train_size = 64
+                c.data.builtin_val_size = 16
+                c.data.train_batch_size = 4
+                c.data.val_batch_size = 16
+                c.actor.ppo_mini_batch_size = 2
+                c.actor.ppo_micro_batch_size_per_device = 4
+                c.rollout.n = 2
+                c.sft.steps = 2
+                c.sft.batch_size = 8
+                c.sft.builtin_size = 32
+                c.trainer.total_training_steps = 2
+                c.trainer.test_freq = 2
+                c.trainer.save_freq = 1
+            else:
+                raise ValueError(f"unknown quickstart variant {variant!r}; use 'local' and/or 'tiny'")
+    return c

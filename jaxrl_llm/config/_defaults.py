@@ -1,0 +1,54 @@
+"""The base ConfigDict every file in `configs/` starts from: every field, with verl-like defaults.
+
+A config file changes what it needs and returns the dict; `_load.py` validates it. Keeping every
+field here means a misspelt override (`--config.actor.optim.lrr=1`) is rejected by name.
+"""
+from __future__ import annotations
+
+from ml_collections import ConfigDict
+
+
+def _optim(lr: float) -> dict:
+    return dict(lr=lr, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8, warmup_steps=0,
+                lr_schedule="constant", min_lr_ratio=0.0, clip_grad=1.0)
+
+
+def base_config() -> ConfigDict:
+    c = ConfigDict()
+    c.data = dict(
+        train_files=(), val_files=(), builtin_task="", builtin_train_size=2000,
+        builtin_val_size=200, builtin_max_operand=99, prompt_key="prompt", max_prompt_length=512,
+        max_response_length=512, train_batch_size=64, val_batch_size=256,
+        filter_overlong_prompts=True, truncation="error", shuffle=True, seed=1)
+    c.model = dict(
+        path="", tokenizer="", dtype="bfloat16", param_dtype="float32", remat="none",
+        init=dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0,
+                  max_position_embeddings=1024, tie_word_embeddings=True, seed=0))
+    c.actor = dict(
+        optim=_optim(1e-6), ppo_mini_batch_size=16, ppo_micro_batch_size_per_device=8,
+        ppo_epochs=1, shuffle=False, policy_loss="vanilla", loss_agg_mode="token-mean",
+        clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
+        entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.001, kl_loss_type="low_var_kl")
+    c.critic = dict(
+        optim=_optim(1e-5), ppo_mini_batch_size=16, ppo_micro_batch_size_per_device=8,
+        ppo_epochs=1, cliprange_value=0.5, loss_agg_mode="token-mean", warmup_steps_before_actor=0)
+    c.rollout = dict(
+        n=8, temperature=1.0, top_k=-1, top_p=1.0, max_concurrent_decodes=256,
+        steps_per_sync=16, dtype="", use_rollout_log_probs=False,
+        val=dict(temperature=0.0, top_k=-1, top_p=1.0, n=1))
+    c.algorithm = dict(
+        adv_estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
+        use_kl_in_reward=False, kl_penalty="kl",
+        kl_ctrl=dict(type="fixed", kl_coef=0.001, target_kl=0.1, horizon=10000))
+    c.reward = dict(num_workers=2, timeout_s=10.0,
+                    custom_reward_function=dict(path="", name="compute_score"))
+    c.mesh = dict(data=1, fsdp=-1, tensor=1)
+    c.sft = dict(steps=0, batch_size=32, lr=1e-4, warmup_steps=0, max_length=512, train_files=(),
+                 messages_key="messages", builtin_size=2000)
+    c.trainer = dict(
+        backend="ray", total_training_steps=100, save_freq=0, test_freq=0, val_before_train=True,
+        default_local_dir="runs/default", resume_mode="auto", max_to_keep=2, async_save=True,
+        export_hf=True, logger=("console", "jsonl", "tensorboard"), project_name="jaxrl_llm",
+        experiment_name="default", seed=0, progress_bar=True, plot=True)
+    return c

@@ -1,0 +1,208 @@
+"""Load a config file, apply `--config.a.b=v` overrides, validate, convert to `RunConfig`.
+
+The command line goes through `ml_collections.config_flags` exactly as users type it
+(`--config=configs/x.py:variant --config.actor.optim.lr=1e-6`); tests call `load_config` with
+the same strings. Validation happens here, once; library code never sees the ConfigDict.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from absl import flags
+from ml_collections import ConfigDict, config_flags
+
+from ._schema import RunConfig
+
+ADV_ESTIMATORS = ("gae", "grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus",
+                  "reinforce_plus_plus_baseline", "remax", "gpg")
+POLICY_LOSSES = ("vanilla", "gspo", "gpg", "cispo", "geo_mean", "sapo")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field."""
+
+
+def load_config(spec: str, overrides: Sequence[str] | Mapping[str, Any] = ()) -> RunConfig:
+    """`spec` is `path/to/config.py` or `path/to/config.py:arg`; overrides are `a.b=v` strings."""
+    return to_run_config(load_config_dict(spec, overrides))
+
+
+def load_config_dict(spec: str, overrides: Sequence[str] | Mapping[str, Any] = ()) -> ConfigDict:
+    if isinstance(overrides, Mapping):
+        overrides = [f"{k}={v}" for k, v in overrides.items()]
+    overrides = [o.removeprefix("--").removeprefix("config.") for o in overrides]
+    if overrides:  # name a misspelt field ourselves; absl's message does not say which flag
+        base = _parse(spec, [])
+        for o in overrides:
+            _check_path(base, o.split("=", 1)[0])
+    return _parse(spec, overrides)
+
+
+def _parse(spec: str, overrides: list[str]) -> ConfigDict:
+    argv = ["jaxrl_llm", f"--config={spec}"] + [f"--config.{o}" for o in overrides]
+    fv = flags.FlagValues()
+    # config_flags registers one flag per override it finds in sys_argv, so hand it ours.
+    holder = config_flags.DEFINE_config_file("config", flag_values=fv, lock_config=True, sys_argv=argv)
+    try:
+        fv(argv)
+    except (flags.Error, AttributeError, KeyError) as e:
+        raise ConfigError(f"bad config {spec!r} or override value: {str(e).strip()}") from None
+    return holder.value
+
+
+def _check_path(cfg: ConfigDict, path: str) -> None:
+    node = cfg
+    for i, part in enumerate(path.split(".")):
+        if not isinstance(node, ConfigDict) or part not in node:
+            where = ".".join(path.split(".")[:i]) or "config"
+            known = sorted(node.keys()) if isinstance(node, ConfigDict) else []
+            near = difflib.get_close_matches(part, known, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; {where} has {known}"
+            raise ConfigError(f"unknown config field {path!r}{hint}")
+        node = node[part]
+
+
+def _strip_optional(tp):
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else tp
+    return tp
+
+
+def _convert(tp, value, path: str):
+    tp = _strip_optional(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v] if value else []
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} must be a list, got {type(value).__name__} {value!r}")
+        args = typing.get_args(tp)
+        item_t = args[0]
+        if len(args) == 2 and args[1] is not Ellipsis and len(value) != 2:
+            raise ConfigError(f"{path} must have 2 items, got {value!r}")
+        return tuple(_convert(item_t if args[-1] is Ellipsis else args[i], v, f"{path}[{i}]")
+                     for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path} must be true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls, value, path: str):
+    if isinstance(value, ConfigDict):
+        value = value.to_dict()
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{path or 'config'} must be a section (dict), got {value!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown config field(s) {[_join(path, u) for u in unknown]}; "
+                          f"{path or 'config'} has {names}")
+    missing = [n for n in names if n not in value]
+    if missing:
+        raise ConfigError(f"missing config field(s) {[_join(path, m) for m in missing]}")
+    return cls(**{n: _convert(hints[n], value[n], _join(path, n)) for n in names})
+
+
+def _join(path, name):
+    return f"{path}.{name}" if path else name
+
+
+def to_run_config(cfg: ConfigDict | Mapping[str, Any]) -> RunConfig:
+    run = _build(RunConfig, cfg, "")
+    validate(run)
+    return run
+
+
+def _choice(value, choices, field):
+    if value not in choices:
+        raise ConfigError(f"{field}={value!r} is not one of {list(choices)}")
+
+
+def _positive(value, field, allow_zero=False):
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{field} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def validate(c: RunConfig) -> None:
+    """Cross-field checks: each error names the field(s) and the fix."""
+    _choice(c.trainer.backend, ("ray", "local"), "trainer.backend")
+    _choice(c.algorithm.adv_estimator, ADV_ESTIMATORS, "algorithm.adv_estimator")
+    _choice(c.actor.policy_loss, POLICY_LOSSES, "actor.policy_loss")
+    _choice(c.actor.loss_agg_mode, LOSS_AGG_MODES, "actor.loss_agg_mode")
+    _choice(c.critic.loss_agg_mode, LOSS_AGG_MODES, "critic.loss_agg_mode")
+    _choice(c.algorithm.kl_penalty, KL_PENALTIES, "algorithm.kl_penalty")
+    _choice(c.actor.kl_loss_type, KL_PENALTIES, "actor.kl_loss_type")
+    _choice(c.algorithm.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
+    _choice(c.data.truncation, ("error", "left", "right"), "data.truncation")
+    _choice(c.data.builtin_task, ("", "arithmetic", "countdown"), "data.builtin_task")
+    _choice(c.actor.optim.lr_schedule, ("constant", "cosine"), "actor.optim.lr_schedule")
+    _choice(c.critic.optim.lr_schedule, ("constant", "cosine"), "critic.optim.lr_schedule")
+    _choice(c.model.dtype, ("float32", "bfloat16"), "model.dtype")
+    _choice(c.model.param_dtype, ("float32", "bfloat16"), "model.param_dtype")
+    _choice(c.rollout.dtype, ("", "float32", "bfloat16"), "rollout.dtype")
+    for name in ("max_prompt_length", "max_response_length", "train_batch_size", "val_batch_size"):
+        _positive(getattr(c.data, name), f"data.{name}")
+    _positive(c.rollout.n, "rollout.n")
+    _positive(c.rollout.max_concurrent_decodes, "rollout.max_concurrent_decodes")
+    _positive(c.rollout.steps_per_sync, "rollout.steps_per_sync")
+    _positive(c.trainer.total_training_steps, "trainer.total_training_steps")
+    _positive(c.actor.ppo_epochs, "actor.ppo_epochs")
+    _positive(c.actor.optim.lr, "actor.optim.lr")
+    _positive(c.sft.steps, "sft.steps", allow_zero=True)
+    if c.rollout.temperature < 0:
+        raise ConfigError(f"rollout.temperature must be >= 0, got {c.rollout.temperature}")
+    if not 0 < c.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {c.rollout.top_p}")
+    if c.rollout.top_k == 0 or c.rollout.top_k < -1:
+        raise ConfigError(f"rollout.top_k must be -1 (off) or >= 1, got {c.rollout.top_k}")
+    if c.actor.ppo_mini_batch_size <= 0 or c.data.train_batch_size % c.actor.ppo_mini_batch_size:
+        raise ConfigError(
+            f"actor.ppo_mini_batch_size={c.actor.ppo_mini_batch_size} must be > 0 and divide "
+            f"data.train_batch_size={c.data.train_batch_size}")
+    if c.use_critic and (c.critic.ppo_mini_batch_size <= 0
+                         or c.data.train_batch_size % c.critic.ppo_mini_batch_size):
+        raise ConfigError(
+            f"critic.ppo_mini_batch_size={c.critic.ppo_mini_batch_size} must be > 0 and divide "
+            f"data.train_batch_size={c.data.train_batch_size}")
+    if c.algorithm.adv_estimator in ("grpo", "grpo_passk", "rloo", "opo", "gpg",
+                                     "reinforce_plus_plus_baseline") and c.rollout.n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={c.algorithm.adv_estimator!r} compares samples of a prompt "
+            f"and needs rollout.n >= 2 (got {c.rollout.n})")
+    if c.rollout.use_rollout_log_probs and c.actor.ppo_epochs > 1:
+        pass  # allowed: old log-probs are fixed per step either way
+    if not c.data.train_files and not c.data.builtin_task:
+        raise ConfigError("data.train_files is empty and data.builtin_task is not set: give parquet/jsonl "
+                          "files or a built-in task ('arithmetic' or 'countdown')")
+    if not c.model.path and not c.model.tokenizer:
+        raise ConfigError("model.path is empty (train from scratch), so model.tokenizer must name a "
+                          "tokenizer: 'char' or a folder")
+    if c.model.path == "" and c.model.init.num_attention_heads % c.model.init.num_key_value_heads:
+        raise ConfigError("model.init.num_attention_heads must be a multiple of model.init.num_key_value_heads")
+    if c.trainer.max_to_keep < 1:
+        raise ConfigError(f"trainer.max_to_keep must be >= 1, got {c.trainer.max_to_keep}")

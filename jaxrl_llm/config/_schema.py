@@ -1,0 +1,217 @@
+"""The typed run configuration: frozen dataclasses, one per section of a config file.
+
+Config files (`configs/*.py`) build an `ml_collections.ConfigDict` with exactly these sections and
+fields; `_load.py` checks it once and converts it to `RunConfig`. Library code takes these typed
+sections (or plain arguments), never the ConfigDict. Field names follow verl where verl has one.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    train_files: tuple[str, ...]
+    val_files: tuple[str, ...]
+    builtin_task: str  # "", "arithmetic" or "countdown": write the files above before training
+    builtin_train_size: int
+    builtin_val_size: int
+    builtin_max_operand: int  # arithmetic task: operands in [0, builtin_max_operand]
+    prompt_key: str
+    max_prompt_length: int
+    max_response_length: int
+    train_batch_size: int  # prompts per step
+    val_batch_size: int
+    filter_overlong_prompts: bool
+    truncation: str  # error | left | right
+    shuffle: bool
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInitConfig:
+    """Architecture of a model trained from scratch (when `model.path` is empty)."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    path: str  # Hugging Face folder; "" = initialise from `init`
+    tokenizer: str  # "char" (built-in) or a folder; "" = model.path
+    init: ModelInitConfig
+    dtype: str  # compute dtype
+    param_dtype: str
+    remat: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    warmup_steps: int
+    lr_schedule: str  # constant | cosine
+    min_lr_ratio: float
+    clip_grad: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorConfig:
+    optim: OptimConfig
+    ppo_mini_batch_size: int  # prompts per optimizer step (times rollout.n sequences)
+    ppo_micro_batch_size_per_device: int  # sequences per device per forward/backward
+    ppo_epochs: int
+    shuffle: bool
+    policy_loss: str
+    loss_agg_mode: str
+    clip_ratio: float
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticConfig:
+    optim: OptimConfig
+    ppo_mini_batch_size: int
+    ppo_micro_batch_size_per_device: int
+    ppo_epochs: int
+    cliprange_value: float
+    loss_agg_mode: str
+    warmup_steps_before_actor: int  # critic_warmup in verl
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float
+    top_k: int
+    top_p: float
+    n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    n: int
+    temperature: float
+    top_k: int
+    top_p: float
+    max_concurrent_decodes: int  # engine slots
+    steps_per_sync: int  # decode steps on device between host checks
+    dtype: str  # "" = same as the actor's compute dtype
+    use_rollout_log_probs: bool  # reuse the engine's log-probs as old_log_probs
+    val: SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class KLControlConfig:
+    type: str  # fixed | adaptive
+    kl_coef: float
+    target_kl: float
+    horizon: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    adv_estimator: str
+    gamma: float
+    lam: float
+    norm_adv_by_std_in_grpo: bool
+    use_kl_in_reward: bool
+    kl_penalty: str
+    kl_ctrl: KLControlConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomRewardConfig:
+    path: str
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    num_workers: int  # 0 = score in-process (no timeout protection)
+    timeout_s: float
+    custom_reward_function: CustomRewardConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+    data: int
+    fsdp: int
+    tensor: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Supervised warm start before RL (`steps == 0` disables it)."""
+
+    steps: int
+    batch_size: int
+    lr: float
+    warmup_steps: int
+    max_length: int
+    train_files: tuple[str, ...]  # "" = built-in task rows (data.builtin_task)
+    messages_key: str
+    builtin_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    backend: str  # ray | local
+    total_training_steps: int
+    save_freq: int  # 0 = only at the end
+    test_freq: int  # 0 = only at the end
+    val_before_train: bool
+    default_local_dir: str
+    resume_mode: str  # auto | disable | <checkpoint path>
+    max_to_keep: int
+    async_save: bool
+    export_hf: bool  # save the actor as a Hugging Face folder at the end
+    logger: tuple[str, ...]
+    project_name: str
+    experiment_name: str
+    seed: int
+    progress_bar: bool
+    plot: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    data: DataConfig
+    model: ModelSection
+    actor: ActorConfig
+    critic: CriticConfig
+    rollout: RolloutConfig
+    algorithm: AlgorithmConfig
+    reward: RewardConfig
+    mesh: MeshSection
+    sft: SFTConfig
+    trainer: TrainerConfig
+
+    @property
+    def use_critic(self) -> bool:
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def use_reference(self) -> bool:
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,73 @@
+"""Host-side batch assembly: prompts + rollouts -> verl's batch fields, rewards placement,
+advantages. Pure numpy / jitted `algos` calls; no worker state.
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm import algos
+from jaxrl_llm.data import collate_prompts
+
+
+def rollout_batch(examples, gen: dict, *, n: int, pad_token_id: int, max_prompt_length: int) -> dict:
+    """verl's fields for b*n sequences: prompts left-padded [b*n, p], responses [b*n, t]."""
+    prompts = collate_prompts(examples, pad_token_id, max_prompt_length)
+    rep = lambda x: np.repeat(x, n, axis=0)  # noqa: E731 - prompt i's samples are rows i*n..i*n+n-1
+    prompt_ids, prompt_mask = rep(prompts["input_ids"]), rep(prompts["attention_mask"])
+    responses = gen["responses"].astype(np.int32)
+    response_mask = gen["response_mask"].astype(np.int32)
+    attention_mask = np.concatenate([prompt_mask, response_mask], axis=1).astype(np.int32)
+    position_ids = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0).astype(np.int32)
+    return {
+        "prompts": prompt_ids.astype(np.int32), "responses": responses, "response_mask": response_mask,
+        "input_ids": np.concatenate([prompt_ids, responses], axis=1).astype(np.int32),
+        "attention_mask": attention_mask, "position_ids": position_ids,
+        "rollout_log_probs": gen["rollout_log_probs"].astype(np.float32),
+        "group_ids": np.repeat(np.arange(len(examples), dtype=np.int32), n),
+    }
+
+
+def token_level_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
+    """The sequence score on each response's last valid token (verl's placement). [b, t]."""
+    out = np.zeros(response_mask.shape, np.float32)
+    lengths = response_mask.sum(-1)
+    rows = np.nonzero(lengths > 0)[0]
+    out[rows, lengths[rows] - 1] = scores[rows]
+    return out
+
+
+def compute_advantages(batch: dict, *, estimator: str, gamma: float, lam: float,
+                       norm_adv_by_std_in_grpo: bool) -> tuple[np.ndarray, np.ndarray]:
+    """`algos.ADV_ESTIMATORS[estimator]` on the batch's verl fields -> (advantages, returns)."""
+    fn = algos.get_adv_estimator(estimator)
+    r = jnp.asarray(batch["token_level_rewards"])
+    mask = jnp.asarray(batch["response_mask"])
+    g = jnp.asarray(batch["group_ids"])
+    if estimator == "gae":
+        adv, ret = fn(r, jnp.asarray(batch["values"]), mask, gamma, lam)
+    elif estimator in ("grpo", "grpo_passk"):
+        adv, ret = fn(r, mask, g, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+    elif estimator in ("rloo", "opo", "reinforce_plus_plus_baseline", "gpg"):
+        adv, ret = fn(r, mask, g)
+    elif estimator == "reinforce_plus_plus":
+        adv, ret = fn(r, mask, gamma)
+    elif estimator == "remax":
+        adv, ret = fn(r, jnp.asarray(batch["reward_baselines"]), mask)
+    else:
+        raise ValueError(f"unknown adv_estimator {estimator!r}")
+    adv, ret = jax.device_get((adv, ret))
+    return np.asarray(adv, np.float32), np.asarray(ret, np.float32)
+
+
+def kl_in_reward(batch: dict, kl_coef: float, kl_penalty: str) -> tuple[np.ndarray, float]:
+    rewards, current_kl = algos.apply_kl_penalty(
+        jnp.asarray(batch["token_level_scores"]), jnp.asarray(batch["old_log_probs"]),
+        jnp.asarray(batch["ref_log_prob"]), jnp.asarray(batch["response_mask"]), kl_coef, kl_penalty)
+    return np.asarray(rewards, np.float32), float(current_kl)
+
+
+def worker_view(batch: dict) -> dict:
+    """Only the numeric arrays workers need (no strings, no controller-only fields)."""
+    return {k: v for k, v in batch.items() if isinstance(v, np.ndarray) and v.dtype != object}

@@ -1,0 +1,315 @@
+"""The controller: verl's PPO/GRPO loop over workers that live locally or in Ray actors.
+
+One step: prompts -> rollout (n per prompt) -> rewards -> old log-probs -> ref log-probs ->
+values -> KL in reward -> advantages -> critic/actor updates -> weight sync -> metrics ->
+checkpoint -> validation. The controller holds host numpy and Python state only (data iterator,
+KL controller, step, seeds); the workers hold every model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from contextlib import contextmanager
+
+import numpy as np
+
+from jaxrl_llm import algos, data, metrics as M, models, rewards
+from jaxrl_llm.checkpoint import resolve_resume
+from jaxrl_llm.config import RunConfig
+from jaxrl_llm.workers import HostWorker
+
+from . import _batch as B
+from ._backend import WorkerError, make_group
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def _timer(timing: dict, name: str):
+    t0 = time.perf_counter()
+    yield
+    timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
+
+
+def load_tokenizer(config: RunConfig):
+    spec = config.model.tokenizer or config.model.path
+    if spec == "char":
+        return models.CharTokenizer()
+    return models.load_tokenizer(spec)
+
+
+def prepare_builtin_data(config: RunConfig) -> None:
+    """Writes the built-in task's train/val files where the config expects them (if missing)."""
+    d = config.data
+    if not d.builtin_task:
+        return
+    makers = {"arithmetic": lambda p, n, seed, split: data.tasks.make_arithmetic_dataset(
+                  p, n, seed=seed, split=split, max_operand=d.builtin_max_operand),
+              "countdown": lambda p, n, seed, split: data.tasks.make_countdown_dataset(p, n, seed=seed)}
+    for paths, n, split, seed in ((d.train_files, d.builtin_train_size, "train", d.seed),
+                                  (d.val_files, d.builtin_val_size, "test", d.seed + 1)):
+        for p in paths:
+            if not os.path.exists(p):
+                os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
+                makers[d.builtin_task](p, n, seed, split)
+
+
+class RLTrainer:
+    """`RLTrainer(config).fit()` runs the whole job; see the module docstring for one step."""
+
+    def __init__(self, config: RunConfig, *, num_hosts: int = 1, distributed: dict | None = None):
+        self.config = c = config
+        self.run_dir = c.trainer.default_local_dir
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.tokenizer = load_tokenizer(c)
+        prepare_builtin_data(c)
+        d = c.data
+        self.train_set = data.RLDataset(d.train_files, self.tokenizer, max_prompt_length=d.max_prompt_length,
+                                        filter_overlong_prompts=d.filter_overlong_prompts,
+                                        truncation=d.truncation, prompt_key=d.prompt_key, seed=d.seed,
+                                        shuffle=d.shuffle)
+        self.val_set = (data.RLDataset(d.val_files, self.tokenizer, max_prompt_length=d.max_prompt_length,
+                                       filter_overlong_prompts=d.filter_overlong_prompts,
+                                       truncation=d.truncation, prompt_key=d.prompt_key, shuffle=False)
+                        if d.val_files else None)
+        self.loader = data.PromptLoader(self.train_set, d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
+        custom = c.reward.custom_reward_function
+        custom_fn = rewards.load_custom_reward_fn(custom.path, custom.name) if custom.path else None
+        self.reward = rewards.RewardManager(num_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s,
+                                            custom_fn=custom_fn)
+        kl = c.algorithm.kl_ctrl
+        self.kl_ctrl = algos.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.pad_id = self.tokenizer.pad_token_id
+        stop_ids = tuple(getattr(self.tokenizer, "eos_token_ids", (self.tokenizer.eos_token_id,)))
+        self.group = make_group(c.trainer.backend, HostWorker, c, vocab_size=self.tokenizer.vocab_size,
+                                pad_token_id=self.pad_id, stop_token_ids=stop_ids, num_hosts=num_hosts,
+                                distributed=distributed)
+        self.info = self.call0("info")
+        self.logger = M.MetricsLogger(self.run_dir, backends=tuple(c.trainer.logger))
+        self.global_step = 0
+
+    def call0(self, method: str, *args, **kwargs):
+        """Calls every host; hosts return identical (replicated) results, keep host 0's."""
+        return self.group.call(method, *args, **kwargs)[0]
+
+    # -- the job -------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        c = self.config
+        try:
+            resume = resolve_resume(c.trainer.resume_mode, f"{self.run_dir}/checkpoints")
+            if resume is None and c.sft.steps > 0:
+                self.run_sft()
+            self.call0("start_rl", c.trainer.total_training_steps)
+            if resume is not None:
+                self._restore(*resume)
+            last_val = {}
+            if c.trainer.val_before_train and self.val_set is not None and self.global_step == 0:
+                last_val = self.validate()
+                self.logger.log(last_val, step=0)
+            bar = _progress(c, self.global_step)
+            while self.global_step < c.trainer.total_training_steps:
+                step_metrics = self.train_step()
+                self.global_step += 1
+                is_last = self.global_step == c.trainer.total_training_steps
+                if self.val_set is not None and (is_last or (c.trainer.test_freq > 0
+                                                             and self.global_step % c.trainer.test_freq == 0)):
+                    last_val = self.validate()
+                    step_metrics.update(last_val)
+                if is_last or (c.trainer.save_freq > 0 and self.global_step % c.trainer.save_freq == 0):
+                    self.save_checkpoint()
+                self.logger.log(step_metrics, step=self.global_step)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(score=f"{step_metrics.get('critic/score/mean', 0):.3f}")
+            if bar is not None:
+                bar.close()
+            self.call0("wait_checkpoints")
+            self._finish()
+            return last_val
+        except WorkerError:
+            log.error("a worker failed; waiting for checkpoints in flight, then stopping")
+            self._safe_wait()
+            raise
+        finally:
+            self.close()
+
+    def _finish(self):
+        c = self.config
+        if c.trainer.export_hf:
+            tok = self.tokenizer
+            self.call0("export_hf", f"{self.run_dir}/hf_actor", tokenizer=tok)
+        if c.trainer.plot:
+            try:
+                M.plot_curves(self.run_dir, f"{self.run_dir}/curves.png")
+            except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
+                log.warning("could not draw curves: %s", e)
+
+    def _safe_wait(self):
+        try:
+            self.group.call("wait_checkpoints")
+        except Exception:  # noqa: BLE001 - the worker may be gone
+            pass
+
+    def close(self):
+        if getattr(self, "group", None) is not None:
+            self.group.shutdown()
+            self.group = None
+        self.reward.close()
+        if getattr(self, "logger", None) is not None:
+            self.logger.close()
+
+    # -- SFT warm start -----------------------------------------------------------------------------
+    def run_sft(self) -> None:
+        s, d = self.config.sft, self.config.data
+        if s.train_files:
+            sft_set = data.SFTDataset(list(s.train_files)[0] if len(s.train_files) == 1 else s.train_files,
+                                      self.tokenizer, max_length=s.max_length, messages_key=s.messages_key)
+        else:
+            rows = data.tasks.make_arithmetic_sft_rows(s.builtin_size, d.seed + 7,
+                                                       max_operand=d.builtin_max_operand)
+            sft_set = data.SFTDataset(rows, self.tokenizer, max_length=s.max_length)
+        rng = np.random.default_rng(self.config.trainer.seed)
+        for step in range(s.steps):
+            idx = rng.choice(len(sft_set), size=s.batch_size, replace=len(sft_set) < s.batch_size)
+            batch = data.collate_sft([sft_set[int(i)] for i in idx], self.pad_id, s.max_length)
+            m = self.call0("sft_step", {k: np.asarray(v) for k, v in batch.items()})
+            if (step + 1) % 25 == 0 or step + 1 == s.steps:
+                self.logger.log({k: v for k, v in m.items()}, step=-(s.steps - step - 1))
+
+    # -- one RL step ---------------------------------------------------------------------------------
+    def _seed(self, salt: int) -> int:
+        return (self.config.trainer.seed * 1_000_003 + self.global_step * 7919 + salt) % (2**31 - 1)
+
+    def train_step(self) -> dict:
+        c = self.config
+        timing: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        t_step = time.perf_counter()
+        examples = next(self.loader)
+        with _timer(timing, "gen"):
+            gen = self.call0("generate", [e.prompt_ids for e in examples], n=c.rollout.n,
+                             max_new_tokens=c.data.max_response_length,
+                             sampling=dict(temperature=c.rollout.temperature, top_k=c.rollout.top_k,
+                                           top_p=c.rollout.top_p), seed=self._seed(1))
+        batch = B.rollout_batch(examples, gen, n=c.rollout.n, pad_token_id=self.pad_id,
+                                max_prompt_length=c.data.max_prompt_length)
+        with _timer(timing, "reward"):
+            scores, _, rmetrics = self._score(examples, batch, c.rollout.n)
+            metrics.update(rmetrics)
+            batch["token_level_scores"] = B.token_level_scores(scores, batch["response_mask"])
+        with _timer(timing, "old_log_prob"):
+            if c.rollout.use_rollout_log_probs:
+                batch["old_log_probs"] = batch["rollout_log_probs"]
+            else:
+                out = self.call0("compute_old_log_prob", B.worker_view(batch))
+                batch["old_log_probs"] = out["old_log_probs"]
+                mask = batch["response_mask"]
+                metrics["actor/entropy_rollout"] = float((out["entropys"] * mask).sum() / max(mask.sum(), 1))
+                diff = np.abs(out["old_log_probs"] - batch["rollout_log_probs"]) * mask
+                metrics["rollout/logprob_abs_diff/mean"] = float(diff.sum() / max(mask.sum(), 1))
+        if c.use_reference:
+            with _timer(timing, "ref"):
+                batch.update(self.call0("compute_ref_log_prob", B.worker_view(batch)))
+        if c.use_critic:
+            with _timer(timing, "values"):
+                batch.update(self.call0("compute_values", B.worker_view(batch)))
+        with _timer(timing, "adv"):
+            if c.algorithm.use_kl_in_reward:
+                beta = float(np.asarray(self.kl_ctrl.value))
+                batch["token_level_rewards"], current_kl = B.kl_in_reward(batch, beta, c.algorithm.kl_penalty)
+                self.kl_ctrl = self.kl_ctrl.update(current_kl, len(examples) * c.rollout.n)
+                metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
+            else:
+                batch["token_level_rewards"] = batch["token_level_scores"]
+            a = c.algorithm
+            batch["advantages"], batch["returns"] = B.compute_advantages(
+                batch, estimator=a.adv_estimator, gamma=a.gamma, lam=a.lam,
+                norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
+        view = B.worker_view(batch)
+        if c.use_critic:
+            with _timer(timing, "update_critic"):
+                metrics.update(self.call0("update_critic", view, mini_rows=c.critic.ppo_mini_batch_size * c.rollout.n,
+                                          seed=self._seed(2)))
+        if self.global_step >= c.critic.warmup_steps_before_actor or not c.use_critic:
+            with _timer(timing, "update_actor"):
+                metrics.update(self.call0("update_actor", view, mini_rows=c.actor.ppo_mini_batch_size * c.rollout.n,
+                                          seed=self._seed(3)))
+            with _timer(timing, "update_weights"):
+                sync = self.call0("sync_weights")
+                metrics.update({f"rollout/sync_{k}": float(v) for k, v in sync.items()})
+        timing["step"] = time.perf_counter() - t_step
+        metrics.update(self._step_metrics(batch, timing))
+        metrics["training/epoch"] = float(self.loader.epoch)
+        return metrics
+
+    def _score(self, examples, batch, n):
+        texts = [self.tokenizer.decode(r[:m.sum()].tolist())
+                 for r, m in zip(batch["responses"], batch["response_mask"])]
+        rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+        return self.reward.score_batch(rep([e.data_source for e in examples]), texts,
+                                       rep([e.ground_truth for e in examples]),
+                                       rep([e.extra_info for e in examples]))
+
+    def _step_metrics(self, batch, timing) -> dict:
+        c = self.config
+        out = M.compute_data_metrics(batch, use_critic=c.use_critic)
+        n_prompt = int(batch["attention_mask"][:, :batch["prompts"].shape[1]].sum())
+        n_resp = int(batch["response_mask"].sum())
+        out.update(M.compute_timing_metrics(timing, num_prompt_tokens=n_prompt, num_response_tokens=n_resp))
+        info = self.info
+        out.update(M.compute_throughput_metrics(total_tokens=n_prompt + n_resp, step_time_s=timing["step"],
+                                                num_devices=info["num_devices"]))
+        seq = batch["input_ids"].shape[1]
+        # forward + backward of the actor update, plus the old-log-prob forward (1/3 of 6N)
+        passes = c.actor.ppo_epochs + (0 if c.rollout.use_rollout_log_probs else 1 / 3)
+        out["perf/mfu/actor"] = M.compute_mfu(
+            num_params=info["num_params"], num_layers=info["num_layers"], hidden=info["hidden_size"],
+            seq_len=seq, tokens=int(batch["attention_mask"].sum() * passes),
+            time_s=max(timing.get("update_actor", 0) + timing.get("old_log_prob", 0), 1e-9),
+            num_devices=info["num_devices"], peak_flops_per_device=M.peak_flops(info["device_kind"], c.model.dtype))
+        out["perf/max_memory_allocated_gb"] = M.max_memory_allocated_gb()
+        return out
+
+    # -- validation --------------------------------------------------------------------------------
+    def validate(self) -> dict:
+        c = self.config
+        v = c.rollout.val
+        examples = list(self.val_set)
+        scores_by_source: dict[str, list[float]] = {}
+        for start in range(0, len(examples), c.data.val_batch_size):
+            chunk = examples[start:start + c.data.val_batch_size]
+            gen = self.call0("generate", [e.prompt_ids for e in chunk], n=v.n,
+                             max_new_tokens=c.data.max_response_length,
+                             sampling=dict(temperature=v.temperature, top_k=v.top_k, top_p=v.top_p),
+                             seed=self._seed(4) + start)
+            batch = B.rollout_batch(chunk, gen, n=v.n, pad_token_id=self.pad_id,
+                                    max_prompt_length=c.data.max_prompt_length)
+            scores, _, _ = self._score(chunk, batch, v.n)
+            for i, e in enumerate(chunk):
+                scores_by_source.setdefault(e.data_source, []).append(float(np.mean(scores[i * v.n:(i + 1) * v.n])))
+        return {f"val-core/{ds}/reward/mean@{v.n}": float(np.mean(s)) for ds, s in scores_by_source.items()}
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def _meta(self) -> dict:
+        return {"global_step": self.global_step, "data": self.loader.get_state(),
+                "kl_coef": float(np.asarray(self.kl_ctrl.value)), "config": self.config.to_dict()}
+
+    def save_checkpoint(self) -> None:
+        self.group.call("save_checkpoint", self.global_step, self._meta())
+
+    def _restore(self, directory, step) -> None:
+        meta = self.call0("restore_checkpoint", str(directory), int(step))
+        self.global_step = int(meta["global_step"])
+        self.loader.set_state(meta["data"])
+        self.kl_ctrl = dataclasses.replace(self.kl_ctrl, value=np.float32(meta["kl_coef"]))
+        log.info("resumed from %s at step %d", directory, self.global_step)
+
+
+def _progress(config: RunConfig, start: int):
+    if not config.trainer.progress_bar:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=config.trainer.total_training_steps, initial=start, desc="GRPO" if
+                config.algorithm.adv_estimator != "gae" else "PPO", unit="step", dynamic_ncols=True)

@@ -1,0 +1,137 @@
+"""What every role shares: building models from config, optimizers, and placing host batches.
+
+Workers own state; this module owns the small pieces they build it from. Mesh axes stay in
+`sharding/` (we ask it for shardings by logical names).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import sharding
+from jaxrl_llm import models
+from jaxrl_llm.config import ModelSection, OptimConfig
+
+log = logging.getLogger(__name__)
+
+
+def model_config_for(section: ModelSection, vocab_size: int) -> models.ModelConfig:
+    """The architecture of a from-scratch model (`model.path == ""`)."""
+    i = section.init
+    return models.ModelConfig(
+        vocab_size=vocab_size, hidden_size=i.hidden_size, intermediate_size=i.intermediate_size,
+        num_hidden_layers=i.num_hidden_layers, num_attention_heads=i.num_attention_heads,
+        num_key_value_heads=i.num_key_value_heads, head_dim=i.head_dim, model_type=i.model_type,
+        rope_theta=i.rope_theta, max_position_embeddings=i.max_position_embeddings,
+        tie_word_embeddings=i.tie_word_embeddings, attention_bias=i.model_type == "qwen2",
+        qk_norm=i.model_type == "qwen3", dtype=section.dtype, param_dtype=section.param_dtype,
+        remat=section.remat)
+
+
+def build_model(section: ModelSection, *, vocab_size: int, mesh, value_head: bool = False):
+    """A CausalLM (or ValueModel) placed on `mesh` by the training rules."""
+    if section.path:
+        model = models.from_pretrained(section.path, dtype=section.param_dtype, value_head=value_head)
+        cfg = model.config.replace(dtype=models.to_dtype(section.dtype), remat=section.remat)
+        graphdef, state = nnx.split(model)
+        model = nnx.merge(graphdef, state)
+        model.config = cfg
+        _set_config(model, cfg)
+        return sharding.shard_state(model, mesh, sharding.TRAIN_RULES)
+    cfg = model_config_for(section, vocab_size)
+    seed = section.init.seed + (1 if value_head else 0)
+    ctor = (models.ValueModel if value_head else models.CausalLM)
+    return sharding.init_sharded(lambda: ctor(cfg, rngs=nnx.Rngs(params=seed)), mesh, sharding.TRAIN_RULES)
+
+
+def _set_config(module: nnx.Module, cfg: models.ModelConfig) -> None:
+    """Point every sub-module that holds the model config at `cfg` (compute dtype, remat)."""
+    for _, sub in module.iter_modules():
+        if hasattr(sub, "config") and isinstance(sub.config, models.ModelConfig):
+            sub.config = cfg
+
+
+def lr_schedule(optim: OptimConfig, total_steps: int) -> optax.Schedule:
+    warm = max(optim.warmup_steps, 0)
+    if optim.lr_schedule == "constant":
+        if warm == 0:
+            return optax.constant_schedule(optim.lr)
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, optim.lr, warm), optax.constant_schedule(optim.lr)], [warm])
+    return optax.warmup_cosine_decay_schedule(
+        0.0, optim.lr, warmup_steps=warm, decay_steps=max(total_steps, warm + 1),
+        end_value=optim.lr * optim.min_lr_ratio)
+
+
+def build_optimizer(optim: OptimConfig, total_steps: int):
+    """AdamW with global-norm clipping. Returns (transformation, schedule)."""
+    schedule = lr_schedule(optim, total_steps)
+    parts = []
+    if optim.clip_grad > 0:
+        parts.append(optax.clip_by_global_norm(optim.clip_grad))
+    parts.append(optax.adamw(schedule, b1=optim.betas[0], b2=optim.betas[1], eps=optim.eps,
+                             weight_decay=optim.weight_decay))
+    return optax.chain(*parts), schedule
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Parameters and optimizer state of one trained role (a pytree)."""
+
+    params: nnx.State
+    opt_state: optax.OptState
+    step: jax.Array
+
+
+jax.tree_util.register_dataclass(TrainState, data_fields=["params", "opt_state", "step"], meta_fields=[])
+
+
+def init_train_state(params, tx, mesh) -> TrainState:
+    """Optimizer state built on device; jit propagates the params' shardings to the moments."""
+    opt_state = jax.jit(tx.init)(params)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), replicated))
+
+
+def shardings_of(tree):
+    """The sharding of every array in a tree (to pin a jitted step's outputs to its inputs)."""
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def batch_sharding(mesh, ndim: int, batch_axis: int = 0):
+    """Rows sharded over the data-parallel axes, everything else replicated."""
+    axes = [None] * ndim
+    axes[batch_axis] = "batch"
+    return sharding.logical_sharding(mesh, tuple(axes), sharding.TRAIN_RULES)
+
+
+def data_parallel_size(mesh) -> int:
+    spec = sharding.logical_to_spec(("batch",), sharding.TRAIN_RULES)[0]
+    names = spec if isinstance(spec, tuple) else ((spec,) if spec else ())
+    return int(np.prod([mesh.shape[n] for n in names])) if names else 1
+
+
+def put_batch(mesh, arrays: dict[str, np.ndarray], batch_axis: int = 0) -> dict[str, jax.Array]:
+    """Host numpy -> global arrays sharded by rows (each host passes its own rows)."""
+    out = {}
+    for k, v in arrays.items():
+        s = batch_sharding(mesh, v.ndim, batch_axis)
+        if jax.process_count() == 1:
+            out[k] = jax.device_put(v, s)
+        else:
+            out[k] = jax.make_array_from_process_local_data(s, v)
+    return out
+
+
+def to_host(x) -> np.ndarray:
+    """A global array gathered to a numpy array on every host."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))

@@ -1,0 +1,187 @@
+"""One host's share of the run: every role's state on this host's devices.
+
+With the Ray backend there is one `HostWorker` actor per host and the controller calls each
+method on all of them (JAX multi-controller: every host runs the same jitted programs). With the
+local backend the controller holds one `HostWorker` in-process. Arguments and results are host
+numpy and plain Python only; global `jax.Array`s never leave this object.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+import rollout
+import sharding
+from jaxrl_llm import models
+from jaxrl_llm.checkpoint import Checkpointer
+from jaxrl_llm.config import RunConfig
+
+from ._common import build_model, model_config_for
+from ._roles import ActorWorker, CriticWorker, ReferenceWorker, SFTWorker
+
+log = logging.getLogger(__name__)
+
+
+class HostWorker:
+    """All roles of one host. Phases: optional SFT (`sft_step`), then `start_rl`, then RL calls."""
+
+    def __init__(self, config: RunConfig, *, vocab_size: int, pad_token_id: int,
+                 stop_token_ids: tuple[int, ...], distributed: dict | None = None):
+        if distributed:
+            sharding.initialize_distributed(**distributed)
+        self.config = c = config
+        self.vocab_size, self.pad_token_id, self.stop_token_ids = vocab_size, pad_token_id, stop_token_ids
+        m = c.mesh
+        self.mesh = sharding.make_mesh(sharding.MeshConfig(m.data, m.fsdp, m.tensor))
+        self._model = build_model(c.model, vocab_size=vocab_size, mesh=self.mesh)
+        self._sft = None
+        self.actor = self.ref = self.critic = self.engine = self.driver = None
+        self.checkpointer = Checkpointer(
+            f"{c.trainer.default_local_dir}/checkpoints", max_to_keep=c.trainer.max_to_keep,
+            async_save=c.trainer.async_save, enable=True)
+
+    # -- info -------------------------------------------------------------------------------
+    def info(self) -> dict:
+        cfg = self._model_config()
+        params = nnx.state(self._model) if self._model is not None else self.actor.params
+        return {
+            "num_params": models.count_params(params), "num_layers": cfg.num_hidden_layers,
+            "hidden_size": cfg.hidden_size, "num_devices": jax.device_count(),
+            "device_kind": jax.devices()[0].device_kind, "process_count": jax.process_count(),
+        }
+
+    def _model_config(self):
+        if self._model is not None:
+            return self._model.config
+        return self.actor.model().config
+
+    # -- SFT warm start --------------------------------------------------------------------------
+    def sft_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        if self._sft is None:
+            s = self.config.sft
+            optim = self.config.actor.optim.__class__(
+                lr=s.lr, weight_decay=0.0, betas=(0.9, 0.98), eps=1e-8, warmup_steps=s.warmup_steps,
+                lr_schedule="cosine", min_lr_ratio=0.1, clip_grad=1.0)
+            self._sft = SFTWorker(self._model, optim, mesh=self.mesh, total_steps=s.steps,
+                                  micro_per_device=max(s.batch_size, 1))
+        return self._sft.step(batch)
+
+    # -- RL set-up -----------------------------------------------------------------------------
+    def start_rl(self, total_steps: int) -> dict:
+        """Builds actor (from the SFT result if any), reference, critic and the rollout engine."""
+        c = self.config
+        if self._sft is not None:
+            self._model = self._sft.model()
+            self._sft = None
+        graphdef, params = nnx.split(self._model)
+        self.actor = ActorWorker(self._model, c.actor, mesh=self.mesh, total_steps=total_steps,
+                                 temperature=c.rollout.temperature)
+        if c.use_reference:
+            self.ref = ReferenceWorker(graphdef, params, mesh=self.mesh, temperature=c.rollout.temperature,
+                                       micro_per_device=c.actor.ppo_micro_batch_size_per_device)
+        if c.use_critic:
+            critic_model = build_model(c.model, vocab_size=self.vocab_size, mesh=self.mesh, value_head=True)
+            self.critic = CriticWorker(critic_model, c.critic, mesh=self.mesh, total_steps=total_steps)
+        self._model = None
+        self.engine = rollout.Engine.from_model(
+            (self.actor.graphdef, self.actor.params), mesh=self.mesh,
+            max_concurrent_decodes=c.rollout.max_concurrent_decodes,
+            max_prefill_length=_bucket(c.data.max_prompt_length),
+            max_target_length=_bucket(c.data.max_prompt_length) + c.data.max_response_length,
+            dtype=c.rollout.dtype or c.model.dtype, temperature=c.rollout.temperature,
+            top_k=c.rollout.top_k, top_p=c.rollout.top_p, seed=c.trainer.seed,
+            stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id)
+        self.driver = rollout.RolloutDriver(self.engine, steps_per_sync=c.rollout.steps_per_sync)
+        return self.sync_weights()
+
+    # -- the RL step's calls -------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, sampling: dict,
+                 seed: int) -> dict:
+        out = self.driver.generate(prompts, n=n, max_new_tokens=max_new_tokens,
+                                   sampling=rollout.SamplingParams(**sampling), seed=seed)
+        return {"responses": out.responses, "response_mask": out.response_mask,
+                "rollout_log_probs": out.rollout_log_probs, "response_lengths": out.response_lengths,
+                "finish_reasons": list(out.finish_reasons), "prompt_index": out.prompt_index}
+
+    def compute_old_log_prob(self, batch):
+        return self.actor.compute_log_prob(batch)
+
+    def compute_ref_log_prob(self, batch):
+        return self.ref.compute_ref_log_prob(batch)
+
+    def compute_values(self, batch):
+        return self.critic.compute_values(batch)
+
+    def update_actor(self, batch, *, mini_rows: int, seed: int):
+        return self.actor.update(batch, mini_rows=mini_rows, seed=seed)
+
+    def update_critic(self, batch, *, mini_rows: int, seed: int):
+        return self.critic.update(batch, mini_rows=mini_rows, seed=seed)
+
+    def sync_weights(self) -> dict:
+        t0 = time.perf_counter()
+        stats = self.engine.update_params(self.actor.params)
+        stats = {k: v for k, v in stats.items() if isinstance(v, (int, float, bool))}
+        stats.setdefault("time_s", time.perf_counter() - t0)
+        return stats
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def _ckpt_state(self):
+        state = {"actor": self.actor.state}
+        if self.critic is not None:
+            state["critic"] = self.critic.state
+        if self.ref is not None:
+            state["ref"] = self.ref.params
+        return state
+
+    def save_checkpoint(self, step: int, meta: dict) -> bool:
+        return self.checkpointer.save(step, self._ckpt_state(), meta, force=True)
+
+    def restore_checkpoint(self, directory: str, step: int) -> dict:
+        ckpt = self.checkpointer
+        if str(directory) != str(ckpt_dir(self.config)):
+            ckpt = Checkpointer(directory, max_to_keep=None, async_save=False, enable=True)
+        state, meta = ckpt.restore(step, target=self._ckpt_state())
+        self.actor.state = state["actor"]
+        if self.critic is not None:
+            self.critic.state = state["critic"]
+        if self.ref is not None:
+            self.ref.params = state["ref"]
+        self.sync_weights()
+        return meta
+
+    def wait_checkpoints(self) -> None:
+        self.checkpointer.wait()
+
+    def export_hf(self, path: str, tokenizer=None) -> str:
+        if jax.process_index() == 0:
+            models.save_pretrained(self.actor.model(), path, tokenizer=tokenizer)
+        return path
+
+    def export_sft(self, path: str, tokenizer=None) -> str:
+        if jax.process_index() == 0:
+            models.save_pretrained(self._sft.model(), path, tokenizer=tokenizer)
+        return path
+
+    def close(self) -> None:
+        self.checkpointer.wait()
+        self.checkpointer.close()
+
+
+def ckpt_dir(config: RunConfig) -> str:
+    return f"{config.trainer.default_local_dir}/checkpoints"
+
+
+def _bucket(n: int) -> int:
+    """Smallest prefill bucket (16, 32, 64, ...) that holds n tokens."""
+    b = 16
+    while b < n:
+        b *= 2
+    return b
+
+
+__all__ = ["HostWorker", "model_config_for", "ckpt_dir"]

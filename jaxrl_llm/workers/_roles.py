@@ -1,0 +1,199 @@
+"""The model roles: actor (policy + optimizer), reference (frozen), critic (value model), and
+the SFT trainer used for warm starts. Each owns its state and a few compiled steps; the math
+comes from `jaxrl_llm.algos`.
+
+Batches arrive as host numpy dicts with verl's field names; sequences are `input_ids [b, p + t]`
+(left-padded prompt, right-padded response), `responses [b, t]`, `response_mask [b, t]`.
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_llm import algos
+from jaxrl_llm.config import ActorConfig, CriticConfig, OptimConfig
+
+from ._common import build_optimizer, data_parallel_size, init_train_state, put_batch, to_host
+from ._step import make_forward, make_update_step, micro_batches, micro_size_for
+
+_SEQ_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def response_hidden(model, m):
+    """Final hidden states at the positions that predict each response token. [b, t, e]."""
+    h = model.hidden_states(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"])
+    t = m["responses"].shape[-1]
+    return h[:, -t - 1:-1]
+
+
+def response_log_probs(model, m, temperature, return_entropy=False):
+    h = response_hidden(model, m)
+    unembed = model.unembed_matrix().astype(h.dtype)
+    return algos.token_log_probs_from_hidden(h, unembed, m["responses"], temperature=temperature,
+                                             return_entropy=return_entropy)
+
+
+def _iter_minibatches(batch: dict[str, np.ndarray], mini_rows: int, epochs: int, shuffle: bool, seed: int):
+    b = next(iter(batch.values())).shape[0]
+    rng = np.random.default_rng(seed)
+    for _ in range(epochs):
+        order = rng.permutation(b) if shuffle else np.arange(b)
+        for start in range(0, b, mini_rows):
+            idx = order[start:start + mini_rows]
+            yield {k: v[idx] for k, v in batch.items()}
+
+
+def _forward_rows(worker, fn, batch, keys):
+    arrays = {k: batch[k] for k in keys}
+    b = arrays[keys[0]].shape[0]
+    micro = micro_size_for(b, worker.micro_per_device, data_parallel_size(worker.mesh))
+    out = fn(worker.params, micro_batches(worker.mesh, arrays, micro))
+    return jax.tree.map(lambda x: to_host(x).reshape(b, *x.shape[2:]), out)
+
+
+class _Trained:
+    """Shared plumbing of a role with params + optimizer state."""
+
+    def __init__(self, model, optim: OptimConfig, mesh, total_steps: int, loss_fn, mask_key: str):
+        self.mesh = mesh
+        self.graphdef, params = nnx.split(model)
+        self.tx, self.schedule = build_optimizer(optim, total_steps)
+        self.state = init_train_state(params, self.tx, mesh)
+        self._update = make_update_step(self.graphdef, self.tx, self.schedule, loss_fn, mesh,
+                                        mask_key, self.state)
+
+    @property
+    def params(self):
+        return self.state.params
+
+    def model(self):
+        return nnx.merge(self.graphdef, self.state.params)
+
+    def _run_updates(self, batch, mini_rows, epochs, shuffle, seed, keys):
+        metrics = []
+        for mb in _iter_minibatches({k: batch[k] for k in keys}, mini_rows, epochs, shuffle, seed):
+            micro = micro_size_for(mini_rows, self.micro_per_device, data_parallel_size(self.mesh))
+            self.state, m = self._update(self.state, micro_batches(self.mesh, mb, micro))
+            metrics.append(m)
+        stacked = jax.device_get(metrics)
+        return {k: float(np.mean([m[k] for m in stacked])) for k in stacked[0]}
+
+
+class ActorWorker(_Trained):
+    """The policy: log-probs of responses and the PPO-family update."""
+
+    def __init__(self, model, cfg: ActorConfig, *, mesh, total_steps: int, temperature: float):
+        self.cfg, self.temperature = cfg, temperature
+        self.micro_per_device = cfg.ppo_micro_batch_size_per_device
+        super().__init__(model, cfg.optim, mesh, total_steps, self._loss, "response_mask")
+        self._log_prob = make_forward(
+            self.graphdef, lambda mdl, m: response_log_probs(mdl, m, temperature, True), mesh)
+
+    def _loss(self, model, m, denoms):
+        c = self.cfg
+        mask = m["response_mask"]
+        glob = dict(global_token_count=denoms["tokens"], global_batch_size=denoms["seqs"])
+        log_prob, entropy = response_log_probs(model, m, self.temperature, return_entropy=True)
+        pg_loss, pg_metrics = algos.get_policy_loss(c.policy_loss)(
+            m["old_log_probs"], log_prob, m["advantages"], mask, c.loss_agg_mode,
+            clip_ratio=c.clip_ratio, clip_ratio_low=c.clip_ratio_low,
+            clip_ratio_high=c.clip_ratio_high, clip_ratio_c=c.clip_ratio_c, **glob)
+        entropy_loss = algos.agg_loss(entropy, mask, c.loss_agg_mode, **glob)
+        loss = pg_loss - c.entropy_coeff * entropy_loss
+        metrics = {"pg_loss": pg_loss, "entropy": entropy_loss, **pg_metrics}
+        if c.use_kl_loss:
+            kld = algos.kl_penalty(log_prob, m["ref_log_prob"], c.kl_loss_type)
+            kl_loss = algos.agg_loss(kld, mask, c.loss_agg_mode, **glob)
+            loss = loss + c.kl_loss_coef * kl_loss
+            metrics.update(kl_loss=kl_loss, kl_coef=jnp.asarray(c.kl_loss_coef))
+        return loss, metrics
+
+    def compute_log_prob(self, batch) -> dict[str, np.ndarray]:
+        lp, ent = _forward_rows(self, self._log_prob, batch, _SEQ_KEYS + ("responses",))
+        return {"old_log_probs": lp.astype(np.float32), "entropys": ent.astype(np.float32)}
+
+    def update(self, batch, *, mini_rows: int, seed: int) -> dict[str, float]:
+        keys = _SEQ_KEYS + ("responses", "response_mask", "old_log_probs", "advantages")
+        if self.cfg.use_kl_loss:
+            keys += ("ref_log_prob",)
+        m = self._run_updates(batch, mini_rows, self.cfg.ppo_epochs, self.cfg.shuffle, seed, keys)
+        return {f"actor/{k}": v for k, v in m.items() if k != "loss"}
+
+
+class ReferenceWorker:
+    """Frozen copy of the initial policy: log-probs for the KL terms."""
+
+    def __init__(self, graphdef, params, *, mesh, temperature: float, micro_per_device: int):
+        self.graphdef, self.mesh, self.micro_per_device = graphdef, mesh, micro_per_device
+        self.params = jax.tree.map(jnp.copy, params)
+        self._log_prob = make_forward(graphdef, lambda mdl, m: response_log_probs(mdl, m, temperature), mesh)
+
+    def compute_ref_log_prob(self, batch) -> dict[str, np.ndarray]:
+        lp = _forward_rows(self, self._log_prob, batch, _SEQ_KEYS + ("responses",))
+        return {"ref_log_prob": lp.astype(np.float32)}
+
+
+def response_values(model, m):
+    v = model(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"])
+    t = m["responses"].shape[-1]
+    return v[:, -t - 1:-1]
+
+
+class CriticWorker(_Trained):
+    """The value model: values of response tokens and the clipped value-loss update."""
+
+    def __init__(self, model, cfg: CriticConfig, *, mesh, total_steps: int):
+        self.cfg = cfg
+        self.micro_per_device = cfg.ppo_micro_batch_size_per_device
+        super().__init__(model, cfg.optim, mesh, total_steps, self._loss, "response_mask")
+        self._values = make_forward(self.graphdef, response_values, mesh)
+
+    def _loss(self, model, m, denoms):
+        vpreds = response_values(model, m)
+        vf_loss, clipfrac = algos.value_loss(
+            vpreds, m["returns"], m["values"], m["response_mask"], self.cfg.cliprange_value,
+            self.cfg.loss_agg_mode, global_token_count=denoms["tokens"], global_batch_size=denoms["seqs"])
+        mask = m["response_mask"].astype(jnp.float32)
+        vpred_mean = (vpreds * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+        return vf_loss, {"vf_loss": vf_loss, "vf_clipfrac": clipfrac, "vpred_mean": vpred_mean}
+
+    def compute_values(self, batch) -> dict[str, np.ndarray]:
+        v = _forward_rows(self, self._values, batch, _SEQ_KEYS + ("responses",))
+        return {"values": v.astype(np.float32)}
+
+    def update(self, batch, *, mini_rows: int, seed: int) -> dict[str, float]:
+        keys = _SEQ_KEYS + ("responses", "response_mask", "values", "returns")
+        m = self._run_updates(batch, mini_rows, self.cfg.ppo_epochs, False, seed, keys)
+        return {f"critic/{k}": v for k, v in m.items() if k != "loss"}
+
+
+def sft_loss(model, m, denoms):
+    """Next-token cross-entropy on `loss_mask` tokens (assistant turns), token-mean over the batch."""
+    ids, mask = m["input_ids"], m["loss_mask"]
+    h = model.hidden_states(ids, attention_mask=m["attention_mask"], positions=m["position_ids"])
+    unembed = model.unembed_matrix().astype(h.dtype)
+    lp = algos.token_log_probs_from_hidden(h[:, :-1], unembed, ids[:, 1:])
+    target_mask = mask[:, 1:].astype(jnp.float32)
+    nll = -(lp * target_mask).sum() / jnp.maximum(denoms["tokens"], 1.0)
+    correct = (lp > jnp.log(0.5)).astype(jnp.float32)
+    return nll, {"nll": nll, "token_acc50": (correct * target_mask).sum() / jnp.maximum(target_mask.sum(), 1.0)}
+
+
+class SFTWorker(_Trained):
+    """Supervised fine-tuning on chat data (loss on assistant tokens only)."""
+
+    def __init__(self, model, optim: OptimConfig, *, mesh, total_steps: int, micro_per_device: int):
+        self.micro_per_device = micro_per_device
+        super().__init__(model, optim, mesh, total_steps, sft_loss, "loss_mask_shifted")
+
+    def step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        batch = dict(batch)
+        shifted = np.zeros_like(batch["loss_mask"])
+        shifted[:, 1:] = batch["loss_mask"][:, 1:]
+        batch["loss_mask_shifted"] = shifted
+        keys = _SEQ_KEYS + ("loss_mask", "loss_mask_shifted")
+        rows = batch["input_ids"].shape[0]
+        m = self._run_updates(batch, rows, 1, False, 0, keys)
+        return {f"sft/{k}": v for k, v in m.items()}

@@ -1,0 +1,91 @@
+"""Compiled steps shared by the trained roles: one optimizer step over a mini-batch with
+gradient accumulation across micro-batches (a `lax.scan`), and batched forward passes.
+
+A loss function here is `loss_fn(model, micro_batch, denominators) -> (loss, metrics)`; the
+denominators are mini-batch totals (token count, non-empty row count) so that the micro-batch
+losses add up to exactly the full mini-batch loss (`algos.agg_loss_terms`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import sharding
+
+from ._common import TrainState, put_batch, shardings_of
+
+
+# Losses that carry the mini-batch normaliser are each micro-batch's share: they add up.
+SUMMED_METRICS = frozenset({"pg_loss", "entropy", "kl_loss", "vf_loss", "nll"})
+
+
+def denominators(mask: jax.Array) -> dict[str, jax.Array]:
+    """Mini-batch normalisers from a [..., t] mask: tokens and non-empty rows."""
+    m = mask.astype(jnp.float32)
+    return {"tokens": m.sum(), "seqs": (m.sum(-1) > 0).astype(jnp.float32).sum()}
+
+
+def make_update_step(graphdef, tx: optax.GradientTransformation, schedule, loss_fn: Callable,
+                     mesh, mask_key: str, state: TrainState):
+    """jit(state, micro_batches [n_micro, micro, ...]) -> (state, metrics); state donated."""
+
+    def step(state: TrainState, mb: dict[str, jax.Array]):
+        with sharding.use_rules(mesh, sharding.TRAIN_RULES):
+            denoms = denominators(mb[mask_key])
+
+            def grad_one(params, micro):
+                def f(p):
+                    return loss_fn(nnx.merge(graphdef, p), micro, denoms)
+                return jax.value_and_grad(f, has_aux=True)(params)
+
+            def body(acc, micro):
+                (loss, metrics), grads = grad_one(state.params, micro)
+                return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
+
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            grads, (losses, metrics) = jax.lax.scan(body, zeros, mb)
+            grad_norm = optax.global_norm(grads)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            metrics = {k: v.sum() if k in SUMMED_METRICS else v.mean() for k, v in metrics.items()}
+            metrics.update(loss=losses.sum(), grad_norm=grad_norm, lr=schedule(state.step))
+            return TrainState(params, opt_state, state.step + 1), metrics
+
+    return jax.jit(step, donate_argnums=(0,), out_shardings=(shardings_of(state), None))
+
+
+def micro_batches(mesh, arrays: dict[str, np.ndarray], micro_size: int) -> dict[str, jax.Array]:
+    """[b, ...] host rows -> global [b // micro, micro, ...], rows of a micro-batch spread over devices."""
+    b = next(iter(arrays.values())).shape[0]
+    if b % micro_size:
+        raise ValueError(f"mini-batch of {b} rows is not a multiple of the micro-batch size {micro_size}")
+    n = b // micro_size
+    shaped = {k: v.reshape(n, micro_size, *v.shape[1:]) for k, v in arrays.items()}
+    return put_batch(mesh, shaped, batch_axis=1)
+
+
+def micro_size_for(rows: int, per_device: int, dp: int) -> int:
+    """Largest micro-batch <= per_device * dp that divides `rows` and is a multiple of dp."""
+    target = max(per_device, 1) * dp
+    for m in range(min(target, rows), 0, -1):
+        if rows % m == 0 and m % dp == 0:
+            return m
+    raise ValueError(
+        f"cannot split {rows} rows into micro-batches spread over {dp} data-parallel devices; "
+        f"make the mini-batch (ppo_mini_batch_size x rollout.n) a multiple of {dp}")
+
+
+def make_forward(graphdef, fn: Callable, mesh, n_out: int = 1):
+    """jit(params, micro_batches) -> fn outputs stacked per micro-batch (lax.map, low memory)."""
+
+    def run(params, mb):
+        with sharding.use_rules(mesh, sharding.TRAIN_RULES):
+            model = nnx.merge(graphdef, params)
+            return jax.lax.map(lambda m: fn(model, m), mb)
+
+    return jax.jit(run)
