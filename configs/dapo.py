@@ -1,0 +1,40 @@
+"""DAPO-style GRPO (clip-higher, token-mean loss, no KL) on GSM8K-format math with a local Qwen2.5.
+
+Launch:
+  python -m jaxrl_llm.train --config=configs/dapo.py \
+      --config.model.path=/models/Qwen2.5-1.5B-Instruct \
+      --config.data.train_files=data/gsm8k/train.parquet --config.data.val_files=data/gsm8k/test.parquet
+"""
+from jaxrl_llm.config import base_config
+
+
+def get_config(arg: str | None = None):
+    del arg
+    c = base_config()
+    c.data.train_files = ("data/gsm8k/train.parquet",)
+    c.data.val_files = ("data/gsm8k/test.parquet",)
+    c.data.max_prompt_length = 512
+    c.data.max_response_length = 2048
+    c.data.train_batch_size = 512
+    c.model.path = "models/Qwen2.5-1.5B-Instruct"
+    c.model.remat = "full"
+    c.actor.optim.lr = 1e-6
+    c.actor.optim.warmup_steps = 10
+    c.actor.optim.weight_decay = 0.1
+    c.actor.ppo_mini_batch_size = 32
+    c.actor.ppo_micro_batch_size_per_device = 8
+    c.actor.clip_ratio_low = 0.2
+    c.actor.clip_ratio_high = 0.28
+    c.actor.clip_ratio_c = 10.0
+    c.actor.loss_agg_mode = "token-mean"
+    c.actor.use_kl_loss = False
+    c.rollout.n = 16
+    c.rollout.temperature = 1.0
+    c.algorithm.adv_estimator = "grpo"
+    c.algorithm.use_kl_in_reward = False
+    c.trainer.total_training_steps = 200
+    c.trainer.save_freq = 20
+    c.trainer.test_freq = 10
+    c.trainer.default_local_dir = "runs/dapo"
+    c.trainer.experiment_name = "dapo"
+    return c

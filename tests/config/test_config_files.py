@@ -1,0 +1,61 @@
+"""Every shipped config loads and validates; bad overrides fail naming the field."""
+import glob
+import os
+
+import pytest
+
+from jaxrl_llm.config import ConfigError, RunConfig, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
+
+
+def test_configs_directory_is_not_empty():
+    assert len(CONFIGS) >= 4
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_every_config_file_loads_and_validates(path):
+    run = load_config(path)
+    assert isinstance(run, RunConfig)
+    assert run.data.train_batch_size % run.actor.ppo_mini_batch_size == 0
+
+
+@pytest.mark.parametrize("variant", ["local", "tiny", "tiny,local"])
+def test_quickstart_variants_load(variant):
+    run = load_config(os.path.join(ROOT, "configs/quickstart.py") + f":{variant}")
+    assert run.trainer.backend == ("local" if "local" in variant else "ray")
+
+
+def test_override_changes_the_typed_value():
+    run = load_config(os.path.join(ROOT, "configs/quickstart.py"),
+                      ["actor.optim.lr=0.5", "rollout.n=4", "trainer.backend=local"])
+    assert run.actor.optim.lr == 0.5 and run.rollout.n == 4 and run.trainer.backend == "local"
+
+
+def test_misspelt_override_names_the_field():
+    with pytest.raises(ConfigError, match=r"actor\.optim\.lrr.*did you mean 'lr'"):
+        load_config(os.path.join(ROOT, "configs/quickstart.py"), ["actor.optim.lrr=1e-3"])
+
+
+def test_misspelt_section_names_the_field():
+    with pytest.raises(ConfigError, match=r"unknown config field 'actr\.ppo_epochs'"):
+        load_config(os.path.join(ROOT, "configs/quickstart.py"), ["actr.ppo_epochs=2"])
+
+
+def test_bad_value_type_is_reported():
+    with pytest.raises(ConfigError, match="actor.optim.lr"):
+        load_config(os.path.join(ROOT, "configs/quickstart.py"), ["actor.optim.lr=fast"])
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["data.train_batch_size=30"], "actor.ppo_mini_batch_size"),
+    (["rollout.n=1"], "rollout.n"),
+    (["algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator"),
+    (["actor.loss_agg_mode=mean"], "actor.loss_agg_mode"),
+    (["rollout.top_p=0.0"], "rollout.top_p"),
+    (["trainer.backend=slurm"], "trainer.backend"),
+])
+def test_impossible_combination_names_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(os.path.join(ROOT, "configs/quickstart.py"), overrides)
