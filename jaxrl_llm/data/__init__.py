@@ -1,0 +1,26 @@
+"""Data: verl-schema prompt files -> tokenized prompts -> resumable grain batches; SFT data.
+
+Scoring responses is `jaxrl_llm.rewards`'s job; tokenizers come from `jaxrl_llm.models`.
+"""
+from jaxrl_llm.data import tasks
+from jaxrl_llm.data._loader import PromptLoader
+from jaxrl_llm.data._rl_dataset import PromptExample, RLDataset, collate_prompts
+from jaxrl_llm.data._schema import DataError, read_rows, validate_row, write_rows
+from jaxrl_llm.data._sft import SFTDataset, SFTExample, collate_sft
+from jaxrl_llm.data._tokenizer import Tokenizer
+
+__all__ = [
+    "DataError",
+    "PromptExample",
+    "PromptLoader",
+    "RLDataset",
+    "SFTDataset",
+    "SFTExample",
+    "Tokenizer",
+    "collate_prompts",
+    "collate_sft",
+    "read_rows",
+    "tasks",
+    "validate_row",
+    "write_rows",
+]

@@ -1,0 +1,19 @@
+"""Built-in task generators that write verl-schema data files."""
+from jaxrl_llm.data.tasks._arithmetic import (
+    make_arithmetic_dataset,
+    make_arithmetic_rows,
+    make_arithmetic_sft_rows,
+    render_arithmetic_answer,
+)
+from jaxrl_llm.data.tasks._countdown import make_countdown_dataset, make_countdown_rows
+from jaxrl_llm.data.tasks._gsm8k import gsm8k_rows
+
+__all__ = [
+    "gsm8k_rows",
+    "make_arithmetic_dataset",
+    "make_arithmetic_rows",
+    "make_arithmetic_sft_rows",
+    "make_countdown_dataset",
+    "make_countdown_rows",
+    "render_arithmetic_answer",
+]

@@ -1,0 +1,41 @@
+"""Rewards: rule-based scorers chosen by `data_source`, a custom function by path, and a
+batch scorer that survives failing or hanging scorers. (A reward-model worker lives in
+`jaxrl_llm.workers`.)"""
+from jaxrl_llm.rewards._arithmetic import arithmetic_score
+from jaxrl_llm.rewards._countdown import countdown_score, extract_countdown_equation
+from jaxrl_llm.rewards._custom import CustomRewardFn, load_custom_reward_fn
+from jaxrl_llm.rewards._gsm8k import extract_gsm8k_answer, gsm8k_score
+from jaxrl_llm.rewards._manager import RewardManager
+from jaxrl_llm.rewards._math import (
+    last_boxed_only_string,
+    math_equal,
+    math_score,
+    normalize_math_answer,
+    remove_boxed,
+)
+from jaxrl_llm.rewards._registry import (
+    SCORERS,
+    default_compute_score,
+    get_scorer,
+    normalize_result,
+)
+
+__all__ = [
+    "SCORERS",
+    "CustomRewardFn",
+    "RewardManager",
+    "arithmetic_score",
+    "countdown_score",
+    "default_compute_score",
+    "extract_countdown_equation",
+    "extract_gsm8k_answer",
+    "get_scorer",
+    "gsm8k_score",
+    "last_boxed_only_string",
+    "load_custom_reward_fn",
+    "math_equal",
+    "math_score",
+    "normalize_math_answer",
+    "normalize_result",
+    "remove_boxed",
+]

@@ -1,0 +1,90 @@
+"""RewardManager: batch scoring; a raising, hanging, dying or ill-typed scorer scores 0 and is
+counted, later batches still work; custom reward functions load by path."""
+import textwrap
+
+import numpy as np
+import pytest
+
+from jaxrl_llm.rewards import RewardManager, load_custom_reward_fn
+
+CUSTOM = textwrap.dedent('''
+    import os
+    import time
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "raise":
+            raise RuntimeError("scorer bug")
+        if solution_str == "hang":
+            time.sleep(600)
+        if solution_str == "exit":
+            os._exit(3)
+        if solution_str == "bad":
+            return "not a number"
+        if solution_str == "dict":
+            return {"score": 0.5, "acc": 1.0, "note": "ignored"}
+        if solution_str == "echo":
+            return float(extra_info["w"]) + (data_source == "mine")
+        return float(solution_str == ground_truth)
+''')
+
+
+@pytest.fixture
+def custom_fn(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(CUSTOM)
+    return load_custom_reward_fn(path, "compute_score")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_builtin_scorers_by_data_source(num_workers):
+    with RewardManager(num_workers=num_workers, timeout_s=30.0) as manager:
+        scores, extra, metrics = manager.score_batch(
+            ["openai/gsm8k", "math", "arithmetic", "arithmetic", "countdown"],
+            ["#### 1,000", r"\boxed{\dfrac12}", "7", "8", "<answer>(1+2)*3</answer>"],
+            ["1000", "0.5", "7", "7", {"target": 9, "numbers": [1, 2, 3]}],
+            [{}, {}, {}, {}, {}])
+    assert scores.dtype == np.float32
+    assert scores.tolist() == [1.0, 1.0, 1.0, 0.0, 1.0]
+    assert extra == {} and metrics == {"reward/num_errors": 0.0, "reward/num_timeouts": 0.0}
+
+
+def test_custom_fn_by_path_gets_verl_arguments(custom_fn):
+    assert custom_fn("mine", "echo", "x", {"w": 2}) == 3.0
+    with RewardManager(num_workers=0, custom_fn=custom_fn) as manager:
+        scores, extra, _ = manager.score_batch(["mine", "other", "any"], ["echo", "echo", "dict"],
+                                               ["", "", ""], [{"w": 2}, {"w": 2}, None])
+    assert scores.tolist() == [3.0, 2.0, 0.5]
+    assert extra["acc"].tolist() == [0.0, 0.0, 1.0] and set(extra) == {"acc"}
+
+
+def test_pool_survives_raising_hanging_dying_and_bad_scorers(custom_fn):
+    sols = ["a", "raise", "hang", "dict", "b", "bad", "exit", "c"]
+    truths = ["a", "", "", "", "x", "", "", "c"]
+    with RewardManager(num_workers=2, timeout_s=1.0, custom_fn=custom_fn) as manager:
+        scores, extra, metrics = manager.score_batch(["s"] * 8, sols, truths, [None] * 8)
+        assert scores.tolist() == [1.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0, 1.0]
+        assert extra["acc"].tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
+        assert metrics == {"reward/num_errors": 3.0, "reward/num_timeouts": 1.0}
+        # The hung and the dead workers were replaced: the next batch scores normally.
+        scores, _, metrics = manager.score_batch(["s"] * 3, ["a", "b", "raise"],
+                                                 ["a", "b", ""], None)
+        assert scores.tolist() == [1.0, 1.0, 0.0]
+        assert metrics == {"reward/num_errors": 1.0, "reward/num_timeouts": 0.0}
+
+
+def test_in_process_mode_counts_errors(custom_fn):
+    with RewardManager(num_workers=0, custom_fn=custom_fn) as manager:
+        scores, _, metrics = manager.score_batch(["s"] * 3, ["a", "raise", "bad"], ["a", "", ""])
+    assert scores.tolist() == [1.0, 0.0, 0.0] and metrics["reward/num_errors"] == 2.0
+
+
+def test_config_errors_raise_before_scoring(tmp_path, custom_fn):
+    manager = RewardManager(num_workers=0)
+    with pytest.raises(ValueError, match="data_source 'nope'"):
+        manager.score_batch(["nope"], ["1"], ["1"], [None])
+    with pytest.raises(ValueError, match="equal lengths"):
+        manager.score_batch(["arithmetic"], ["1", "2"], ["1"], [None])
+    with pytest.raises(FileNotFoundError, match="missing.py"):
+        load_custom_reward_fn(tmp_path / "missing.py", "compute_score")
+    with pytest.raises(AttributeError, match="no function 'other'"):
+        load_custom_reward_fn(custom_fn.path, "other")
