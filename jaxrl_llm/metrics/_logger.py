@@ -1,0 +1,124 @@
+"""`MetricsLogger`: one call per training step → console table, metrics.jsonl, TensorBoard.
+
+JSON has no NaN or infinity, so non-finite floats are written as the strings "NaN",
+"Infinity" and "-Infinity"; `read_jsonl` turns them back into floats. Only process 0 writes.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl_llm.metrics._console import format_table, write_console
+
+STEP_KEY = "training/global_step"
+_BACKENDS = ("console", "jsonl", "tensorboard")
+_NONFINITE = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
+def _to_scalar(key: str, value: Any) -> int | float:
+    """Python int/float from a Python, numpy or JAX scalar; ValueError naming the key otherwise."""
+    arr = np.asarray(value)
+    if arr.size != 1 or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
+        raise ValueError(f"MetricsLogger.log: metric {key!r} must be a numeric scalar, got "
+                         f"{type(value).__name__} with shape {arr.shape} and dtype {arr.dtype}; "
+                         "reduce it (e.g. .mean()) before logging.")
+    item = arr.reshape(()).item()
+    return int(item) if isinstance(item, (bool, int)) else float(item)
+
+
+def _json_safe(x: int | float) -> int | float | str:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+    return x
+
+
+class MetricsLogger:
+    """Write step metrics to `<run_dir>/metrics.jsonl`, `<run_dir>/tensorboard/` and the console.
+
+    Args:
+      run_dir: output folder (created when enabled).
+      backends: any of "console", "jsonl", "tensorboard".
+      enable: False (or a process index other than 0) turns every backend off; no files.
+      console_every: print the console table every this-many `log` calls.
+    """
+
+    def __init__(self, run_dir: str | Path, *, backends: Iterable[str] = _BACKENDS,
+                 enable: bool = True, console_every: int = 1):
+        self.backends = tuple(backends)
+        unknown = sorted(set(self.backends) - set(_BACKENDS))
+        if unknown:
+            raise ValueError(
+                f"MetricsLogger: unknown backend(s) {unknown}; choose from {_BACKENDS}.")
+        if console_every < 1:
+            raise ValueError(f"MetricsLogger: console_every must be >= 1, got {console_every}.")
+        self.run_dir = Path(run_dir)
+        self.enable = bool(enable) and jax.process_index() == 0
+        self.console_every = console_every
+        self._calls = 0
+        self._jsonl = None
+        self._tb = None
+        if self.enable:
+            self._open()
+
+    @property
+    def jsonl_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    def _open(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if "jsonl" in self.backends:
+            self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # append: resumed runs
+        if "tensorboard" in self.backends:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(logdir=str(self.run_dir / "tensorboard"))
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Record `metrics` (numeric scalars keyed by verl-style names) at `step`."""
+        if not self.enable:
+            return
+        values = {key: _to_scalar(key, value) for key, value in metrics.items()}
+        if self._jsonl is not None:
+            record = {STEP_KEY: int(step), **{k: _json_safe(v) for k, v in values.items()}}
+            self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, global_step=int(step))
+            self._tb.flush()
+        if "console" in self.backends and self._calls % self.console_every == 0:
+            write_console(format_table(values, int(step)))
+        self._calls += 1
+
+    def close(self) -> None:
+        """Flush and close the files; safe to call twice."""
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _decode(value: Any) -> Any:
+    return _NONFINITE.get(value, value) if isinstance(value, str) else value
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Records of a metrics.jsonl file, with "NaN"/"Infinity"/"-Infinity" back as floats."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"read_jsonl: {path} does not exist; pass a run's metrics.jsonl.")
+    with open(path, encoding="utf-8") as f:
+        return [{k: _decode(v) for k, v in json.loads(line).items()} for line in f if line.strip()]

@@ -1,0 +1,97 @@
+"""MetricsLogger files, console output, disabled mode, and plot_curves."""
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm.metrics import MetricsLogger, plot_curves, read_jsonl
+
+
+def test_logger_jsonl_has_step_values_and_nonfinite_strings(tmp_path):
+    with MetricsLogger(tmp_path, backends=("jsonl",)) as logger:
+        logger.log({"actor/pg_loss": jnp.float32(0.5), "critic/score/mean": np.float64(1.25),
+                    "perf/total_num_tokens": 12, "actor/entropy": float("nan"),
+                    "actor/grad_norm": float("inf")}, step=3)
+        logger.log({"critic/score/mean": 2.0}, step=4)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    assert '"actor/entropy": "NaN"' in lines[0] and '"actor/grad_norm": "Infinity"' in lines[0]
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    first = records[0]
+    assert first["training/global_step"] == 3
+    assert first["actor/pg_loss"] == 0.5 and first["critic/score/mean"] == 1.25
+    assert first["perf/total_num_tokens"] == 12 and isinstance(first["perf/total_num_tokens"], int)
+    assert math.isnan(first["actor/entropy"]) and first["actor/grad_norm"] == math.inf
+    assert records[1] == {"training/global_step": 4, "critic/score/mean": 2.0}
+
+
+def test_logger_appends_on_reopen(tmp_path):
+    for step in (1, 2):
+        with MetricsLogger(tmp_path, backends=("jsonl",)) as logger:
+            logger.log({"x/y": step}, step=step)
+    assert [r["training/global_step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_logger_rejects_non_scalar_naming_key(tmp_path):
+    with MetricsLogger(tmp_path, backends=("jsonl",)) as logger:
+        with pytest.raises(ValueError, match="'actor/kl'"):
+            logger.log({"actor/kl": np.ones(3)}, step=1)
+
+
+def test_logger_tensorboard_event_file(tmp_path):
+    with MetricsLogger(tmp_path, backends=("tensorboard",)) as logger:
+        logger.log({"actor/pg_loss": 0.5}, step=1)
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents*"))
+    assert len(events) == 1
+    assert b"actor/pg_loss" in events[0].read_bytes()
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_logger_console_groups_by_prefix_every_n(tmp_path, capsys):
+    with MetricsLogger(tmp_path, backends=("console",), console_every=2) as logger:
+        for step in (1, 2, 3):
+            logger.log({"actor/pg_loss": 0.125, "timing_s/gen": 2.0, "val-core/acc": step}, step)
+    out = capsys.readouterr().out
+    assert "step 1 " in out and "step 3 " in out and "step 2 " not in out
+    lines = out.splitlines()
+    assert any(line.startswith("actor") and "pg_loss=0.125" in line for line in lines)
+    assert any(line.startswith("timing_s") and "gen=2" in line for line in lines)
+    assert any(line.startswith("val-core") and "acc=3" in line for line in lines)
+
+
+def test_logger_disabled_writes_nothing(tmp_path, capsys, monkeypatch):
+    with MetricsLogger(tmp_path / "off", enable=False) as logger:
+        logger.log({"a/b": 1.0}, step=1)
+    monkeypatch.setattr("jaxrl_llm.metrics._logger.jax.process_index", lambda: 1)
+    with MetricsLogger(tmp_path / "rank1") as logger:
+        logger.log({"a/b": 1.0}, step=1)
+    assert list(tmp_path.iterdir()) == []
+    assert capsys.readouterr().out == ""
+
+
+def _is_png(path):
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_curves_score_and_validation(tmp_path):
+    with MetricsLogger(tmp_path, backends=("jsonl",)) as logger:
+        for step in range(1, 6):
+            logger.log({"critic/score/mean": 0.1 * step}, step)
+            if step % 2 == 0:
+                logger.log({"val-core/gsm8k/acc/mean@1": 0.2 * step}, step)
+    out = plot_curves(tmp_path, tmp_path / "plots" / "curves.png")
+    assert out == tmp_path / "plots" / "curves.png"
+    assert _is_png(out) and out.stat().st_size > 1000
+
+
+def test_plot_curves_single_point_and_missing_keys(tmp_path):
+    with MetricsLogger(tmp_path, backends=("jsonl",)) as logger:
+        logger.log({"actor/pg_loss": 1.0}, step=1)
+    out = plot_curves(tmp_path / "metrics.jsonl", tmp_path / "a.png")
+    assert _is_png(out)
+    with MetricsLogger(tmp_path / "one", backends=("jsonl",)) as logger:
+        logger.log({"critic/score/mean": 1.0}, step=7)
+    assert _is_png(plot_curves(tmp_path / "one", tmp_path / "b.png"))
+    with pytest.raises(FileNotFoundError, match="missing"):
+        plot_curves(tmp_path / "missing", tmp_path / "c.png")
