@@ -268,7 +268,7 @@ class RLTrainer:
             num_params=info["num_params"], num_layers=info["num_layers"], hidden=info["hidden_size"],
             seq_len=seq, tokens=int(batch["attention_mask"].sum() * passes),
             time_s=max(timing.get("update_actor", 0) + timing.get("old_log_prob", 0), 1e-9),
-            num_devices=info["num_devices"], peak_flops_per_device=M.peak_flops(info["device_kind"], c.model.dtype))
+            num_devices=info["num_devices"], peak_flops_per_device=M.peak_flops(info["device_kind"], "bfloat16"))  # MFU vs the bf16 peak
         out["perf/max_memory_allocated_gb"] = M.max_memory_allocated_gb()
         return out
 
