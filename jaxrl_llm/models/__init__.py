@@ -3,3 +3,5 @@ from ._config import ModelConfig, RopeScaling, to_dtype
 from ._decoder import (CausalLM, KVCache, Transformer, ValueModel, abstract_model, attend,
                        causal_padding_mask, count_params, default_positions, init_model,
                        rope_inv_freq)
+from ._hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
+from ._tokenizer import (CharTokenizer, HFTokenizer, compile_chat_template, load_tokenizer)
