@@ -1,4 +1,8 @@
-"""The embedded default: a tiny transformer learns 2-digit addition on CPU, SFT warm start + GRPO.
+"""The embedded default: a tiny transformer learns addition on CPU, SFT warm start + GRPO.
+
+The SFT demonstrations are imperfect on purpose: 60% of them answer one too high
+(`sft.builtin_off_by_one`), so imitation learns the error and greedy held-out accuracy stays low;
+GRPO with the exact-match verifier unlearns it and raises held-out accuracy by well over 20 points.
 
 Launch (a few minutes on 2 CPU cores):
   python -m jaxrl_llm.train --config=configs/quickstart.py
@@ -14,11 +18,12 @@ def get_config(arg: str | None = None):
     c.data.train_files = ("runs/quickstart/data/train.parquet",)
     c.data.val_files = ("runs/quickstart/data/val.parquet",)
     c.data.builtin_train_size = 4000
-    c.data.builtin_val_size = 200
+    c.data.builtin_max_operand = 20  # a+b with a, b in [0, 20]; 59 held-out problems
+    c.data.builtin_val_size = 59
     c.data.max_prompt_length = 16
     c.data.max_response_length = 8
     c.data.train_batch_size = 32
-    c.data.val_batch_size = 200
+    c.data.val_batch_size = 64
     c.model.tokenizer = "char"
     c.model.dtype = "float32"
     c.model.init.hidden_size = 128
@@ -28,24 +33,25 @@ def get_config(arg: str | None = None):
     c.model.init.num_key_value_heads = 2
     c.model.init.head_dim = 32
     c.model.init.max_position_embeddings = 64
-    c.actor.optim.lr = 2e-4
+    c.actor.optim.lr = 1e-4
     c.actor.optim.weight_decay = 0.0
-    c.actor.ppo_mini_batch_size = 32
+    c.actor.ppo_mini_batch_size = 8  # 4 optimizer steps per RL step
     c.actor.ppo_micro_batch_size_per_device = 256
     c.rollout.n = 8
     c.rollout.temperature = 1.0
     c.rollout.max_concurrent_decodes = 256
     c.rollout.steps_per_sync = 8
     c.reward.num_workers = 0
-    c.sft.steps = 150
+    c.sft.steps = 300
+    c.sft.builtin_off_by_one = 0.6
     c.sft.batch_size = 64
     c.sft.lr = 2e-3
     c.sft.warmup_steps = 10
     c.sft.max_length = 32
     c.sft.builtin_size = 4000
-    c.trainer.total_training_steps = 60
+    c.trainer.total_training_steps = 40
     c.trainer.test_freq = 10
-    c.trainer.save_freq = 30
+    c.trainer.save_freq = 20
     c.trainer.default_local_dir = "runs/quickstart"
     c.trainer.experiment_name = "quickstart"
     if arg:
@@ -58,10 +64,12 @@ def get_config(arg: str | None = None):
                 c.model.init.head_dim = 8
                 c.data.builtin_train_size = 64
                 c.data.builtin_val_size = 16
-                c.data.train_batch_size = 4
+                c.data.train_batch_size = 8
                 c.data.val_batch_size = 16
-                c.actor.ppo_mini_batch_size = 2
-                c.actor.ppo_micro_batch_size_per_device = 4
+                c.actor.ppo_mini_batch_size = 4
+                c.actor.ppo_micro_batch_size_per_device = 1
+                c.critic.ppo_mini_batch_size = 4
+                c.critic.ppo_micro_batch_size_per_device = 1
                 c.rollout.n = 2
                 c.sft.steps = 2
                 c.sft.batch_size = 8

@@ -87,6 +87,8 @@ def _convert(tp, value, path: str):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path} must be a list, got {type(value).__name__} {value!r}")
         args = typing.get_args(tp)
+        if args[-1] is Ellipsis and args[0] is str:  # `--config.x=a.parquet,b.parquet`
+            value = [part for v in value for part in (v.split(",") if isinstance(v, str) else [v]) if part != ""]
         item_t = args[0]
         if len(args) == 2 and args[1] is not Ellipsis and len(value) != 2:
             raise ConfigError(f"{path} must have 2 items, got {value!r}")

@@ -170,6 +170,7 @@ class SFTConfig:
     train_files: tuple[str, ...]  # "" = built-in task rows (data.builtin_task)
     messages_key: str
     builtin_size: int
+    builtin_off_by_one: float  # arithmetic demos: fraction whose answer is off by one (imperfect data)
 
 
 @dataclasses.dataclass(frozen=True)

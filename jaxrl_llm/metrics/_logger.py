@@ -89,7 +89,8 @@ class MetricsLogger:
             self._jsonl.flush()
         if self._tb is not None:
             for key, value in values.items():
-                self._tb.add_scalar(key, value, global_step=int(step))
+                # TensorBoard names allow [A-Za-z0-9_./-]: 'mean@1' -> 'mean_at_1' (jsonl keeps verl's)
+                self._tb.add_scalar(key.replace("@", "_at_"), value, global_step=int(step))
             self._tb.flush()
         if "console" in self.backends and self._calls % self.console_every == 0:
             write_console(format_table(values, int(step)))

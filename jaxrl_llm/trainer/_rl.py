@@ -13,6 +13,7 @@ import os
 import time
 from contextlib import contextmanager
 
+import jax
 import numpy as np
 
 from jaxrl_llm import algos, data, metrics as M, models, rewards
@@ -61,6 +62,10 @@ class RLTrainer:
 
     def __init__(self, config: RunConfig, *, num_hosts: int = 1, distributed: dict | None = None):
         self.config = c = config
+        if c.trainer.backend == "ray":
+            # The controller's own JAX work (advantages) is tiny: keep it off the accelerators
+            # that the Ray workers own. Workers get the original environment (RayGroup).
+            _use_cpu_for_controller()
         self.run_dir = c.trainer.default_local_dir
         os.makedirs(self.run_dir, exist_ok=True)
         self.tokenizer = load_tokenizer(c)
@@ -87,7 +92,9 @@ class RLTrainer:
                                 pad_token_id=self.pad_id, stop_token_ids=stop_ids, num_hosts=num_hosts,
                                 distributed=distributed)
         self.info = self.call0("info")
-        self.logger = M.MetricsLogger(self.run_dir, backends=tuple(c.trainer.logger))
+        # Ray: this driver is the single controller; local multi-host: process 0 writes.
+        self.logger_enabled = c.trainer.backend == "ray" or jax.process_index() == 0
+        self.logger = M.MetricsLogger(self.run_dir, backends=tuple(c.trainer.logger), enable=self.logger_enabled)
         self.global_step = 0
 
     def call0(self, method: str, *args, **kwargs):
@@ -168,15 +175,23 @@ class RLTrainer:
                                       self.tokenizer, max_length=s.max_length, messages_key=s.messages_key)
         else:
             rows = data.tasks.make_arithmetic_sft_rows(s.builtin_size, d.seed + 7,
-                                                       max_operand=d.builtin_max_operand)
+                                                       max_operand=d.builtin_max_operand,
+                                                       off_by_one=s.builtin_off_by_one)
             sft_set = data.SFTDataset(rows, self.tokenizer, max_length=s.max_length)
         rng = np.random.default_rng(self.config.trainer.seed)
-        for step in range(s.steps):
-            idx = rng.choice(len(sft_set), size=s.batch_size, replace=len(sft_set) < s.batch_size)
-            batch = data.collate_sft([sft_set[int(i)] for i in idx], self.pad_id, s.max_length)
-            m = self.call0("sft_step", {k: np.asarray(v) for k, v in batch.items()})
-            if (step + 1) % 25 == 0 or step + 1 == s.steps:
-                self.logger.log({k: v for k, v in m.items()}, step=-(s.steps - step - 1))
+        bar = _progress(self.config, 0, total=s.steps, desc="SFT")
+        with M.MetricsLogger(f"{self.run_dir}/sft", backends=("jsonl", "tensorboard"),
+                             enable=self.logger_enabled) as sft_log:
+            for step in range(s.steps):
+                idx = rng.choice(len(sft_set), size=s.batch_size, replace=len(sft_set) < s.batch_size)
+                batch = data.collate_sft([sft_set[int(i)] for i in idx], self.pad_id, s.max_length)
+                m = self.call0("sft_step", {k: np.asarray(v) for k, v in batch.items()})
+                sft_log.log(m, step=step + 1)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(nll=f"{m['sft/nll']:.3f}")
+        if bar is not None:
+            bar.close()
 
     # -- one RL step ---------------------------------------------------------------------------------
     def _seed(self, salt: int) -> int:
@@ -307,9 +322,18 @@ class RLTrainer:
         log.info("resumed from %s at step %d", directory, self.global_step)
 
 
-def _progress(config: RunConfig, start: int):
+def _use_cpu_for_controller() -> None:
+    try:
+        jax.config.update("jax_platforms", "cpu")
+    except Exception:  # noqa: BLE001 - a backend already started (e.g. in tests): keep it
+        pass
+
+
+def _progress(config: RunConfig, start: int, *, total: int | None = None, desc: str | None = None):
     if not config.trainer.progress_bar:
         return None
     from tqdm import tqdm
-    return tqdm(total=config.trainer.total_training_steps, initial=start, desc="GRPO" if
-                config.algorithm.adv_estimator != "gae" else "PPO", unit="step", dynamic_ncols=True)
+    if desc is None:
+        desc = "PPO" if config.algorithm.adv_estimator == "gae" else config.algorithm.adv_estimator.upper()
+    return tqdm(total=config.trainer.total_training_steps if total is None else total, initial=start,
+                desc=desc, unit="step", dynamic_ncols=True)

@@ -118,14 +118,20 @@ def data_parallel_size(mesh) -> int:
 
 
 def put_batch(mesh, arrays: dict[str, np.ndarray], batch_axis: int = 0) -> dict[str, jax.Array]:
-    """Host numpy -> global arrays sharded by rows (each host passes its own rows)."""
+    """Host numpy (the full batch, on every host) -> global arrays sharded by rows.
+
+    Each host contributes its own contiguous block of rows (`sharding.process_batch_slice`), so
+    only host-local data is placed on a host's devices.
+    """
     out = {}
     for k, v in arrays.items():
         s = batch_sharding(mesh, v.ndim, batch_axis)
         if jax.process_count() == 1:
             out[k] = jax.device_put(v, s)
         else:
-            out[k] = jax.make_array_from_process_local_data(s, v)
+            rows = sharding.process_batch_slice(v.shape[batch_axis])
+            local = np.take(v, np.arange(v.shape[batch_axis])[rows], axis=batch_axis)
+            out[k] = jax.make_array_from_process_local_data(s, local, v.shape)
     return out
 
 

@@ -129,6 +129,11 @@ class HostWorker:
         stats.setdefault("time_s", time.perf_counter() - t0)
         return stats
 
+    def param_checksum(self) -> float:
+        """Sum of |actor params| (tests use it to see that an update changed the weights)."""
+        return float(sum(np.abs(np.asarray(jax.device_get(x), np.float64)).sum()
+                         for x in jax.tree.leaves(self.actor.params)))
+
     # -- checkpoints ---------------------------------------------------------------------------------
     def _ckpt_state(self):
         state = {"actor": self.actor.state}

@@ -69,10 +69,21 @@ def render_arithmetic_answer(row: Mapping) -> str:
 
 
 def make_arithmetic_sft_rows(n: int, seed: int, *, split: str = "train", max_operand: int = 99,
-                             ops: Sequence[str] = ("+",)) -> list[dict]:
+                             ops: Sequence[str] = ("+",), off_by_one: float = 0.0) -> list[dict]:
     """Rows with `messages` = [user prompt, assistant answer] for an SFT warm start; they also
-    keep the verl fields of `make_arithmetic_rows`."""
+    keep the verl fields of `make_arithmetic_rows`.
+
+    `off_by_one` is the fraction of demonstrations whose answer is the true result + 1: imperfect
+    demonstrations with a systematic error, which imitation copies and a verifier reward (RL) can
+    unlearn. The quickstart uses it to show what RL adds over SFT. `reward_model.ground_truth`
+    stays the true answer.
+    """
+    if not 0.0 <= off_by_one <= 1.0:
+        raise ValueError(f"off_by_one must be in [0, 1], got {off_by_one}")
     rows = make_arithmetic_rows(n, seed=seed, split=split, max_operand=max_operand, ops=ops)
-    return [{**row, "messages": [*row["prompt"], {"role": "assistant",
-                                                  "content": render_arithmetic_answer(row)}]}
-            for row in rows]
+    noisy = np.random.default_rng(seed + 1).random(len(rows)) < off_by_one
+    out = []
+    for row, wrong in zip(rows, noisy):
+        answer = str(int(render_arithmetic_answer(row)) + 1) if wrong else render_arithmetic_answer(row)
+        out.append({**row, "messages": [*row["prompt"], {"role": "assistant", "content": answer}]})
+    return out

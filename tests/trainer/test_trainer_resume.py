@@ -1,0 +1,91 @@
+"""Kill-and-resume: a run interrupted after a checkpoint continues exactly like an uninterrupted one."""
+import json
+import os
+
+import pytest
+
+from jaxrl_llm.checkpoint import resolve_resume
+from jaxrl_llm.config import load_config
+from jaxrl_llm.trainer import RLTrainer, WorkerError
+
+from trainer_helpers import QUICKSTART, tiny_overrides
+
+# metrics that measure wall time or memory differ between any two runs
+_NONDETERMINISTIC = ("timing_s/", "timing_per_token_ms/", "perf/", "rollout/sync_time_s")
+
+
+def _config(run_dir, **extra):
+    extra = {"trainer.total_training_steps": 4, "trainer.save_freq": 2, "trainer.test_freq": 2,
+             "trainer.export_hf": False, "actor.optim.lr_schedule": "cosine",
+             "actor.optim.warmup_steps": 1, **extra}
+    return load_config(f"{QUICKSTART}:tiny,local", tiny_overrides(run_dir, **extra))
+
+
+def _steps(run_dir):
+    out = {}
+    for line in open(os.path.join(run_dir, "metrics.jsonl")):
+        rec = json.loads(line)
+        out[rec["training/global_step"]] = {k: v for k, v in rec.items()
+                                            if not k.startswith(_NONDETERMINISTIC)}
+    return out
+
+
+class _Killed(RuntimeError):
+    pass
+
+
+class _KilledAfter(RLTrainer):
+    """Dies (like a preempted job) right after the step-2 checkpoint is written."""
+
+    def save_checkpoint(self):
+        super().save_checkpoint()
+        if self.global_step == 2:
+            raise _Killed("simulated preemption")
+
+
+def test_resume_after_kill_continues_exactly(tmp_path):
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    RLTrainer(_config(full_dir)).fit()
+
+    with pytest.raises(_Killed):
+        _KilledAfter(_config(cut_dir)).fit()
+    assert resolve_resume("auto", cut_dir / "checkpoints")[1] == 2
+    assert max(_steps(cut_dir)) == 1  # step 2's metrics line was never written: it died first
+
+    RLTrainer(_config(cut_dir)).fit()  # resume_mode=auto picks up step 2
+    full, resumed = _steps(full_dir), _steps(cut_dir)
+    for step in (3, 4):
+        assert resumed[step].keys() == full[step].keys()
+        for key, value in full[step].items():
+            assert resumed[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+
+
+def test_resume_from_explicit_path_and_missing_path_errors(tmp_path):
+    run_dir = tmp_path / "a"
+    RLTrainer(_config(run_dir, **{"trainer.total_training_steps": 2})).fit()
+    other = tmp_path / "b"
+    trainer = RLTrainer(_config(other, **{"trainer.resume_mode": str(run_dir / "checkpoints" / "2"),
+                                          "trainer.total_training_steps": 3}))
+    trainer.fit()
+    assert max(_steps(other)) == 3 and 1 not in _steps(other)
+    with pytest.raises(FileNotFoundError, match="nope"):
+        RLTrainer(_config(tmp_path / "c", **{"trainer.resume_mode": str(tmp_path / "nope")})).fit()
+
+
+def test_worker_failure_stops_cleanly_and_keeps_checkpoints(tmp_path, monkeypatch):
+    from jaxrl_llm.workers import HostWorker
+
+    run_dir = tmp_path / "fail"
+    calls = {"n": 0}
+    original = HostWorker.update_actor
+
+    def flaky(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise FloatingPointError("NaN in the update (simulated)")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(HostWorker, "update_actor", flaky)
+    with pytest.raises(WorkerError, match="NaN in the update"):
+        RLTrainer(_config(run_dir)).fit()
+    assert resolve_resume("auto", run_dir / "checkpoints")[1] == 2

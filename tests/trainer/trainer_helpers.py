@@ -1,0 +1,26 @@
+"""Helpers for trainer tests: tiny configs that run a step in seconds."""
+import os
+
+from jaxrl_llm.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
+REWARD_FN = os.path.join(ROOT, "tests", "fixtures", "rewards", "length_parity.py")
+
+
+def tiny_overrides(run_dir, **extra):
+    o = {
+        "trainer.default_local_dir": str(run_dir),
+        "data.train_files": f"{run_dir}/data/train.parquet",
+        "data.val_files": f"{run_dir}/data/val.parquet",
+        "trainer.progress_bar": False,
+        "trainer.plot": False,
+        "trainer.logger": "jsonl",
+        "trainer.async_save": False,
+        "reward.custom_reward_function.path": REWARD_FN,
+        "reward.custom_reward_function.name": "compute_score",
+    }
+    o.update(extra)
+    return [f"{k}={v}" for k, v in o.items()]
+
+
