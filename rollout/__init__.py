@@ -1,1 +1,21 @@
-"""placeholder"""
+"""Rollout: a JetStream-API generation engine, the RL batch driver, sampling and weight sync.
+
+- `Engine`: prefill / insert / generate over our Flax `CausalLM` with a KV cache in the decode
+  state (JetStream 0.2.2's `Engine` API plus bulk_insert, prefill_multisampling, free_resource and
+  per-token log-probs); `Engine.from_model`, `Engine.from_pretrained`; `engine.update_params`
+  (zero-copy or one reshard).
+- `RolloutDriver`: prompts x n samples -> `RolloutBatch` (responses, response_mask,
+  rollout_log_probs, ...), continuous batching with an on-device multi-step decode loop.
+- `SamplingParams`, `sample`: greedy / temperature / top-k / top-p with log-probs.
+- `rollout.jetstream_adapter` (imports jetstream lazily; the `jetstream` extra) and
+  `python -m rollout.serve` (gRPC server) serve an engine through JetStream.
+
+This package does not import optax or trainer code.
+"""
+from ._driver import RolloutBatch, RolloutDriver
+from ._engine import PREFILL_BUCKETS, Engine
+from ._sampling import SamplingParams, sample
+from ._state import DecodeState, Prefix, ResultTokens, SlotData
+
+__all__ = ["Engine", "RolloutDriver", "RolloutBatch", "SamplingParams", "sample", "DecodeState",
+           "Prefix", "ResultTokens", "SlotData", "PREFILL_BUCKETS"]

@@ -1,0 +1,486 @@
+"""`Engine`: a JetStream-API generation engine over our Flax decoder, with KV cache and weight sync.
+
+It implements JetStream 0.2.2's `Engine` methods (prefill, insert, generate, init_decode_state,
+load_params, ...) and the newer extras (bulk_insert, prefill_multisampling, free_resource,
+per-token log-probs) *without importing jetstream*: `rollout.jetstream_adapter` wraps it for
+JetStream's orchestrator and gRPC server. The RL path (`rollout.RolloutDriver`) drives the same
+compiled pieces with an on-device multi-step loop.
+
+Conventions:
+- `max_target_length` is the total length (prompt + generated) of a slot, i.e. the KV cache length
+  (MaxText's meaning). It must exceed `max_prefill_length`.
+- Prompts are padded to a length bucket (16, 32, 64, ... up to `max_prefill_length`), so prefill
+  compiles once per bucket, never per prompt length.
+- Prefill caches all but a prompt's last token; the first `generate` after `insert` feeds that
+  token and samples the first new token (JetStream 0.2.2 returns no token from prefill).
+- Weights live as a plain dict of arrays (`nnx.State.to_pure_dict()` layout) on the rollout
+  shardings; `update_params` reshards (or shares, zero-copy) the trainer's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+import sharding
+from jaxrl_llm.models import CausalLM, KVCache, ModelConfig, abstract_model, to_dtype
+
+from ._sampling import SamplingParams, sample
+from ._state import DecodeState, Prefix, ResultTokens
+
+# JetStream's padding buckets (token_utils.pad_tokens); max_prefill_length must be one of them.
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_PREFIX_AXES = ("layers", None, "cache_length", "kv_heads", "head_dim")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _as_model(model_or_pair) -> tuple[ModelConfig, Any]:
+    """(config, pure param dict) from a CausalLM or a (graphdef, state, ...) tuple."""
+    if isinstance(model_or_pair, nnx.Module):
+        model = model_or_pair
+    elif isinstance(model_or_pair, (tuple, list)) and len(model_or_pair) >= 2:
+        model = nnx.merge(*model_or_pair)
+    else:
+        raise TypeError("Engine.from_model takes a CausalLM or a (graphdef, params, ...) tuple, got "
+                        f"{type(model_or_pair).__name__}")
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"the rollout engine needs a CausalLM (a language-model head), got "
+                        f"{type(model).__name__}")
+    return model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def _pure(params) -> Any:
+    if isinstance(params, nnx.Module):
+        params = nnx.state(params, nnx.Param)
+    if isinstance(params, nnx.State):
+        return nnx.to_pure_dict(params)
+    return params
+
+
+def _default_mesh(pure_params) -> jax.sharding.Mesh:
+    """The params' own mesh if they carry one with our axes, else a 1-device mesh on their device."""
+    leaf = jax.tree.leaves(pure_params)[0]
+    s = getattr(leaf, "sharding", None)
+    if isinstance(s, NamedSharding) and tuple(s.mesh.axis_names) == sharding.MESH_AXES:
+        return s.mesh
+    device = next(iter(s.device_set)) if s is not None else jax.devices()[0]
+    return sharding.make_mesh((1, 1, 1), devices=[device])
+
+
+class Engine:
+    """Generation engine (JetStream `Engine` API) over a `CausalLM`. Build with `from_model` or
+    `from_pretrained`; see the module docstring for the conventions."""
+
+    def __init__(self, config: ModelConfig, params: Any, *, mesh=None, rules="rollout",
+                 max_concurrent_decodes: int, max_prefill_length: int, max_target_length: int,
+                 dtype=None, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
+                 seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None):
+        self._check_sizes(max_concurrent_decodes, max_prefill_length, max_target_length)
+        if dtype is not None:
+            dtype = to_dtype(dtype)
+            config = config.replace(dtype=dtype, param_dtype=dtype)
+        self.config = config
+        self.sampling = SamplingParams(temperature, top_k, top_p)
+        self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
+        self.pad_token_id = int(pad_token_id)
+        self.tokenizer = tokenizer
+        self.seed = int(seed)
+        self._slots = int(max_concurrent_decodes)
+        self._max_prefill = int(max_prefill_length)
+        self._max_target = int(max_target_length)
+        self._buckets = tuple(b for b in PREFILL_BUCKETS if b <= self._max_prefill)
+        self._rules = sharding.get_rules(rules) if isinstance(rules, str) else rules
+        pure = _pure(params)
+        self._mesh = mesh if mesh is not None else _default_mesh(pure)
+        self._graphdef, abstract = nnx.split(abstract_model(config), nnx.Param)
+        self._param_shardings = nnx.to_pure_dict(
+            sharding.state_shardings(abstract, self._mesh, self._rules))
+        self._state_shardings = self._decode_state_shardings()
+        self._replicated = NamedSharding(self._mesh, PartitionSpec())
+        self._prefix_shardings = self._prefix_sharding_tree()
+        self._stop = jnp.asarray(self.stop_token_ids or (-1,), jnp.int32)
+        self._base_key = jax.random.key(self.seed)
+        self._request_counter = 0
+        self._params = None
+        self._build_compiled()
+        self.update_params(pure)
+
+    # ---------------------------------------------------------------- construction
+    @staticmethod
+    def _check_sizes(slots, max_prefill, max_target):
+        if int(slots) < 1:
+            raise ValueError(f"max_concurrent_decodes must be >= 1, got {slots}")
+        if int(max_prefill) not in PREFILL_BUCKETS:
+            raise ValueError(f"max_prefill_length={max_prefill} must be one of JetStream's padding "
+                             f"buckets {PREFILL_BUCKETS}")
+        if int(max_target) <= int(max_prefill):
+            raise ValueError(f"max_target_length={max_target} (prompt + generated tokens, the KV "
+                             f"cache length) must exceed max_prefill_length={max_prefill}")
+
+    @classmethod
+    def from_model(cls, model_or_graphdef_and_params, *, mesh=None, rules="rollout",
+                   max_concurrent_decodes: int, max_prefill_length: int, max_target_length: int,
+                   dtype=None, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
+                   seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None
+                   ) -> "Engine":
+        """An engine over an in-memory CausalLM (or `(graphdef, params, ...)` from `nnx.split`).
+
+        mesh None: the params' own mesh when they are `NamedSharding`-placed on a
+        (data, fsdp, tensor) mesh (colocated trainer), else a 1-device mesh on their device.
+        rules: "rollout" (default), "train" (shares the trainer's buffers when dtype matches) or a
+        rules table. dtype None keeps the model's dtypes; otherwise params, compute and KV cache
+        use it.
+        """
+        config, pure = _as_model(model_or_graphdef_and_params)
+        return cls(config, pure, mesh=mesh, rules=rules,
+                   max_concurrent_decodes=max_concurrent_decodes,
+                   max_prefill_length=max_prefill_length, max_target_length=max_target_length,
+                   dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                   stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tokenizer=tokenizer)
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, max_concurrent_decodes: int, max_prefill_length: int,
+                        max_target_length: int, dtype=jnp.bfloat16, temperature: float = 1.0,
+                        top_k: int = -1, top_p: float = 1.0, seed: int = 0, mesh=None,
+                        rules="rollout") -> "Engine":
+        """An engine over a Hugging Face folder (config.json + safetensors [+ tokenizer]).
+
+        Stop tokens and pad id come from the folder's tokenizer (eos ids) when it has one, else
+        from config.json.
+        """
+        import os
+
+        from jaxrl_llm.models import from_pretrained, load_tokenizer
+
+        model = from_pretrained(path, dtype, param_dtype=dtype)
+        tokenizer = None
+        if os.path.exists(os.path.join(path, "tokenizer.json")) or os.path.exists(
+                os.path.join(path, "jaxrl_char_tokenizer.json")):
+            tokenizer = load_tokenizer(path)
+        eos = model.config.eos_token_id
+        stop = getattr(tokenizer, "eos_token_ids", None) or (
+            () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos))
+        pad = getattr(tokenizer, "pad_token_id", None)
+        pad = pad if pad is not None else (model.config.pad_token_id or (stop[0] if stop else 0))
+        return cls.from_model(model, mesh=mesh, rules=rules,
+                              max_concurrent_decodes=max_concurrent_decodes,
+                              max_prefill_length=max_prefill_length,
+                              max_target_length=max_target_length, dtype=dtype,
+                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              stop_token_ids=stop, pad_token_id=pad, tokenizer=tokenizer)
+
+    def _decode_state_shardings(self) -> DecodeState:
+        c = self.config
+        shape = (c.num_hidden_layers, self._slots, self._max_target, c.num_key_value_heads, c.head_dim)
+        cache_s = sharding.logical_sharding(self._mesh, KVCache.LOGICAL_AXES, self._rules, shape,
+                                            name="KV cache (max_concurrent_decodes is its batch)")
+        rep = NamedSharding(self._mesh, PartitionSpec())
+        return DecodeState(KVCache(cache_s, cache_s), *([rep] * 10))
+
+    def _prefix_sharding_tree(self) -> Prefix:
+        s = sharding.logical_sharding(self._mesh, _PREFIX_AXES, self._rules)
+        return Prefix(KVCache(s, s), self._replicated, self._replicated)
+
+    # ---------------------------------------------------------------- compiled pieces
+    def _build_compiled(self):
+        st = self._state_shardings
+        self._prefill_jit = jax.jit(self._prefill_core, out_shardings=self._prefix_shardings)
+        self._insert_jit = jax.jit(self._insert_core, donate_argnums=(0,), out_shardings=st)
+        self._generate_jit = jax.jit(self._generate_core, donate_argnums=(1,),
+                                     out_shardings=(st, self._replicated, self._replicated))
+        self._loop_jit = jax.jit(self._loop_core, donate_argnums=(1, 2),
+                                 out_shardings=(st, None, self._replicated))
+        self._init_jit = jax.jit(self._init_core, out_shardings=st)
+        self._free_jit = jax.jit(self._free_core, donate_argnums=(0,), out_shardings=st)
+
+    def _run(self, fn, *args):
+        """Calls a jitted piece with the rollout rules active (activation constraints)."""
+        with sharding.use_rules(self._mesh, self._rules):
+            return fn(*args)
+
+    def _model(self, params) -> CausalLM:
+        return nnx.merge(self._graphdef, params)
+
+    def _prefill_core(self, params, tokens, true_lengths):
+        """tokens int32[p, bucket] right-padded; true_lengths int32[p] >= 1."""
+        cached = true_lengths - 1
+        mask = (jnp.arange(tokens.shape[1])[None, :] < cached[:, None]).astype(jnp.int32)
+        _, cache = self._model(params).prefill(tokens, attention_mask=mask)
+        last = jnp.take_along_axis(tokens, cached[:, None], axis=1)[:, 0]
+        return Prefix(cache, cached.astype(jnp.int32), last.astype(jnp.int32))
+
+    def _init_core(self):
+        c, n = self.config, self._slots
+        shape = (c.num_hidden_layers, n, self._max_target, c.num_key_value_heads, c.head_dim)
+        zi = jnp.zeros((n,), jnp.int32)
+        return DecodeState(
+            cache=KVCache(jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype)),
+            tokens=zi, lengths=zi, generated=zi, max_new=zi, active=jnp.zeros((n,), jnp.bool_),
+            row=zi, keys=jax.random.split(jax.random.key(0), n),
+            temperature=jnp.ones((n,), jnp.float32), top_k=zi - 1, top_p=jnp.ones((n,), jnp.float32))
+
+    def _insert_core(self, state: DecodeState, prefix: Prefix, src, dst, rows, max_new,
+                     temperature, top_k, top_p, base_key):
+        """Copies prefix rows `src` into slots `dst` (int32[m]; dst >= slots is ignored)."""
+        b = prefix.cache.k.shape[2]
+
+        def put(buf, val):
+            return buf.at[dst].set(val, mode="drop")
+
+        def put_cache(buf, val):
+            return buf.at[:, dst, :b].set(val[:, src].astype(buf.dtype), mode="drop")
+
+        m = dst.shape[0]
+        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base_key, rows)
+        return DecodeState(
+            cache=KVCache(put_cache(state.cache.k, prefix.cache.k), put_cache(state.cache.v, prefix.cache.v)),
+            tokens=put(state.tokens, prefix.tokens[src]),
+            lengths=put(state.lengths, prefix.lengths[src]),
+            generated=put(state.generated, jnp.zeros((m,), jnp.int32)),
+            max_new=put(state.max_new, max_new),
+            active=put(state.active, jnp.ones((m,), jnp.bool_)),
+            row=put(state.row, rows),
+            keys=put(state.keys, keys),
+            temperature=put(state.temperature, jnp.broadcast_to(temperature, (m,)).astype(jnp.float32)),
+            top_k=put(state.top_k, jnp.broadcast_to(top_k, (m,)).astype(jnp.int32)),
+            top_p=put(state.top_p, jnp.broadcast_to(top_p, (m,)).astype(jnp.float32)))
+
+    def _step(self, params, state: DecodeState):
+        """One decode step for all slots. Returns (state, tokens, log_probs, valid, generated)."""
+        model = self._model(params)
+        hidden, cache = model.decode(state.tokens[:, None], positions=state.lengths[:, None],
+                                     cache=state.cache, cache_index=state.lengths)
+        logits = model.logits(hidden[:, 0])
+        keys = jax.vmap(jax.random.fold_in)(state.keys, state.generated)
+        tok, logp = sample(logits, keys, state.temperature, state.top_k, state.top_p)
+        act = state.active
+        generated = state.generated + act.astype(jnp.int32)
+        lengths = state.lengths + act.astype(jnp.int32)
+        stop = jnp.any(tok[:, None] == self._stop[None, :], axis=-1)
+        done = act & (stop | (generated >= state.max_new) | (lengths >= self._max_target))
+        new = dataclasses.replace(state, cache=cache, tokens=jnp.where(act, tok, state.tokens),
+                                  lengths=lengths, generated=generated, active=act & ~done)
+        return new, tok, logp, act, generated
+
+    def _generate_core(self, params, state):
+        state, tok, logp, valid, generated = self._step(params, state)
+        data = jnp.stack([tok, valid.astype(jnp.int32), generated], axis=-1)
+        return state, data, logp[:, None]
+
+    def _loop_core(self, params, state, out, num_steps, min_free):
+        """Up to `num_steps` decode steps on device; stops early when no slot is active or at least
+        `min_free` slots are free. Writes each valid token into `out` at (row, step of the row)."""
+        rows_cap = out["tokens"].shape[0]
+
+        def cond(c):
+            i, st, _ = c
+            n_free = jnp.sum(~st.active)
+            return (i < num_steps) & jnp.any(st.active) & (n_free < min_free)
+
+        def body(c):
+            i, st, o = c
+            new, tok, logp, valid, generated = self._step(params, st)
+            r = jnp.where(valid, st.row, rows_cap)
+            o = {"tokens": o["tokens"].at[r, st.generated].set(tok, mode="drop"),
+                 "log_probs": o["log_probs"].at[r, st.generated].set(logp, mode="drop"),
+                 "lengths": o["lengths"].at[r].set(generated, mode="drop")}
+            return i + 1, new, o
+
+        steps, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out))
+        return state, out, steps
+
+    def _free_core(self, state, slot):
+        return dataclasses.replace(state, active=state.active.at[slot].set(False))
+
+    # ---------------------------------------------------------------- weights
+    @property
+    def params(self):
+        """The engine's weights: a plain dict of arrays (`nnx.State.to_pure_dict()` layout)."""
+        return self._params
+
+    def update_params(self, params) -> dict:
+        """Takes new weights (the trainer's Param `nnx.State`, a pure dict or a CausalLM).
+
+        Leaves already on the rollout sharding with the engine's dtype are used as they are (0 bytes
+        copied, same device buffers); others go through one `sharding.reshard` with the cast fused.
+        The KV cache is not touched. Returns {"bytes_moved", "bytes_total", "zero_copy",
+        "num_copied", "time_s"}.
+        """
+        t0 = time.perf_counter()
+        pure = _pure(params)
+        want = jax.tree.structure(self._param_shardings)
+        got = jax.tree.structure(pure)
+        if got != want:
+            raise ValueError(f"update_params: the parameter tree does not match the engine's model.\n"
+                             f"engine: {want}\ngot:    {got}")
+        self._params = None  # drop our old copies before making new ones (peak memory)
+        new, stats = sharding.reshard_with_stats(pure, self._param_shardings,
+                                                 dtype=self.config.param_dtype)
+        new = jax.tree.map(self._own_mesh, new, self._param_shardings)
+        jax.block_until_ready(new)
+        self._params = new
+        return {"bytes_moved": int(stats["bytes_moved"]), "bytes_total": int(stats["bytes_total"]),
+                "zero_copy": stats["num_copied"] == 0, "num_copied": int(stats["num_copied"]),
+                "time_s": time.perf_counter() - t0}
+
+    def _own_mesh(self, x, target):
+        """Re-labels a leaf whose type still names another mesh (what `device_put(x, device)` of a
+        mesh-sharded array leaves behind; jit would refuse to mix the two meshes). Aliases the
+        buffer: no bytes move."""
+        if jax.typeof(x).sharding.mesh != self._mesh.abstract_mesh:
+            return jax.device_put(x, target, may_alias=True)
+        return x
+
+    def check_params(self, params=None):
+        """Raises a clear error when the weights were freed (e.g. donated by the trainer's step)."""
+        params = self._params if params is None else params
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(params)):
+            raise RuntimeError("the engine's weights were deleted (a shared buffer was donated by "
+                               "the trainer's update?); call engine.update_params(new_params) "
+                               "before generating")
+
+    # ---------------------------------------------------------------- JetStream API
+    def load_params(self, *args, **kwargs):
+        return self._params
+
+    def init_decode_state(self, *args, **kwargs) -> DecodeState:
+        return self._run(self._init_jit)
+
+    def bucket_for(self, length: int) -> int:
+        """The padding bucket of a prompt of `length` tokens (error if over max_prefill_length)."""
+        if length < 1:
+            raise ValueError("a prompt needs at least one token")
+        if length > self._max_prefill:
+            raise ValueError(f"prompt of {length} tokens is longer than max_prefill_length="
+                             f"{self._max_prefill}; truncate it or build the engine with a larger "
+                             f"max_prefill_length")
+        return next(b for b in self._buckets if b >= length)
+
+    def prefill_batch(self, params, tokens: np.ndarray, true_lengths: np.ndarray) -> Prefix:
+        """Prefills p prompts at once. tokens int32[p, bucket] right-padded, true_lengths int32[p]."""
+        self.check_params(params)
+        return self._run(self._prefill_jit, params, jnp.asarray(tokens, jnp.int32),
+                         jnp.asarray(true_lengths, jnp.int32))
+
+    def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int,
+                sampler=None, rng=None) -> Prefix:
+        """JetStream prefill of one prompt (1-D tokens padded to a bucket)."""
+        if existing_prefix is not None:
+            raise NotImplementedError("prefill with an existing_prefix (multi-turn cache reuse) is "
+                                      "not supported; send the whole conversation")
+        true_length = int(true_length)
+        bucket = self.bucket_for(true_length)
+        toks = np.asarray(padded_tokens, np.int32).reshape(-1)[:true_length]
+        padded = np.full((1, bucket), self.pad_token_id, np.int32)
+        padded[0, :true_length] = toks
+        return self.prefill_batch(params, padded, np.asarray([true_length], np.int32))
+
+    def prefill_multisampling(self, *, params, existing_prefix=None, padded_tokens,
+                              true_length: int, num_samples: int = 1, **kw) -> Prefix:
+        """Prefill once for `num_samples` samples: `bulk_insert` the prefix into that many slots."""
+        del num_samples
+        return self.prefill(params=params, existing_prefix=existing_prefix,
+                            padded_tokens=padded_tokens, true_length=true_length)
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+        return self.bulk_insert(prefix, decode_state, [slot])
+
+    def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots) -> DecodeState:
+        """Inserts prefix row 0 into each slot of `slots` (one request, several samples), with the
+        engine's default sampling parameters; each gets its own PRNG stream."""
+        slots = [int(s) for s in slots]
+        bad = [s for s in slots if not 0 <= s < self._slots]
+        if bad:
+            raise ValueError(f"slots {bad} out of range [0, {self._slots})")
+        m = len(slots)
+        rows = np.arange(self._request_counter, self._request_counter + m, dtype=np.int32)
+        self._request_counter += m
+        max_new = self._max_target - (np.asarray(prefix.lengths)[0] + 1)
+        sp = self.sampling
+        return self.insert_rows(decode_state, prefix, src=np.zeros(m, np.int32),
+                                dst=np.asarray(slots, np.int32), rows=rows,
+                                max_new=np.full(m, max_new, np.int32), sampling=sp,
+                                key=self._base_key)
+
+    def insert_rows(self, state, prefix, *, src, dst, rows, max_new, sampling: SamplingParams, key):
+        """Prefix rows `src` into slots `dst` (numpy int32[m]); pads m to a power of two."""
+        m = len(dst)
+        mp = _next_pow2(m)
+        pad = mp - m
+
+        def padded(x, fill):
+            return jnp.asarray(np.concatenate([np.asarray(x, np.int32), np.full(pad, fill, np.int32)]))
+
+        return self._run(self._insert_jit, state, prefix, padded(src, 0), padded(dst, self._slots),
+                         padded(rows, 0), padded(max_new, 0), jnp.float32(sampling.temperature),
+                         jnp.int32(sampling.top_k), jnp.float32(sampling.top_p), key)
+
+    def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
+        """One decode step for every slot. Free slots produce tokens with validity 0."""
+        state, data, logp = self._run(self._generate_jit, params, decode_state)
+        return state, ResultTokens(data=data, log_prob=logp)
+
+    def decode_loop(self, params, state, out, num_steps: int, min_free: int):
+        """The RL driver's multi-step loop (see `_loop_core`). Returns (state, out, steps)."""
+        return self._run(self._loop_jit, params, state, out, jnp.int32(num_steps), jnp.int32(min_free))
+
+    def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
+        """Marks `slot` free (its cache is simply overwritten by the next insert)."""
+        return self._run(self._free_jit, decode_state, jnp.int32(slot))
+
+    def get_prefix_destination_sharding(self) -> Prefix:
+        return self._prefix_shardings
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def build_tokenizer(self, metadata=None):
+        return self.tokenizer
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self._slots
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self._max_prefill
+
+    @property
+    def max_target_length(self) -> int:
+        return self._max_target
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        return self._buckets
+
+    @property
+    def mesh(self):
+        return self._mesh
+
+    @property
+    def colocated_cpus(self):
+        return None
+
+    @property
+    def param_shardings(self):
+        return self._param_shardings
+
+    def kv_cache_bytes(self) -> int:
+        c = self.config
+        n = c.num_hidden_layers * self._slots * self._max_target * c.num_key_value_heads * c.head_dim
+        return 2 * n * jnp.dtype(c.dtype).itemsize

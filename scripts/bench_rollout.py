@@ -1,0 +1,159 @@
+"""Rollout throughput benchmark: our engine + RL driver vs Hugging Face `generate` on one GPU.
+
+    python scripts/bench_rollout.py                       # Qwen2.5-0.5B/1.5B shapes, batch 64/256
+    python scripts/bench_rollout.py --models 0.5b --batches 64 --no-peer
+    python scripts/bench_rollout.py --tiny                # CPU smoke run in seconds (tests call it)
+
+Random-init bf16 models with Qwen2.5 shapes; every prompt is `--prompt-len` random tokens and
+generates exactly `--gen-len` tokens (no stop tokens). Prints one JSON object per line with:
+tokens_per_s, ms_per_step (decode only), hbm_fraction = (weight bytes + KV bytes read per step)
+/ step time / HBM bandwidth, compile_s, peak_bytes, and the same workload through transformers'
+`generate` in torch (`peer`) when torch + CUDA are available.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+QWEN25 = {  # Hugging Face config.json values of Qwen/Qwen2.5-*-Instruct
+    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["0.5b", "1.5b"], choices=sorted(QWEN25))
+    p.add_argument("--batches", nargs="+", type=int, default=[64, 256])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=512)
+    p.add_argument("--steps-per-sync", type=int, default=32)
+    p.add_argument("--hbm-gbs", type=float, default=4800.0, help="HBM bandwidth, GB/s (H200: 4800)")
+    p.add_argument("--no-peer", action="store_true", help="skip the transformers generate peer")
+    p.add_argument("--tiny", "--dry-run", dest="tiny", action="store_true",
+                   help="tiny model, batch 4, 16+8 tokens, fp32, no peer: a CPU smoke run")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.models, args.batches, args.prompt_len, args.gen_len = ["tiny"], [4], 16, 8
+        args.steps_per_sync, args.no_peer = 4, True
+    return args
+
+
+def _config(name, dtype):
+    from jaxrl_llm.models import ModelConfig
+    return ModelConfig(model_type="qwen2", attention_bias=True, rope_theta=1e6,
+                       max_position_embeddings=32768, dtype=dtype, param_dtype=dtype, **QWEN25[name])
+
+
+def _peak_bytes():
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def bench_ours(name, batch, args):
+    import rollout
+    from jaxrl_llm.models import init_model
+    from rollout._engine import PREFILL_BUCKETS
+
+    dtype = jnp.float32 if args.tiny else jnp.bfloat16
+    cfg = _config(name, dtype)
+    model = init_model(cfg, seed=0)
+    prefill_len = next(b for b in PREFILL_BUCKETS if b >= args.prompt_len)
+    engine = rollout.Engine.from_model(
+        model, max_concurrent_decodes=batch, max_prefill_length=prefill_len,
+        max_target_length=max(prefill_len + 1, args.prompt_len + args.gen_len), temperature=1.0)
+    del model
+    driver = rollout.RolloutDriver(engine, steps_per_sync=args.steps_per_sync,
+                                   max_prefill_batch=min(batch, 64))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, args.prompt_len).tolist() for _ in range(batch)]
+    sp = rollout.SamplingParams(temperature=1.0)
+
+    def run(gen):
+        t0 = time.perf_counter()
+        out = driver.generate(prompts, n=1, max_new_tokens=gen, sampling=sp, seed=0)
+        return time.perf_counter() - t0, out
+
+    compile_s, _ = run(args.gen_len)  # first call compiles prefill, insert and the decode loop
+    run(1)  # a 1-token run has other output-buffer shapes: compile those before timing
+    prefill_s, _ = run(1)  # prefill + insert + one decode step
+    total_s, out = run(args.gen_len)
+    gen_tokens = int(out.response_lengths.sum())
+    step_s = max(total_s - prefill_s, 1e-9) / max(args.gen_len - 1, 1)
+    c = engine.config
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * jnp.dtype(c.dtype).itemsize
+    avg_ctx = args.prompt_len + args.gen_len / 2
+    bytes_per_step = weight_bytes + batch * avg_ctx * kv_per_token
+    return {
+        "engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
+        "prompt_len": args.prompt_len, "gen_len": args.gen_len, "dtype": str(jnp.dtype(dtype)),
+        "device": str(jax.devices()[0].device_kind), "generated_tokens": gen_tokens,
+        "tokens_per_s": gen_tokens / total_s, "total_s": total_s, "prefill_s": prefill_s,
+        "ms_per_step": step_s * 1e3, "compile_s": compile_s - total_s,
+        "hbm_fraction": bytes_per_step / step_s / (args.hbm_gbs * 1e9),
+        "bytes_per_step": int(bytes_per_step), "weight_bytes": int(weight_bytes),
+        "kv_cache_bytes": int(engine.kv_cache_bytes()), "peak_bytes": _peak_bytes(),
+        "decode_loops": out.stats["decode_loops"], "steps_per_sync": args.steps_per_sync,
+    }
+
+
+def bench_peer(name, batch, args):
+    """The same workload through transformers' generate (torch, CUDA, bf16, sampling at T=1)."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        return {"engine": "transformers.generate", "skipped": f"not installed: {e}"}
+    if not torch.cuda.is_available():
+        return {"engine": "transformers.generate", "skipped": "no CUDA device for torch"}
+    cfg = transformers.Qwen2Config(**QWEN25[name], max_position_embeddings=32768, rope_theta=1e6)
+    model = transformers.Qwen2ForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (batch, args.prompt_len), device="cuda")
+    kw = dict(max_new_tokens=args.gen_len, min_new_tokens=args.gen_len, do_sample=True,
+              pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+        torch.cuda.synchronize()
+        warm = time.perf_counter() - t0
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+    gen = int((out.shape[1] - args.prompt_len) * batch)
+    return {"engine": "transformers.generate", "model": f"qwen2.5-{name}", "batch": batch,
+            "transformers": transformers.__version__, "torch": torch.__version__,
+            "tokens_per_s": gen / total, "total_s": total, "ms_per_step": total / args.gen_len * 1e3,
+            "warmup_s": warm, "peak_bytes": int(torch.cuda.max_memory_allocated())}
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    results = []
+    for name in args.models:
+        for batch in args.batches:
+            ours = bench_ours(name, batch, args)
+            if not args.no_peer:
+                peer = bench_peer(name, batch, args)
+                ours["peer"] = peer
+                if "tokens_per_s" in peer:
+                    ours["speedup_vs_peer"] = ours["tokens_per_s"] / peer["tokens_per_s"]
+            print(json.dumps(ours), flush=True)
+            results.append(ours)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""scripts/bench_rollout.py --tiny runs on CPU and reports every field the GPU run reports."""
+import importlib.util
+import json
+import os
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_rollout.py")
+
+
+def test_bench_rollout_tiny_prints_json_with_all_metrics(capsys):
+    spec = importlib.util.spec_from_file_location("bench_rollout", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = bench.main(["--tiny"])
+    printed = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert printed == json.loads(json.dumps(results))
+    r = printed[0]
+    for key in ("tokens_per_s", "ms_per_step", "hbm_fraction", "compile_s", "peak_bytes",
+                "kv_cache_bytes", "weight_bytes"):
+        assert key in r, key
+    assert r["generated_tokens"] == 4 * 8
+    assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and 0 < r["hbm_fraction"]

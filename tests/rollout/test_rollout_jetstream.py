@@ -1,0 +1,98 @@
+"""JetStream 0.2.2 conformance: our engine under JetStream's orchestrator and gRPC server.
+
+Needs the `jetstream` extra (google-jetstream==0.2.2), which the test set-up installs; these tests
+are not skipped when it is missing.
+"""
+import asyncio
+import logging
+import os
+import sys
+
+import grpc
+import numpy as np
+import portpicker
+
+import rollout
+from conftest import greedy_reference
+from rollout import jetstream_adapter
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "models", "qwen2")
+
+
+def test_import_does_not_load_jetstream_or_tensorflow():
+    import subprocess
+    code = "import rollout, sys; print('jetstream' in sys.modules, 'tensorflow' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.stdout.split()[-2:] == ["False", "False"]
+
+
+def test_adapter_patches_delete_pytree_and_restores_root_logger():
+    root = logging.getLogger()
+    level = root.level
+    handlers = list(root.handlers)
+    js = jetstream_adapter.import_jetstream()
+    assert root.level == level and root.handlers == handlers
+    import jax.numpy as jnp
+    x = jnp.ones(3)
+    js.orchestrator.delete_pytree({"a": x})  # 0.2.2's own version raises on current JAX
+    assert x.is_deleted()
+
+
+async def _decode_all(orch, js, ids, max_tokens):
+    req = js.jetstream_pb2.DecodeRequest(
+        token_content=js.jetstream_pb2.DecodeRequest.TokenContent(token_ids=ids),
+        max_tokens=max_tokens)
+    out = []
+    async for resp in orch.Decode(req):
+        out.extend(resp.stream_content.samples[0].token_ids)
+    return out
+
+
+def test_jetstream_driver_returns_the_same_tokens_as_our_driver(tiny_engine, tiny_driver, prompts,
+                                                               stop_id):
+    js = jetstream_adapter.import_jetstream()
+    jse = jetstream_adapter.as_jetstream_engine(tiny_engine)
+    assert isinstance(jse, js.engine_api.Engine)
+    driver = jetstream_adapter.make_driver(tiny_engine)
+    orch = js.orchestrator.LLMOrchestrator(driver=driver)
+    bos = jse.build_tokenizer(jse.get_tokenizer()).bos_id  # 0.2.2 prepends it to token requests
+    try:
+        async def run_all():  # concurrent requests: several slots, inserted at different steps
+            return await asyncio.gather(*[_decode_all(orch, js, p, 8) for p in prompts[:5]])
+        served = asyncio.run(run_all())
+    finally:
+        driver.stop()
+    ours = tiny_driver.generate([[bos] + p for p in prompts[:5]], n=1, max_new_tokens=8,
+                                sampling=rollout.SamplingParams(0.0))
+    for i in range(5):
+        n = ours.response_lengths[i]
+        expected = ours.responses[i, :n].tolist()
+        if ours.finish_reasons[i] == "stop":  # JetStream does not return the stop token
+            expected = expected[:-1]
+        assert served[i] == expected, i
+        assert len(served[i]) > 0
+
+
+def test_grpc_server_answers_decode_on_loopback():
+    from rollout import serve
+    port = portpicker.pick_unused_port()
+    args = serve.parse_args(["--checkpoint", FIXTURE, "--port", str(port), "--slots", "2",
+                             "--max-prefill-length", "16", "--max-target-length", "32",
+                             "--dtype", "float32", "--temperature", "0"])
+    server = serve.start(args)
+    js = jetstream_adapter.import_jetstream()
+    try:
+        with grpc.secure_channel(f"127.0.0.1:{port}", grpc.local_channel_credentials()) as channel:
+            stub = js.jetstream_pb2_grpc.OrchestratorStub(channel)
+            assert stub.HealthCheck(js.jetstream_pb2.HealthCheckRequest()).is_live
+            req = js.jetstream_pb2.DecodeRequest(
+                token_content=js.jetstream_pb2.DecodeRequest.TokenContent(token_ids=[5, 17, 42, 8]),
+                max_tokens=5)
+            got = [t for r in stub.Decode(req, timeout=120) for t in r.stream_content.samples[0].token_ids]
+    finally:
+        server.stop()
+    from jaxrl_llm.models import from_pretrained
+    model = from_pretrained(FIXTURE)
+    assert got == greedy_reference(model, [0, 5, 17, 42, 8], 5)  # bos (= pad id 0) prepended
+    assert np.asarray(got).size == 5

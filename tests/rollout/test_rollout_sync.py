@@ -1,0 +1,132 @@
+"""Weight sync: zero-copy when layouts match, one reshard otherwise; sampling-function properties."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import rollout
+import sharding
+from jaxrl_llm.models import ModelConfig, init_model
+
+# heads, kv_heads, mlp and vocab divisible by 8 so the tensor=8 rollout mesh is valid.
+WIDE = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=8, num_key_value_heads=8, model_type="qwen3", qk_norm=True)
+PROMPTS = [[5, 9, 17, 3], [40, 2], [77, 12, 90, 31, 6, 8]]
+GREEDY = rollout.SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def train_params():
+    """A model placed by the train rules on an fsdp=8 mesh, as the trainer holds it."""
+    mesh = sharding.make_mesh((1, 8, 1))
+    model = sharding.init_sharded(lambda: init_model(WIDE, seed=4), mesh, "train")
+    return mesh, nnx.split(model, nnx.Param)
+
+
+def _leaves(tree):
+    return jax.tree.leaves(tree)
+
+
+def test_zero_copy_sync_shares_the_trainers_buffers(train_params):
+    mesh, (graphdef, params) = train_params
+    engine = rollout.Engine.from_model((graphdef, params), rules="train", max_concurrent_decodes=8,
+                                       max_prefill_length=16, max_target_length=32)
+    assert engine.mesh is mesh  # mesh=None -> the params' own mesh
+    stats = engine.update_params(params)
+    assert stats["zero_copy"] and stats["bytes_moved"] == 0 and stats["bytes_total"] > 0
+    for ours, theirs in zip(_leaves(engine.params), _leaves(params)):
+        assert ours is theirs
+        assert ours.addressable_shards[0].data.unsafe_buffer_pointer() == \
+            theirs.addressable_shards[0].data.unsafe_buffer_pointer()
+    # a dtype change is not zero-copy
+    cast = rollout.Engine.from_model((graphdef, params), rules="train", max_concurrent_decodes=8,
+                                     max_prefill_length=16, max_target_length=32, dtype="bfloat16")
+    stats = cast.update_params(params)
+    assert not stats["zero_copy"] and stats["bytes_moved"] == stats["bytes_total"] > 0
+    assert all(x.dtype == jnp.bfloat16 for x in _leaves(cast.params))
+
+
+def test_resharded_sync_fsdp_to_tensor_gives_identical_generations(train_params):
+    """train fsdp 1x8x1 -> rollout tensor 1x1x8 on 8 CPU devices: same greedy tokens as 1 device."""
+    _, (graphdef, params) = train_params
+    single = rollout.Engine.from_model(
+        (graphdef, jax.device_put(params, jax.devices()[0])), max_concurrent_decodes=4,
+        max_prefill_length=16, max_target_length=32)
+    tensor_mesh = sharding.make_mesh((1, 1, 8))
+    tp = rollout.Engine.from_model((graphdef, params), mesh=tensor_mesh, max_concurrent_decodes=4,
+                                   max_prefill_length=16, max_target_length=32)
+    stats = tp.update_params(params)
+    assert not stats["zero_copy"] and stats["bytes_moved"] > 0
+    q = tp.params["model"]["layers"]["self_attn"]["q_proj"]["kernel"]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor", None)
+    a = rollout.RolloutDriver(single).generate(PROMPTS, n=2, max_new_tokens=8, sampling=GREEDY)
+    b = rollout.RolloutDriver(tp).generate(PROMPTS, n=2, max_new_tokens=8, sampling=GREEDY)
+    np.testing.assert_array_equal(a.responses, b.responses)
+    np.testing.assert_allclose(a.rollout_log_probs, b.rollout_log_probs, atol=1e-4)
+
+    # New weights take effect and the KV cache buffer survives the sync.
+    driver = rollout.RolloutDriver(tp)
+    driver.generate(PROMPTS, n=1, max_new_tokens=8, sampling=GREEDY)
+    cache_before = driver._state.cache.k
+    new_params = jax.tree.map(lambda x: x * 1.5, params)
+    tp.update_params(new_params)
+    after = driver.generate(PROMPTS, n=2, max_new_tokens=8, sampling=GREEDY)
+    assert not np.array_equal(after.responses, b.responses)
+    assert driver._state.cache.k.shape == cache_before.shape
+    with pytest.raises(ValueError, match="does not match"):
+        tp.update_params({"model": {}})
+
+
+def test_engine_refuses_to_run_on_donated_weights(train_params):
+    _, (graphdef, params) = train_params
+    own = jax.tree.map(lambda x: x + 0, params)
+    engine = rollout.Engine.from_model((graphdef, own), rules="train", max_concurrent_decodes=8,
+                                       max_prefill_length=16, max_target_length=32)
+    jax.tree.leaves(own)[0].delete()  # what a donating train step does to a shared buffer
+    with pytest.raises(RuntimeError, match="update_params"):
+        rollout.RolloutDriver(engine).generate(PROMPTS, n=1, max_new_tokens=4)
+
+
+# ------------------------------------------------------------------------------------ sampling
+_DRAW = jax.jit(jax.vmap(rollout.sample, in_axes=(None, 0, None, None, None)))
+N_DRAWS = 256
+
+
+def _draw(logits, temperature, top_k, top_p, seed=0):
+    """N_DRAWS samples per row: tokens, log_probs [N_DRAWS, b] (one compile for every setting)."""
+    b = logits.shape[0]
+    keys = jax.random.split(jax.random.key(seed), N_DRAWS * b).reshape(N_DRAWS, b)
+    return _DRAW(logits, keys, jnp.full((b,), temperature, jnp.float32),
+                 jnp.full((b,), top_k, jnp.int32), jnp.full((b,), top_p, jnp.float32))
+
+
+def test_top_k_and_top_p_never_emit_a_filtered_token():
+    logits = jax.random.normal(jax.random.key(1), (4, 48)) * 2.0
+    toks, _ = _draw(logits, 1.0, 4, 1.0)
+    topk = np.argsort(-np.asarray(logits), axis=-1)[:, :4]
+    for row in range(4):
+        assert set(np.asarray(toks[:, row]).tolist()) <= set(topk[row].tolist())
+        assert len(set(np.asarray(toks[:, row]).tolist())) > 1
+    toks, _ = _draw(logits, 1.0, -1, 0.6)
+    probs = np.asarray(jax.nn.softmax(logits, axis=-1))
+    for row in range(4):
+        order = np.argsort(-probs[row])
+        keep = order[: int(np.searchsorted(np.cumsum(probs[row][order]), 0.6) + 1)]
+        assert set(np.asarray(toks[:, row]).tolist()) <= set(keep.tolist())
+    unfiltered, _ = _draw(logits, 1.0, -1, 1.0)
+    assert len(set(np.asarray(unfiltered[:, 0]).tolist())) > 8
+
+
+def test_temperature_to_zero_matches_greedy_and_log_probs_are_pre_filter():
+    logits = jax.random.normal(jax.random.key(2), (4, 48)) * 3.0
+    greedy = np.argmax(np.asarray(logits), axis=-1)
+    cold, _ = _draw(logits, 1e-4, -1, 1.0)
+    assert (np.asarray(cold) == greedy[None]).all()
+    toks, lp = _draw(logits, 0.0, 3, 0.5)
+    assert (np.asarray(toks) == greedy[None]).all()
+    want = np.asarray(jax.nn.log_softmax(logits, -1))[np.arange(4), greedy]
+    np.testing.assert_allclose(np.asarray(lp)[0], want, atol=1e-6)
+    toks, lp = _draw(logits, 2.0, 2, 1.0)
+    full = np.asarray(jax.nn.log_softmax(logits / 2.0, -1))
+    np.testing.assert_allclose(np.asarray(lp), np.take_along_axis(full[None], np.asarray(toks)[..., None], -1)[..., 0], atol=1e-6)
