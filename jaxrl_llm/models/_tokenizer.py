@@ -231,6 +231,8 @@ class CharTokenizer:
         out = []
         for i in ids:
             i = int(i)
+            if i >= self.vocab_size and skip_special_tokens:
+                continue  # a model's padded vocabulary rows (unused ids), as HF tokenizers skip them
             if not 0 <= i < self.vocab_size:
                 raise ValueError(f"CharTokenizer: id {i} is outside the vocabulary (size {self.vocab_size})")
             if skip_special_tokens and i < self.num_special:

@@ -22,10 +22,14 @@ log = logging.getLogger(__name__)
 
 
 def model_config_for(section: ModelSection, vocab_size: int) -> models.ModelConfig:
-    """The architecture of a from-scratch model (`model.path == ""`)."""
+    """The architecture of a from-scratch model (`model.path == ""`).
+
+    The vocabulary is padded to a multiple of 128 (as Qwen and MaxText do) so it shards over any
+    tensor-parallel size; the padded rows are never produced by the tokenizer.
+    """
     i = section.init
     return models.ModelConfig(
-        vocab_size=vocab_size, hidden_size=i.hidden_size, intermediate_size=i.intermediate_size,
+        vocab_size=-(-vocab_size // 128) * 128, hidden_size=i.hidden_size, intermediate_size=i.intermediate_size,
         num_hidden_layers=i.num_hidden_layers, num_attention_heads=i.num_attention_heads,
         num_key_value_heads=i.num_key_value_heads, head_dim=i.head_dim, model_type=i.model_type,
         rope_theta=i.rope_theta, max_position_embeddings=i.max_position_embeddings,
@@ -96,6 +100,9 @@ def init_train_state(params, tx, mesh) -> TrainState:
     """Optimizer state built on device; jit propagates the params' shardings to the moments."""
     opt_state = jax.jit(tx.init)(params)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    # scalars such as Adam's step count come out on one device: replicate them on the mesh
+    opt_state = jax.tree.map(
+        lambda x: x if getattr(x.sharding, "mesh", None) == mesh else jax.device_put(x, replicated), opt_state)
     return TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), replicated))
 
 

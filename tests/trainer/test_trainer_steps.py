@@ -27,7 +27,8 @@ def _one_step(run):
 @pytest.mark.parametrize("mesh", [(1, 8, 1), (2, 2, 2), (8, 1, 1), (1, 2, 4)])
 def test_grpo_step_updates_params_on_each_mesh(tiny_run, mesh):
     d, f, t = mesh
-    run = tiny_run(**{"mesh.data": d, "mesh.fsdp": f, "mesh.tensor": t})
+    # tensor=4 needs kv heads divisible by 4 (GQA heads are split, not replicated)
+    run = tiny_run(**{"mesh.data": d, "mesh.fsdp": f, "mesh.tensor": t, "model.init.num_key_value_heads": 4})
     metrics, before, after = _one_step(run)
     for key in REQUIRED:
         assert key in metrics, key
@@ -47,6 +48,12 @@ def test_ppo_step_with_critic(tiny_run):
                 "timing_s/ref", "timing_s/update_critic"]:
         assert key in metrics and math.isfinite(metrics[key]), key
     assert before != after
+
+
+def test_indivisible_mesh_is_a_clear_error(tiny_run):
+    run = tiny_run(**{"mesh.data": 1, "mesh.fsdp": 2, "mesh.tensor": 4})  # 2 kv heads over tensor=4
+    with pytest.raises(Exception, match=r"kv_heads.*not divisible by mesh axes \('tensor',\)"):
+        RLTrainer(run)
 
 
 def test_rollout_log_probs_match_recomputed_old_log_probs(tiny_run):
