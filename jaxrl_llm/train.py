@@ -1,7 +1,13 @@
 """`python -m jaxrl_llm.train --config=configs/X.py[:variant] [--config.a.b=v ...]`: run a job.
 
-Multi-host: every host runs this same command; `--coordinator_address`, `--num_processes` and
-`--process_id` (or SLURM / TPU VM environment) start `jax.distributed` first.
+Multi-host, local backend (`trainer.backend=local`): every host runs this same command;
+`--coordinator_address`, `--num_processes` and `--process_id` (or the SLURM / TPU VM environment)
+start `jax.distributed` first, and only process 0 writes metrics.
+
+Multi-host, Ray backend (`trainer.backend=ray`): run it once, on a node of a Ray cluster, with
+`--num_hosts=N`; this process stays the single controller (JAX on CPU) and starts one worker
+actor per host, which call `jax.distributed.initialize` themselves (coordinator: a free port on
+actor 0's node, or `--coordinator_address`).
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Ru
 _COORD = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host).")
 _NPROC = flags.DEFINE_integer("num_processes", None, "Number of JAX processes (multi-host).")
 _PID = flags.DEFINE_integer("process_id", None, "This process's id (multi-host).")
+_HOSTS = flags.DEFINE_integer("num_hosts", None, "Ray backend: worker actors, one per host "
+                              "(default --num_processes, else 1).")
 
 
 def main(argv) -> None:
@@ -28,11 +36,21 @@ def main(argv) -> None:
     for noisy in ("absl", "jax._src", "orbax", "ray"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     run = to_run_config(_CONFIG.value)
-    sharding.initialize_distributed(coordinator_address=_COORD.value, num_processes=_NPROC.value,
-                                    process_id=_PID.value)
     from jaxrl_llm.trainer import RLTrainer
 
-    final = RLTrainer(run).fit()
+    if run.trainer.backend == "ray":
+        # the controller never joins jax.distributed: the Ray actors are the JAX processes
+        num_hosts = _HOSTS.value or _NPROC.value or 1
+        distributed = {"coordinator_address": _COORD.value} if _COORD.value else None
+        trainer = RLTrainer(run, num_hosts=num_hosts, distributed=distributed)
+    else:
+        if _HOSTS.value not in (None, 1):
+            raise app.UsageError("--num_hosts is for trainer.backend=ray; with the local backend start "
+                                 "one process per host with --num_processes/--process_id")
+        sharding.initialize_distributed(coordinator_address=_COORD.value, num_processes=_NPROC.value,
+                                        process_id=_PID.value)
+        trainer = RLTrainer(run)
+    final = trainer.fit()
     print(json.dumps({"final_validation": final, "run_dir": run.trainer.default_local_dir}))
 
 

@@ -1,8 +1,14 @@
 """Multi-host start-up: one `jax.distributed.initialize` call, configured from the environment.
 
 Sources, first match wins: explicit arguments; SLURM (`srun`); a TPU VM slice (JAX detects it
-itself); `JAX_COORDINATOR_ADDRESS` / `JAX_NUM_PROCESSES` / `JAX_PROCESS_ID`. With none of them,
+itself); `JAX_COORDINATOR_ADDRESS` / `JAX_NUM_PROCESSES` / `JAX_PROCESS_ID`; `JAXRL_DISTRIBUTED=auto`
+(let `jax.distributed.initialize()` detect the cluster: TPU pods over ssh, where the TPU_*
+variables are not exported, as `scripts/tpu/launch.sh` does). With none of them,
 or a single process, it does nothing. Call it before anything touches a JAX device.
+
+On CPU (tests: several processes with fake devices on one machine) cross-process collectives
+need a CPU collectives implementation; `initialize_distributed` pins gloo there (JAX 0.10's
+default, set explicitly so the choice does not depend on the JAX version).
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ _STATE = {"initialized": False}
 class DistributedSpec:
     """Arguments for `jax.distributed.initialize`; `auto=True` lets JAX detect the cluster."""
 
-    source: str  # "explicit" | "slurm" | "tpu" | "env"
+    source: str  # "explicit" | "slurm" | "tpu" | "env" | "auto"
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
@@ -103,6 +109,15 @@ def _from_jax_env(env: Mapping[str, str]) -> DistributedSpec | None:
                            _int(env, "JAX_PROCESS_ID"))
 
 
+def _from_auto(env: Mapping[str, str]) -> DistributedSpec | None:
+    value = env.get("JAXRL_DISTRIBUTED", "")
+    if value in ("", "0", "off"):
+        return None
+    if value != "auto":
+        raise ValueError(f"JAXRL_DISTRIBUTED={value!r}: use 'auto' (or unset it)")
+    return DistributedSpec("auto", auto=True)
+
+
 def resolve_distributed_env(env: Mapping[str, str], *, coordinator_address: str | None = None,
                             num_processes: int | None = None, process_id: int | None = None,
                             local_device_ids: Sequence[int] | int | None = None
@@ -122,7 +137,7 @@ def resolve_distributed_env(env: Mapping[str, str], *, coordinator_address: str 
     if all(k in given for k in required):
         spec = DistributedSpec("explicit", **given)
     else:
-        spec = _from_slurm(env) or _from_tpu(env) or _from_jax_env(env)
+        spec = _from_slurm(env) or _from_tpu(env) or _from_jax_env(env) or _from_auto(env)
         if spec is None:
             if given:
                 missing = [k for k in required if k not in given]
@@ -151,6 +166,15 @@ def initialize_distributed(*, coordinator_address: str | None = None,
                                    local_device_ids=local_device_ids)
     if spec is None:
         return False
+    if _platform_is_cpu():
+        # CPU processes exchange collectives through gloo (must be set before the backend starts)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**spec.initialize_kwargs())
     _STATE["initialized"] = True
     return True
+
+
+def _platform_is_cpu() -> bool:
+    """Whether JAX is configured for CPU only (read from config/env: the backend is not started)."""
+    platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
+    return platforms.strip().lower() == "cpu"

@@ -42,8 +42,10 @@ def base_config() -> ConfigDict:
         use_kl_in_reward=False, kl_penalty="kl",
         kl_ctrl=dict(type="fixed", kl_coef=0.001, target_kl=0.1, horizon=10000))
     c.reward = dict(num_workers=2, timeout_s=10.0,
-                    custom_reward_function=dict(path="", name="compute_score"))
+                    custom_reward_function=dict(path="", name="compute_score"),
+                    model=dict(path="", micro_batch_size_per_device=8))
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
+    c.placement = dict(mode="colocated", rollout_mesh=dict(data=1, fsdp=1, tensor=1))
     c.sft = dict(steps=0, batch_size=32, lr=1e-4, warmup_steps=0, max_length=512, train_files=(),
                  messages_key="messages", builtin_size=2000, builtin_off_by_one=0.0)
     c.trainer = dict(

@@ -153,6 +153,12 @@ def _positive(value, field, allow_zero=False):
 def validate(c: RunConfig) -> None:
     """Cross-field checks: each error names the field(s) and the fix."""
     _choice(c.trainer.backend, ("ray", "local"), "trainer.backend")
+    _choice(c.placement.mode, ("colocated", "separate"), "placement.mode")
+    if c.placement.mode == "separate":
+        rm = c.placement.rollout_mesh
+        if min(rm.data, rm.fsdp, rm.tensor) < 1:
+            raise ConfigError("placement.rollout_mesh needs explicit sizes (>= 1, no -1) when "
+                              "placement.mode='separate'")
     _choice(c.algorithm.adv_estimator, ADV_ESTIMATORS, "algorithm.adv_estimator")
     _choice(c.actor.policy_loss, POLICY_LOSSES, "actor.policy_loss")
     _choice(c.actor.loss_agg_mode, LOSS_AGG_MODES, "actor.loss_agg_mode")

@@ -145,10 +145,20 @@ class CustomRewardConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardModelConfig:
+    """A learned reward model (value-head checkpoint). When `path` is set its score replaces the
+    rule-based scorers, as verl's `rm_scores` do. It must share the actor's tokenizer."""
+
+    path: str  # "" = no reward model
+    micro_batch_size_per_device: int
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardConfig:
     num_workers: int  # 0 = score in-process (no timeout protection)
     timeout_s: float
     custom_reward_function: CustomRewardConfig
+    model: RewardModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +166,16 @@ class MeshSection:
     data: int
     fsdp: int
     tensor: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+    """Where the rollout engine lives. `colocated` (default, verl's hybrid engine): on the training
+    mesh, weights synced in place. `separate`: on its own devices (the last ones of this host),
+    meshed by `rollout_mesh` (no -1); the training roles get the rest; sync copies across meshes."""
+
+    mode: str  # colocated | separate
+    rollout_mesh: MeshSection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +223,7 @@ class RunConfig:
     algorithm: AlgorithmConfig
     reward: RewardConfig
     mesh: MeshSection
+    placement: PlacementConfig
     sft: SFTConfig
     trainer: TrainerConfig
 

@@ -16,6 +16,10 @@ _FORWARD_ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_ENABLE_X64", "CUDA_VISIBLE_DE
                 "TOKENIZERS_PARALLELISM", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES")
 
 
+# Custom Ray resource that marks a node as one training host (one HostWorker actor each).
+HOST_RESOURCE = "jaxrl_host"
+
+
 class WorkerError(RuntimeError):
     """A worker raised; the message holds its (remote) traceback."""
 
@@ -42,9 +46,12 @@ class LocalGroup:
 class RayGroup:
     """One Ray actor per host; every call goes to all of them (SPMD multi-controller).
 
-    `num_hosts` actors are placed one per node by a `{"jaxrl_host": 1}` custom resource when the
-    cluster declares it (`scripts/ray/cluster.sh` does), otherwise spread over nodes. On a single
-    machine a local Ray is started with the machine's CPUs.
+    Placement (`host_placements`): with `num_hosts > 1` actor i is pinned to the i-th node that
+    declares the `jaxrl_host` custom resource (`scripts/ray/cluster.sh` gives each node one),
+    or to the i-th alive node when no node declares it; a one-node cluster (tests, one machine
+    with fake devices) holds all actors. Multi-host actors call `jax.distributed.initialize`
+    first thing; unless `distributed` names a coordinator, one is picked on actor 0's node (a
+    free port there). On a single machine a local Ray is started with the machine's CPUs.
     """
 
     def __init__(self, cls, *args, num_hosts: int = 1, distributed: dict | None = None, **kwargs):
@@ -52,24 +59,28 @@ class RayGroup:
 
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
-            env = {k: os.environ[k] for k in _FORWARD_ENV if k in os.environ}
+            env = forward_env()
             ray.init(address=address, include_dashboard=False, log_to_driver=True,
                      runtime_env={"env_vars": env} if env else None,
                      num_cpus=None if address else os.cpu_count(), ignore_reinit_error=True)
         self._ray = ray
-        resources = ray.cluster_resources()
-        opts = {"num_cpus": 0}
-        if resources.get("jaxrl_host", 0) >= num_hosts and num_hosts > 1:
-            opts["resources"] = {"jaxrl_host": 1}
-        elif num_hosts > 1:
-            opts["scheduling_strategy"] = "SPREAD"
-        actor_cls = ray.remote(**opts)(cls)
+        placements = host_placements(ray, num_hosts)
+        if num_hosts > 1 and not (distributed or {}).get("coordinator_address"):
+            distributed = {**(distributed or {}), "num_processes": num_hosts,
+                           "coordinator_address": free_address_on(ray, placements[0])}
+        if distributed is not None:
+            distributed = {**distributed, "num_processes": num_hosts}
+        env = forward_env()
+        actor_cls = ray.remote(num_cpus=0)(cls)
         self.workers = []
         for i in range(num_hosts):
             kw = dict(kwargs)
             if distributed is not None:
                 kw["distributed"] = {**distributed, "process_id": i}
-            self.workers.append(actor_cls.remote(*args, **kw))
+            opts = dict(placements[i])
+            if env:  # this process's devices/env now, also when Ray was started earlier
+                opts["runtime_env"] = {"env_vars": env}
+            self.workers.append(actor_cls.options(**opts).remote(*args, **kw))
         self.call("info")  # surface construction errors now
 
     def call(self, method: str, *args, **kwargs) -> list:
@@ -87,6 +98,56 @@ class RayGroup:
                 pass
             self._ray.kill(w)
         self.workers = []
+
+
+def forward_env() -> dict[str, str]:
+    """The variables of `_FORWARD_ENV` that are set in this process."""
+    return {k: os.environ[k] for k in _FORWARD_ENV if k in os.environ}
+
+
+def host_placements(ray, num_hosts: int) -> list[dict]:
+    """Ray actor options, one dict per host, that put each actor on its own node."""
+    if num_hosts < 1:
+        raise ValueError(f"num_hosts must be >= 1, got {num_hosts}")
+    if num_hosts == 1:
+        return [{}]
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    alive = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeManagerAddress"])
+    tagged = [n for n in alive if n.get("Resources", {}).get(HOST_RESOURCE, 0) >= 1]
+    nodes = tagged or alive
+    if len(nodes) == 1:
+        log.warning("Ray cluster has one node: all %d host actors share it (fine for CPU tests, "
+                    "not for accelerators)", num_hosts)
+        nodes = nodes * num_hosts
+    if len(nodes) < num_hosts:
+        what = f"nodes with the {HOST_RESOURCE!r} resource" if tagged else "alive nodes"
+        raise ValueError(f"num_hosts={num_hosts} but the Ray cluster has {len(nodes)} {what}; start a "
+                         f"Ray worker on every host (scripts/ray/cluster.sh) or lower num_hosts")
+    out = []
+    for n in nodes[:num_hosts]:
+        opts = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=n["NodeID"], soft=False)}
+        if tagged and len(tagged) >= num_hosts:
+            opts["resources"] = {HOST_RESOURCE: 1}
+        out.append(opts)
+    return out
+
+
+def free_address_on(ray, placement: dict) -> str:
+    """`ip:port` of a free TCP port on the node `placement` pins to (the JAX coordinator)."""
+    opts = {k: v for k, v in placement.items() if k == "scheduling_strategy"}
+    return ray.get(ray.remote(num_cpus=0)(_free_address).options(**opts).remote())
+
+
+def _free_address() -> str:
+    import socket
+
+    import ray
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return f"{ray.util.get_node_ip_address()}:{port}"
 
 
 def make_group(backend: str, cls, *args, **kwargs):

@@ -53,8 +53,13 @@ def prepare_builtin_data(config: RunConfig) -> None:
                                   (d.val_files, d.builtin_val_size, "test", d.seed + 1)):
         for p in paths:
             if not os.path.exists(p):
-                os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
-                makers[d.builtin_task](p, n, seed, split)
+                # several processes of a multi-host run may share the folder: write a private
+                # file and rename it (atomic), so no reader ever sees a half-written file
+                folder, name = os.path.split(os.path.abspath(p))
+                os.makedirs(folder, exist_ok=True)
+                tmp = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
+                makers[d.builtin_task](tmp, n, seed, split)
+                os.replace(tmp, p)
 
 
 class RLTrainer:
@@ -211,9 +216,12 @@ class RLTrainer:
         batch = B.rollout_batch(examples, gen, n=c.rollout.n, pad_token_id=self.pad_id,
                                 max_prompt_length=c.data.max_prompt_length)
         with _timer(timing, "reward"):
-            scores, _, rmetrics = self._score(examples, batch, c.rollout.n)
-            metrics.update(rmetrics)
-            batch["token_level_scores"] = B.token_level_scores(scores, batch["response_mask"])
+            if c.reward.model.path:  # a learned reward model replaces the rule-based scorers
+                batch["token_level_scores"] = self.call0("compute_rm_score", B.worker_view(batch))["rm_scores"]
+            else:
+                scores, _, rmetrics = self._score(examples, batch, c.rollout.n)
+                metrics.update(rmetrics)
+                batch["token_level_scores"] = B.token_level_scores(scores, batch["response_mask"])
         with _timer(timing, "old_log_prob"):
             if c.rollout.use_rollout_log_probs:
                 batch["old_log_probs"] = batch["rollout_log_probs"]

@@ -41,24 +41,13 @@ def model_config_for(section: ModelSection, vocab_size: int) -> models.ModelConf
 def build_model(section: ModelSection, *, vocab_size: int, mesh, value_head: bool = False):
     """A CausalLM (or ValueModel) placed on `mesh` by the training rules."""
     if section.path:
-        model = models.from_pretrained(section.path, dtype=section.param_dtype, value_head=value_head)
-        cfg = model.config.replace(dtype=models.to_dtype(section.dtype), remat=section.remat)
-        graphdef, state = nnx.split(model)
-        model = nnx.merge(graphdef, state)
-        model.config = cfg
-        _set_config(model, cfg)
-        return sharding.shard_state(model, mesh, sharding.TRAIN_RULES)
+        return models.from_pretrained(section.path, dtype=section.dtype, param_dtype=section.param_dtype,
+                                      value_head=value_head, mesh=mesh, rules=sharding.TRAIN_RULES,
+                                      remat=section.remat)
     cfg = model_config_for(section, vocab_size)
     seed = section.init.seed + (1 if value_head else 0)
     ctor = (models.ValueModel if value_head else models.CausalLM)
     return sharding.init_sharded(lambda: ctor(cfg, rngs=nnx.Rngs(params=seed)), mesh, sharding.TRAIN_RULES)
-
-
-def _set_config(module: nnx.Module, cfg: models.ModelConfig) -> None:
-    """Point every sub-module that holds the model config at `cfg` (compute dtype, remat)."""
-    for _, sub in module.iter_modules():
-        if hasattr(sub, "config") and isinstance(sub.config, models.ModelConfig):
-            sub.config = cfg
 
 
 def lr_schedule(optim: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -21,7 +21,7 @@ from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.config import RunConfig
 
 from ._common import build_model, model_config_for
-from ._roles import ActorWorker, CriticWorker, ReferenceWorker, SFTWorker
+from ._roles import ActorWorker, CriticWorker, ReferenceWorker, RewardModelWorker, SFTWorker
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +35,10 @@ class HostWorker:
             sharding.initialize_distributed(**distributed)
         self.config = c = config
         self.vocab_size, self.pad_token_id, self.stop_token_ids = vocab_size, pad_token_id, stop_token_ids
-        m = c.mesh
-        self.mesh = sharding.make_mesh(sharding.MeshConfig(m.data, m.fsdp, m.tensor))
+        self.mesh, self.rollout_mesh = _meshes(c)
         self._model = build_model(c.model, vocab_size=vocab_size, mesh=self.mesh)
         self._sft = None
-        self.actor = self.ref = self.critic = self.engine = self.driver = None
+        self.actor = self.ref = self.critic = self.engine = self.driver = self.reward_model = None
         self.checkpointer = Checkpointer(
             f"{c.trainer.default_local_dir}/checkpoints", max_to_keep=c.trainer.max_to_keep,
             async_save=c.trainer.async_save, enable=True)
@@ -86,9 +85,14 @@ class HostWorker:
         if c.use_critic:
             critic_model = build_model(c.model, vocab_size=self.vocab_size, mesh=self.mesh, value_head=True)
             self.critic = CriticWorker(critic_model, c.critic, mesh=self.mesh, total_steps=total_steps)
+        if c.reward.model.path:
+            rm = models.from_pretrained(c.reward.model.path, dtype=c.model.dtype, param_dtype=c.model.param_dtype,
+                                        value_head=True, mesh=self.mesh)
+            self.reward_model = RewardModelWorker(rm, mesh=self.mesh,
+                                                  micro_per_device=c.reward.model.micro_batch_size_per_device)
         self._model = None
         self.engine = rollout.Engine.from_model(
-            (self.actor.graphdef, self.actor.params), mesh=self.mesh,
+            (self.actor.graphdef, self.actor.params), mesh=self.rollout_mesh,
             max_concurrent_decodes=c.rollout.max_concurrent_decodes,
             max_prefill_length=_bucket(c.data.max_prompt_length),
             max_target_length=_bucket(c.data.max_prompt_length) + c.data.max_response_length,
@@ -112,6 +116,9 @@ class HostWorker:
 
     def compute_ref_log_prob(self, batch):
         return self.ref.compute_ref_log_prob(batch)
+
+    def compute_rm_score(self, batch):
+        return self.reward_model.compute_rm_score(batch)
 
     def compute_values(self, batch):
         return self.critic.compute_values(batch)
@@ -163,18 +170,34 @@ class HostWorker:
         self.checkpointer.wait()
 
     def export_hf(self, path: str, tokenizer=None) -> str:
-        if jax.process_index() == 0:
-            models.save_pretrained(self.actor.model(), path, tokenizer=tokenizer)
+        # every process takes part (the gathers are collective); save_pretrained writes on process 0
+        models.save_pretrained(self.actor.model(), path, tokenizer=tokenizer)
         return path
 
     def export_sft(self, path: str, tokenizer=None) -> str:
-        if jax.process_index() == 0:
-            models.save_pretrained(self._sft.model(), path, tokenizer=tokenizer)
+        models.save_pretrained(self._sft.model(), path, tokenizer=tokenizer)
         return path
 
     def close(self) -> None:
         self.checkpointer.wait()
         self.checkpointer.close()
+
+
+def _meshes(c: RunConfig):
+    """(training mesh, rollout mesh): the same mesh when colocated, disjoint devices when separate."""
+    m = c.mesh
+    train_cfg = sharding.MeshConfig(m.data, m.fsdp, m.tensor)
+    if c.placement.mode == "colocated":
+        mesh = sharding.make_mesh(train_cfg)
+        return mesh, mesh
+    r = c.placement.rollout_mesh
+    devices = jax.local_devices() if jax.process_count() == 1 else jax.devices()
+    k = r.data * r.fsdp * r.tensor
+    if k >= len(devices):
+        raise ValueError(f"placement.rollout_mesh uses {k} devices but there are {len(devices)}: "
+                         "leave some for training (placement.mode='separate')")
+    train = sharding.make_mesh(train_cfg, devices=devices[:-k])
+    return train, sharding.make_mesh(sharding.MeshConfig(r.data, r.fsdp, r.tensor), devices=devices[-k:])
 
 
 def ckpt_dir(config: RunConfig) -> str:

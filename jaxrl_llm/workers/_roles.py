@@ -169,6 +169,30 @@ class CriticWorker(_Trained):
         return {f"critic/{k}": v for k, v in m.items() if k != "loss"}
 
 
+def last_token_values(model, m):
+    """Values at the response tokens themselves (the state after reading each token). [b, t]."""
+    v = model(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"])
+    return v[:, -m["responses"].shape[-1]:]
+
+
+class RewardModelWorker:
+    """A frozen value-head model scoring whole responses: its value at each response's last
+    valid token is the sequence reward (verl's `rm_scores`, placed on that token)."""
+
+    def __init__(self, model, *, mesh, micro_per_device: int):
+        self.mesh, self.micro_per_device = mesh, micro_per_device
+        self.graphdef, self.params = nnx.split(model)
+        self._values = make_forward(self.graphdef, last_token_values, mesh)
+
+    def compute_rm_score(self, batch) -> dict[str, np.ndarray]:
+        v = _forward_rows(self, self._values, batch, _SEQ_KEYS + ("responses",))
+        lengths = batch["response_mask"].sum(-1)
+        scores = np.zeros(v.shape, np.float32)
+        rows = np.nonzero(lengths > 0)[0]
+        scores[rows, lengths[rows] - 1] = v[rows, lengths[rows] - 1]
+        return {"rm_scores": scores}
+
+
 def sft_loss(model, m, denoms):
     """Next-token cross-entropy on `loss_mask` tokens (assistant turns), token-mean over the batch."""
     ids, mask = m["input_ids"], m["loss_mask"]

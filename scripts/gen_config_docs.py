@@ -1,0 +1,264 @@
+"""Writes docs/configs.md: every field of the run config, from the typed dataclasses.
+
+Fields, types and nesting come from `jaxrl_llm/config/_schema.py`; defaults from
+`base_config()` (`_defaults.py`); each field's description from `DESCRIPTIONS` below or, failing
+that, the field's inline `# comment` in the schema. A field with neither is an error, so the doc
+cannot silently miss one. `tests/launch/test_launch_config_docs.py` checks that the file on disk
+equals this script's output.
+
+  python scripts/gen_config_docs.py            # rewrite docs/configs.md
+  python scripts/gen_config_docs.py --check    # exit 1 if docs/configs.md is stale
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import io
+import json
+import re
+import sys
+import tokenize
+import typing
+from pathlib import Path
+
+from jaxrl_llm.config import RunConfig, base_config
+from jaxrl_llm.config import _schema
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "configs.md"
+
+# "<DataclassName>.<field>": description. Shared classes (OptimConfig, MeshSection, ...) once.
+DESCRIPTIONS = {
+    "DataConfig.train_files": "Training prompt files (parquet or jsonl, verl schema); comma-separated on the command line.",
+    "DataConfig.val_files": "Validation prompt files; empty disables validation.",
+    "DataConfig.builtin_task": "`arithmetic` or `countdown`: generate `train_files`/`val_files` if missing; `\"\"` = use your files.",
+    "DataConfig.builtin_train_size": "Rows generated for the built-in task's training file.",
+    "DataConfig.builtin_val_size": "Rows generated for the built-in task's validation file.",
+    "DataConfig.builtin_max_operand": "Arithmetic task: operands drawn from [0, builtin_max_operand].",
+    "DataConfig.prompt_key": "Column holding the chat-message prompt.",
+    "DataConfig.max_prompt_length": "Prompt tokens (after the chat template); longer prompts are dropped or truncated.",
+    "DataConfig.max_response_length": "Generated tokens per response (the rollout budget).",
+    "DataConfig.train_batch_size": "Prompts per RL step (each sampled `rollout.n` times).",
+    "DataConfig.val_batch_size": "Prompts per validation generate call.",
+    "DataConfig.filter_overlong_prompts": "Drop prompts longer than `max_prompt_length` when loading.",
+    "DataConfig.truncation": "Over-long prompts that are kept: `error`, `left` or `right` truncation.",
+    "DataConfig.shuffle": "Shuffle the training prompts every epoch.",
+    "DataConfig.seed": "Seed of the data order (and of built-in task generation).",
+    "ModelSection.path": "Hugging Face model folder (safetensors); `\"\"` = initialise from `model.init`.",
+    "ModelSection.tokenizer": "`char` (built-in character tokenizer) or a tokenizer folder; `\"\"` = `model.path`.",
+    "ModelSection.dtype": "Compute dtype of forward/backward passes (`bfloat16` or `float32`).",
+    "ModelSection.param_dtype": "Stored dtype of parameters and optimizer moments.",
+    "ModelSection.remat": "Activation rematerialisation policy of the decoder layers (`none` = keep activations).",
+    "ModelInitConfig.model_type": "Architecture family for a from-scratch model: `llama`, `qwen2` or `qwen3`.",
+    "ModelInitConfig.hidden_size": "Model width.",
+    "ModelInitConfig.intermediate_size": "MLP width.",
+    "ModelInitConfig.num_hidden_layers": "Decoder layers.",
+    "ModelInitConfig.num_attention_heads": "Query heads.",
+    "ModelInitConfig.num_key_value_heads": "Key/value heads (GQA); must divide `num_attention_heads` and the tensor axis.",
+    "ModelInitConfig.head_dim": "Width of one attention head.",
+    "ModelInitConfig.rope_theta": "RoPE base frequency.",
+    "ModelInitConfig.max_position_embeddings": "Longest sequence the positions cover.",
+    "ModelInitConfig.tie_word_embeddings": "Share the input embedding with the output projection.",
+    "ModelInitConfig.seed": "Parameter initialisation seed (the critic uses seed + 1).",
+    "OptimConfig.lr": "Peak learning rate (AdamW).",
+    "OptimConfig.weight_decay": "AdamW decoupled weight decay.",
+    "OptimConfig.betas": "AdamW (beta1, beta2).",
+    "OptimConfig.eps": "AdamW epsilon.",
+    "OptimConfig.warmup_steps": "Linear warm-up optimizer steps.",
+    "OptimConfig.lr_schedule": "`constant` or `cosine` (decays to `lr * min_lr_ratio` over the run).",
+    "OptimConfig.min_lr_ratio": "Cosine schedule floor as a fraction of `lr`.",
+    "OptimConfig.clip_grad": "Global gradient-norm clip; 0 disables it.",
+    "ActorConfig.optim": "Actor optimizer.",
+    "ActorConfig.ppo_mini_batch_size": "Prompts per optimizer step (times `rollout.n` sequences); must divide `data.train_batch_size`.",
+    "ActorConfig.ppo_micro_batch_size_per_device": "Sequences per device per forward/backward (gradient accumulation inside the step).",
+    "ActorConfig.ppo_epochs": "Passes over each RL batch.",
+    "ActorConfig.shuffle": "Shuffle rows between mini-batches.",
+    "ActorConfig.policy_loss": "Policy loss: `vanilla` (PPO clip), `gspo`, `gpg`, `cispo`, `geo_mean`, `sapo`.",
+    "ActorConfig.loss_agg_mode": "How token losses are averaged: `token-mean`, `seq-mean-token-sum`, `seq-mean-token-mean`, `seq-mean-token-sum-norm`.",
+    "ActorConfig.clip_ratio": "PPO clip epsilon (used when low/high are not set apart).",
+    "ActorConfig.clip_ratio_low": "Lower clip epsilon (DAPO's clip-higher keeps it at 0.2).",
+    "ActorConfig.clip_ratio_high": "Upper clip epsilon (DAPO: 0.28).",
+    "ActorConfig.clip_ratio_c": "Dual-clip constant for negative advantages.",
+    "ActorConfig.entropy_coeff": "Entropy bonus coefficient.",
+    "ActorConfig.use_kl_loss": "Add a KL-to-reference loss term (GRPO style); builds the reference model.",
+    "ActorConfig.kl_loss_coef": "Weight of the KL loss.",
+    "ActorConfig.kl_loss_type": "KL estimator of the loss: `kl`/`k1`, `abs`, `mse`/`k2`, `low_var_kl`/`k3`.",
+    "CriticConfig.optim": "Critic optimizer.",
+    "CriticConfig.ppo_mini_batch_size": "Prompts per critic optimizer step.",
+    "CriticConfig.ppo_micro_batch_size_per_device": "Sequences per device per critic forward/backward.",
+    "CriticConfig.ppo_epochs": "Critic passes over each RL batch.",
+    "CriticConfig.cliprange_value": "Value clipping range.",
+    "CriticConfig.loss_agg_mode": "Aggregation of the value loss (as `actor.loss_agg_mode`).",
+    "CriticConfig.warmup_steps_before_actor": "RL steps that update only the critic (verl's `critic_warmup`).",
+    "RolloutConfig.n": "Samples per prompt (the GRPO group size).",
+    "RolloutConfig.temperature": "Sampling temperature; 0 = greedy.",
+    "RolloutConfig.top_k": "Top-k sampling; -1 = off.",
+    "RolloutConfig.top_p": "Nucleus sampling mass; 1 = off.",
+    "RolloutConfig.max_concurrent_decodes": "Decode slots of the engine (KV-cache batch); continuous batching refills freed slots.",
+    "RolloutConfig.steps_per_sync": "Decode steps run on device between host checks of finished slots.",
+    "RolloutConfig.dtype": "Rollout weights/KV dtype; `\"\"` = `model.dtype`. Equal dtype and layout make weight sync zero-copy.",
+    "RolloutConfig.use_rollout_log_probs": "Use the engine's sampling log-probs as `old_log_probs` (skips one forward pass).",
+    "RolloutConfig.val": "Sampling for validation.",
+    "SamplingConfig.temperature": "Validation sampling temperature (0 = greedy).",
+    "SamplingConfig.top_k": "Validation top-k; -1 = off.",
+    "SamplingConfig.top_p": "Validation nucleus mass.",
+    "SamplingConfig.n": "Validation samples per prompt (reported as `mean@n`).",
+    "AlgorithmConfig.adv_estimator": "Advantage estimator: `gae` (PPO, builds a critic), `grpo`, `grpo_passk`, `rloo`, `opo`, `reinforce_plus_plus`, `reinforce_plus_plus_baseline`, `remax`, `gpg`.",
+    "AlgorithmConfig.gamma": "Discount (GAE / REINFORCE++).",
+    "AlgorithmConfig.lam": "GAE lambda.",
+    "AlgorithmConfig.norm_adv_by_std_in_grpo": "Divide GRPO advantages by the group std (False = Dr. GRPO).",
+    "AlgorithmConfig.use_kl_in_reward": "Subtract a KL-to-reference penalty from the token rewards (PPO style).",
+    "AlgorithmConfig.kl_penalty": "KL estimator of the in-reward penalty (as `actor.kl_loss_type`).",
+    "AlgorithmConfig.kl_ctrl": "In-reward KL coefficient controller.",
+    "KLControlConfig.type": "`fixed` or `adaptive` (targets `target_kl` over `horizon`).",
+    "KLControlConfig.kl_coef": "Initial KL coefficient.",
+    "KLControlConfig.target_kl": "Adaptive controller: KL it steers towards.",
+    "KLControlConfig.horizon": "Adaptive controller: samples over which it adapts.",
+    "RewardConfig.num_workers": "Reward scoring processes (with per-call timeouts); 0 = score in-process.",
+    "RewardConfig.timeout_s": "Seconds one scoring call may take before it scores 0.",
+    "RewardConfig.custom_reward_function": "Your own scorer: a Python file and function name (verl's signature).",
+    "CustomRewardConfig.path": "Python file defining the scorer; `\"\"` = built-in scorers by `data_source`.",
+    "CustomRewardConfig.name": "Function name: `f(data_source, solution_str, ground_truth, extra_info) -> float | dict`.",
+    "RewardModelConfig.path": "Value-head reward-model folder; its score replaces the rule-based scorers. `\"\"` = none.",
+    "PlacementConfig.mode": "`colocated` (rollout engine on the training mesh, verl's hybrid engine) or `separate` (own devices).",
+    "PlacementConfig.rollout_mesh": "Rollout engine mesh when `mode=separate` (explicit sizes, no -1).",
+    "RewardModelConfig.micro_batch_size_per_device": "Sequences per device per reward-model forward.",
+    "MeshSection.data": "Data-parallel (replicated parameters) axis size; -1 = fill with the remaining devices.",
+    "MeshSection.fsdp": "Fully-sharded data-parallel axis (parameters, grads and optimizer state sharded); -1 = fill.",
+    "MeshSection.tensor": "Tensor-parallel axis (heads, MLP and vocab split); -1 = fill.",
+    "SFTConfig.steps": "Supervised warm-start steps before RL; 0 disables SFT.",
+    "SFTConfig.batch_size": "SFT sequences per step.",
+    "SFTConfig.lr": "SFT peak learning rate (cosine schedule).",
+    "SFTConfig.warmup_steps": "SFT warm-up steps.",
+    "SFTConfig.max_length": "SFT sequence length (prompt + answer tokens).",
+    "SFTConfig.train_files": "Chat-message files for SFT; empty = rows of the built-in task.",
+    "SFTConfig.messages_key": "Column holding the messages.",
+    "SFTConfig.builtin_size": "Built-in SFT rows generated.",
+    "SFTConfig.builtin_off_by_one": "Arithmetic demos: fraction answered one too high (imperfect data for RL to fix).",
+    "TrainerConfig.backend": "`ray` (one worker actor per host, driver is the controller) or `local` (workers in-process; multi-host: every host runs the command).",
+    "TrainerConfig.total_training_steps": "RL steps.",
+    "TrainerConfig.save_freq": "Checkpoint every this many steps (and always at the end); 0 = only at the end.",
+    "TrainerConfig.test_freq": "Validate every this many steps (and at the end); 0 = only at the end.",
+    "TrainerConfig.val_before_train": "Validate once before the first step.",
+    "TrainerConfig.default_local_dir": "Run folder: metrics, TensorBoard logs, checkpoints, HF export, curves.",
+    "TrainerConfig.resume_mode": "`auto` (latest checkpoint in the run folder), `disable`, or a checkpoint path.",
+    "TrainerConfig.max_to_keep": "Checkpoints kept.",
+    "TrainerConfig.async_save": "Write checkpoints in the background.",
+    "TrainerConfig.export_hf": "Save the final actor as a Hugging Face folder (`<run>/hf_actor`).",
+    "TrainerConfig.logger": "Metric sinks: any of `console`, `jsonl`, `tensorboard`.",
+    "TrainerConfig.project_name": "Project name (logger metadata).",
+    "TrainerConfig.experiment_name": "Experiment name (logger metadata).",
+    "TrainerConfig.seed": "Seed of rollout sampling and mini-batch shuffling.",
+    "TrainerConfig.progress_bar": "Show a tqdm bar.",
+    "TrainerConfig.plot": "Draw `curves.png` at the end.",
+}
+
+SECTION_NOTES = {
+    "mesh": "The product data × fsdp × tensor must equal the global device count (all hosts); see docs/scaling.md.",
+}
+
+
+def _inline_comments(cls) -> dict[str, str]:
+    """`field: type  # comment` lines of a dataclass's source."""
+    out = {}
+    src = inspect.getsource(cls)
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            line = tok.line
+            m = re.match(r"\s*(\w+)\s*:", line)
+            if m:
+                out[m.group(1)] = tok.string.lstrip("# ").strip()
+    return out
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if args and args[-1] is Ellipsis:
+            return f"tuple[{_type_name(args[0])}, ...]"
+        return "tuple[" + ", ".join(_type_name(a) for a in args) + "]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _default(value) -> str:
+    if isinstance(value, (tuple, list)):
+        value = list(value)
+    text = json.dumps(value)
+    return f"`{text}`"
+
+
+def _rows(cls, defaults, prefix: str, missing: list[str]):
+    hints = typing.get_type_hints(cls)
+    comments = _inline_comments(cls)
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _rows(tp, defaults[f.name], path + ".", missing)
+            continue
+        desc = DESCRIPTIONS.get(f"{cls.__name__}.{f.name}") or comments.get(f.name)
+        if not desc:
+            missing.append(f"{cls.__name__}.{f.name} ({path})")
+            desc = ""
+        desc = desc.replace("|", "\\|")
+        yield f"| `{path}` | `{_type_name(tp)}` | {_default(defaults[f.name])} | {desc} |"
+
+
+def render() -> str:
+    defaults = base_config().to_dict()
+    hints = typing.get_type_hints(RunConfig)
+    missing: list[str] = []
+    lines = [
+        "# Config reference",
+        "",
+        "<!-- Generated by `python scripts/gen_config_docs.py` from jaxrl_llm/config/_schema.py and",
+        "     _defaults.py; do not edit by hand (tests/launch/test_launch_config_docs.py checks it). -->",
+        "",
+        "Every run is `python -m jaxrl_llm.train --config=configs/X.py[:variant] [--config.<field>=<value> ...]`.",
+        "A config file starts from `base_config()` (the defaults below) and changes what it needs; any",
+        "field can be overridden on the command line (lists as `a,b`). Unknown or misspelt fields are",
+        "rejected by name. The launch flags outside the config (`--coordinator_address`,",
+        "`--num_processes`, `--process_id`, `--num_hosts`) are described in docs/scaling.md.",
+        "",
+    ]
+    for f in dataclasses.fields(RunConfig):
+        cls = hints[f.name]
+        lines.append(f"## `{f.name}`")
+        lines.append("")
+        doc = (cls.__doc__ or "").strip()
+        if doc and not doc.startswith(cls.__name__ + "("):
+            lines.extend([" ".join(doc.split()), ""])
+        if f.name in SECTION_NOTES:
+            lines.extend([SECTION_NOTES[f.name], ""])
+        lines.extend(["| field | type | default | meaning |", "|---|---|---|---|"])
+        lines.extend(_rows(cls, defaults[f.name], f"{f.name}.", missing))
+        lines.append("")
+    if missing:
+        raise SystemExit("gen_config_docs: no description for " + ", ".join(missing)
+                         + "; add an inline `# comment` to the field in jaxrl_llm/config/_schema.py "
+                           "or an entry to DESCRIPTIONS in scripts/gen_config_docs.py")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--check", action="store_true", help="exit 1 if docs/configs.md is out of date")
+    p.add_argument("--output", default=str(DOC), help="where to write (default docs/configs.md)")
+    args = p.parse_args(argv)
+    text = render()
+    out = Path(args.output)
+    if args.check:
+        if not out.exists() or out.read_text() != text:
+            print(f"{out} is out of date: run `python scripts/gen_config_docs.py`", file=sys.stderr)
+            return 1
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""SFT on its own (`python -m jaxrl_llm.sft`'s code path) and reward functions that fail."""
+import json
+import os
+
+import numpy as np
+
+from jaxrl_llm import models
+from jaxrl_llm.config import load_config
+from jaxrl_llm.sft import run_sft
+from jaxrl_llm.trainer import RLTrainer
+
+from trainer_helpers import QUICKSTART, REWARD_FN, tiny_overrides
+
+
+def test_sft_trains_on_assistant_tokens_and_exports_a_loadable_model(tmp_path):
+    run = load_config(f"{QUICKSTART}:tiny,local", tiny_overrides(tmp_path / "sft", **{"sft.steps": 6}))
+    out = run_sft(run)
+    nll = [json.loads(x)["sft/nll"] for x in open(tmp_path / "sft" / "metrics.jsonl")]
+    assert len(nll) == 6 and nll[-1] < nll[0]  # it learns
+    model = models.from_pretrained(out["hf_dir"])
+    tok = models.load_tokenizer(out["hf_dir"])
+    ids = np.asarray([tok.encode(tok.apply_chat_template([{"role": "user", "content": "1+2="}]))], np.int32)
+    assert model(ids).shape == (1, ids.shape[1], model.config.vocab_size)
+
+
+def test_reward_function_that_raises_scores_zero_and_the_run_goes_on(tmp_path):
+    run = load_config(f"{QUICKSTART}:tiny,local", tiny_overrides(
+        tmp_path / "r", **{"reward.custom_reward_function.name": "broken", "trainer.total_training_steps": 1,
+                           "trainer.val_before_train": False, "trainer.export_hf": False}))
+    RLTrainer(run).fit()
+    rec = [json.loads(x) for x in open(tmp_path / "r" / "metrics.jsonl")][-1]
+    assert rec["reward/num_errors"] == run.data.train_batch_size * run.rollout.n
+    assert rec["critic/score/mean"] == 0.0
+
+
+def test_reward_function_that_hangs_times_out_and_the_run_goes_on(tmp_path):
+    hang = tmp_path / "hang.py"
+    hang.write_text("import time\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    if extra_info['index'] % 2 == 0:\n        time.sleep(60)\n    return 1.0\n")
+    run = load_config(f"{QUICKSTART}:tiny,local", tiny_overrides(
+        tmp_path / "h", **{"reward.custom_reward_function.path": hang, "reward.num_workers": 2,
+                           "reward.timeout_s": 1.0, "trainer.total_training_steps": 1,
+                           "trainer.val_before_train": False, "trainer.export_hf": False}))
+    RLTrainer(run).fit()
+    rec = [json.loads(x) for x in open(tmp_path / "h" / "metrics.jsonl")][-1]
+    assert rec["reward/num_timeouts"] >= 1
+    assert os.path.exists(tmp_path / "h" / "checkpoints")
