@@ -3,6 +3,11 @@
     python scripts/bench_rollout.py                       # Qwen2.5-0.5B/1.5B shapes, batch 64/256
     python scripts/bench_rollout.py --models 0.5b --batches 64 --no-peer
     python scripts/bench_rollout.py --tiny                # CPU smoke run in seconds (tests call it)
+    python scripts/bench_rollout.py --models 1.5b --batches 256 --variants einsum:1 reduce:1 reduce:0
+
+`--variants ATTN:UNROLL ...` times the decode path under each setting of
+`jaxrl_llm.models._decoder.DECODE_ATTENTION` (auto | einsum | reduce | cudnn) and `DECODE_UNROLL`
+(layers per scan iteration; 0 = all); the default `auto:1` is the library's default.
 
 Random-init bf16 models with Qwen2.5 shapes; every prompt is `--prompt-len` random tokens and
 generates exactly `--gen-len` tokens (no stop tokens). Prints one JSON object per line with:
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import jax
@@ -40,6 +46,13 @@ def parse_args(argv=None):
     p.add_argument("--steps-per-sync", type=int, default=32)
     p.add_argument("--hbm-gbs", type=float, default=4800.0, help="HBM bandwidth, GB/s (H200: 4800)")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers generate peer")
+    p.add_argument("--variants", nargs="+", default=["auto:1"],
+                   help="decode settings ATTN:UNROLL to compare (see the module docstring)")
+    p.add_argument("--out", default="", help="also write the results (a JSON list) here")
+    p.add_argument("--trace", default="", help="write a jax.profiler perfetto trace of each timed "
+                   "run into this folder (trace_<attn>_<unroll>.json.gz)")
+    p.add_argument("--check", action="store_true", help="first compare each variant's one-token "
+                   "decode with an fp32 einsum reference on a small bf16 model (relative error)")
     p.add_argument("--tiny", "--dry-run", dest="tiny", action="store_true",
                    help="tiny model, batch 4, 16+8 tokens, fp32, no peer: a CPU smoke run")
     args = p.parse_args(argv)
@@ -60,11 +73,14 @@ def _peak_bytes():
     return stats.get("peak_bytes_in_use")
 
 
-def bench_ours(name, batch, args):
+def bench_ours(name, batch, args, variant="auto:1"):
     import rollout
+    from jaxrl_llm.models import _decoder
     from jaxrl_llm.models import init_model
     from rollout._engine import PREFILL_BUCKETS
 
+    attn, unroll = variant.split(":")
+    _decoder.DECODE_ATTENTION, _decoder.DECODE_UNROLL = attn, int(unroll)
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
     cfg = _config(name, dtype)
     model = init_model(cfg, seed=0)
@@ -87,7 +103,10 @@ def bench_ours(name, batch, args):
     compile_s, _ = run(args.gen_len)  # first call compiles prefill, insert and the decode loop
     run(1)  # a 1-token run has other output-buffer shapes: compile those before timing
     prefill_s, _ = run(1)  # prefill + insert + one decode step
-    total_s, out = run(args.gen_len)
+    if args.trace:
+        total_s, out = _traced(run, args, f"trace_{attn}_{unroll}.json.gz")
+    else:
+        total_s, out = run(args.gen_len)
     gen_tokens = int(out.response_lengths.sum())
     step_s = max(total_s - prefill_s, 1e-9) / max(args.gen_len - 1, 1)
     c = engine.config
@@ -97,6 +116,7 @@ def bench_ours(name, batch, args):
     bytes_per_step = weight_bytes + batch * avg_ctx * kv_per_token
     return {
         "engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
+        "decode_attention": attn, "decode_unroll": int(unroll),
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "dtype": str(jnp.dtype(dtype)),
         "device": str(jax.devices()[0].device_kind), "generated_tokens": gen_tokens,
         "tokens_per_s": gen_tokens / total_s, "total_s": total_s, "prefill_s": prefill_s,
@@ -106,6 +126,58 @@ def bench_ours(name, batch, args):
         "kv_cache_bytes": int(engine.kv_cache_bytes()), "peak_bytes": _peak_bytes(),
         "decode_loops": out.stats["decode_loops"], "steps_per_sync": args.steps_per_sync,
     }
+
+
+def _traced(run, args, name):
+    """run(gen_len) under jax.profiler with a perfetto trace, copied to args.trace/name."""
+    import glob
+    import shutil
+    import tempfile
+    tmp = tempfile.mkdtemp()
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+        result = run(args.gen_len)
+    found = sorted(glob.glob(f"{tmp}/**/*perfetto*.json.gz", recursive=True)
+                   or glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True))
+    if found:
+        os.makedirs(args.trace, exist_ok=True)
+        shutil.copy(found[-1], os.path.join(args.trace, name))
+    return result
+
+
+def check_variants(variants) -> list[dict]:
+    """Relative error of each variant's one-token decode vs an fp32 einsum reference (bf16 model,
+    head_dim 128, GQA 4:1, rows at different cache offsets)."""
+    from jaxrl_llm.models import ModelConfig, _decoder, init_model
+    from flax import nnx
+    out = []
+    base = dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=1, model_type="qwen2", attention_bias=True)
+    rng = np.random.default_rng(1)
+    b, s = 8, 256
+    ids = jnp.asarray(rng.integers(0, 1024, (b, 100)), jnp.int32)
+    index = jnp.asarray(rng.integers(1, 100, b), jnp.int32)
+    tok = jnp.asarray(rng.integers(0, 1024, (b, 1)), jnp.int32)
+
+    def decode(dtype, variant):
+        attn, unroll = variant.split(":")
+        _decoder.DECODE_ATTENTION, _decoder.DECODE_UNROLL = attn, int(unroll)
+        model = init_model(ModelConfig(**base, dtype=dtype, param_dtype=dtype), seed=0)
+        _, pre = model.prefill(ids)
+        pad = [(0, 0), (0, 0), (0, s - 100), (0, 0), (0, 0)]
+        cache = _decoder.KVCache(jnp.pad(pre.k, pad), jnp.pad(pre.v, pad))
+        graphdef, state = nnx.split(model)
+        fn = jax.jit(lambda st, c: nnx.merge(graphdef, st).decode(tok, positions=index[:, None], cache=c,
+                                                                   cache_index=index)[0])
+        return np.asarray(fn(state, cache), np.float32)
+
+    ref = decode(jnp.float32, "einsum:1")
+    for v in variants:
+        try:
+            h = decode(jnp.bfloat16, v)
+            out.append({"check": v, "rel_err": float(np.linalg.norm(h - ref) / np.linalg.norm(ref))})
+        except Exception as e:  # noqa: BLE001
+            out.append({"check": v, "error": repr(e)[-1000:]})
+    return out
 
 
 def bench_peer(name, batch, args):
@@ -133,25 +205,42 @@ def bench_peer(name, batch, args):
         torch.cuda.synchronize()
         total = time.perf_counter() - t0
     gen = int((out.shape[1] - args.prompt_len) * batch)
+    peak = int(torch.cuda.max_memory_allocated())
+    del model, out
+    torch.cuda.empty_cache()  # hand the memory back before JAX allocates its pool
     return {"engine": "transformers.generate", "model": f"qwen2.5-{name}", "batch": batch,
             "transformers": transformers.__version__, "torch": torch.__version__,
             "tokens_per_s": gen / total, "total_s": total, "ms_per_step": total / args.gen_len * 1e3,
-            "warmup_s": warm, "peak_bytes": int(torch.cuda.max_memory_allocated())}
+            "warmup_s": warm, "peak_bytes": peak}
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     results = []
+    if args.check:
+        for r in check_variants(["einsum:1"] + [v for v in args.variants if v != "einsum:1"]):
+            print(json.dumps(r), flush=True)
+            results.append(r)
     for name in args.models:
         for batch in args.batches:
-            ours = bench_ours(name, batch, args)
-            if not args.no_peer:
-                peer = bench_peer(name, batch, args)
-                ours["peer"] = peer
-                if "tokens_per_s" in peer:
-                    ours["speedup_vs_peer"] = ours["tokens_per_s"] / peer["tokens_per_s"]
-            print(json.dumps(ours), flush=True)
-            results.append(ours)
+            peer = None if args.no_peer else bench_peer(name, batch, args)
+            for variant in args.variants:
+                try:
+                    ours = bench_ours(name, batch, args, variant)
+                except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
+                    if args.tiny:
+                        raise
+                    ours = {"engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
+                            "variant": variant, "error": repr(e)[-2000:]}
+                if peer is not None:
+                    ours["peer"] = peer
+                    if "tokens_per_s" in peer and "tokens_per_s" in ours:
+                        ours["speedup_vs_peer"] = ours["tokens_per_s"] / peer["tokens_per_s"]
+                print(json.dumps(ours), flush=True)
+                results.append(ours)
+                if args.out:
+                    with open(args.out, "w") as f:
+                        json.dump(results, f, indent=1)
     return results
 
 

@@ -107,6 +107,57 @@ def attend(q, k, v, mask):
     return out.reshape(b, tq, h, d)
 
 
+# Decode-path speed knobs (module level so every engine picks them up; they never change results
+# beyond float rounding). Benchmarks set them; see docs/benchmarks.md for the measured effect.
+#   DECODE_ATTENTION: "auto" | "einsum" | "reduce" | "cudnn"
+#     einsum: `attend` (batched matmuls; XLA may transpose the [b, s, kvh, d] cache for cuBLAS).
+#     reduce: one-query attention as multiply + reduce over the cache in its stored layout, with the
+#             layer's slice fused into the reading kernel (no cache copy or transpose).
+#     cudnn:  `jax.nn.dot_product_attention(implementation="cudnn")` with per-row key lengths
+#             (GPU, bf16/fp16 only).
+#     auto:   "cudnn" for one new token per row on a GPU in bf16/fp16 (head_dim a multiple of 8,
+#             at most 128), else "einsum". (H200, 1.5B shape, batch 256, 512 + 256 tokens, all
+#             layers unrolled: cudnn 10.1 ms/step, einsum 10.7, reduce 16.7; docs/benchmarks.md.)
+#   DECODE_UNROLL: layers unrolled per scan iteration in `decode` (1 = a rolled loop; 0 = all).
+#     Rolled is faster with cudnn (9.3 vs 11.9 ms/step at 512 + 128 tokens).
+DECODE_ATTENTION = "auto"
+DECODE_UNROLL = 1
+
+
+def attend_one(q, k_cache, v_cache, kv_lengths):
+    """Attention of one new query per row over a cache. q [b, 1, h, d]; caches [b, s, kvh, d];
+    kv_lengths int32[b]: row b sees cache slots < kv_lengths[b]. Same math as `attend`."""
+    b, _, h, d = q.shape
+    s, kvh = k_cache.shape[1], k_cache.shape[2]
+    qg = q.reshape(b, 1, kvh, h // kvh, d).astype(jnp.float32)
+    # scores[b, s, k, g] = sum_d q[b, k, g, d] * K[b, s, k, d]; reads the cache once, in place
+    scores = jnp.sum(qg * k_cache[:, :, :, None, :].astype(jnp.float32), axis=-1) / math.sqrt(d)
+    visible = jnp.arange(s, dtype=jnp.int32)[None, :] < kv_lengths[:, None]  # [b, s]
+    scores = jnp.where(visible[:, :, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=1).astype(v_cache.dtype).astype(jnp.float32)
+    out = jnp.sum(probs[..., None] * v_cache[:, :, :, None, :].astype(jnp.float32), axis=1)  # [b, k, g, d]
+    return out.astype(v_cache.dtype).reshape(b, 1, h, d)
+
+
+def _attend_one_cudnn(q, k_cache, v_cache, kv_lengths):
+    return jax.nn.dot_product_attention(q.astype(k_cache.dtype), k_cache, v_cache,
+                                        key_value_seq_lengths=kv_lengths.astype(jnp.int32),
+                                        implementation="cudnn")
+
+
+def _decode_attention_impl(t: int, dtype, head_dim: int) -> str:
+    impl = DECODE_ATTENTION
+    if impl not in ("auto", "einsum", "reduce", "cudnn"):
+        raise ValueError(f"DECODE_ATTENTION must be auto, einsum, reduce or cudnn; got {impl!r}")
+    if t != 1:
+        return "einsum"
+    if impl == "auto":
+        cudnn_ok = (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+                    and head_dim % 8 == 0 and head_dim <= 128)
+        return "cudnn" if cudnn_ok else "einsum"
+    return impl
+
+
 class Attention(nnx.Module):
     def __init__(self, c: ModelConfig, n: int, rngs: nnx.Rngs):
         e, h, kvh, d, pd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.param_dtype
@@ -172,11 +223,12 @@ class DecoderLayers(nnx.Module):
         self.mlp = MLP(c, n, rngs)
 
     def layer(self, x, positions, inv_freq, kv_fn):
-        """One layer on a per-layer view of the parameters. kv_fn(k, v) -> (k_all, v_all, mask, extra)."""
+        """One layer on a per-layer view of the parameters. kv_fn(k, v) -> (k_all, v_all, mask, extra);
+        `mask` may instead be a function q -> attention output (the decode fast paths)."""
         h = self.input_layernorm(x)
         q, k, v = self.self_attn.qkv(h, positions, inv_freq)
         k_all, v_all, mask, extra = kv_fn(k, v)
-        o = attend(q, k_all, v_all, mask)
+        o = mask(q) if callable(mask) else attend(q, k_all, v_all, mask)
         x = x + self.self_attn.out(o)
         x = sharding.constrain(x, ("batch", "length", "embed"))
         x = x + self.mlp(self.post_attention_layernorm(x))
@@ -217,7 +269,7 @@ class Transformer(nnx.Module):
         x = jnp.take(self.embed_tokens["embedding"][...], input_ids, axis=0).astype(self.config.dtype)
         return sharding.constrain(x, ("batch", "length", "embed"))
 
-    def _scan(self, x, positions, kv_fn, carry_extra, remat: bool):
+    def _scan(self, x, positions, kv_fn, carry_extra, remat: bool, unroll: int | bool = 1):
         """Runs the layers with lax.scan. kv_fn(layer_index, carry_extra, k, v) -> (k_all, v_all, mask, carry_extra)."""
         graphdef, params = nnx.split(self.layers)
         inv_freq = rope_inv_freq(self.config)
@@ -232,7 +284,7 @@ class Transformer(nnx.Module):
         if remat and self.config.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT[self.config.remat], prevent_cse=False)
         n = self.config.num_hidden_layers
-        (x, carry_extra), _ = jax.lax.scan(body, (x, carry_extra), (jnp.arange(n), params))
+        (x, carry_extra), _ = jax.lax.scan(body, (x, carry_extra), (jnp.arange(n), params), unroll=unroll)
         return self.norm(x), carry_extra
 
     def __call__(self, input_ids, *, attention_mask=None, positions=None):
@@ -276,12 +328,25 @@ class Transformer(nnx.Module):
         mask = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= write[:, :, None]  # [b, t, s]
         rows = jnp.arange(b, dtype=jnp.int32)[:, None]
 
+        impl = _decode_attention_impl(t, cache.k.dtype, cache.k.shape[-1])
+        kv_lengths = jnp.minimum(cache_index + 1, s).astype(jnp.int32)  # t == 1: slots <= write
+
         def kv_fn(i, cache, k, v):
+            # in-place scatter of the new tokens into the carried cache (only b * t rows move)
             k_all = cache.k.at[i, rows, write].set(k.astype(cache.k.dtype), mode="drop")
             v_all = cache.v.at[i, rows, write].set(v.astype(cache.v.dtype), mode="drop")
-            return k_all[i], v_all[i], mask, KVCache(k_all, v_all)
+            k_i = jax.lax.dynamic_index_in_dim(k_all, i, 0, keepdims=False)
+            v_i = jax.lax.dynamic_index_in_dim(v_all, i, 0, keepdims=False)
+            if impl == "reduce":
+                att = lambda q: attend_one(q, k_i, v_i, kv_lengths)  # noqa: E731
+            elif impl == "cudnn":
+                att = lambda q: _attend_one_cudnn(q, k_i, v_i, kv_lengths).astype(q.dtype)  # noqa: E731
+            else:
+                att = mask
+            return k_i, v_i, att, KVCache(k_all, v_all)
 
-        return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False)
+        unroll = int(DECODE_UNROLL) if int(DECODE_UNROLL) > 0 else self.config.num_hidden_layers
+        return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False, unroll=unroll)
 
 
 class CausalLM(nnx.Module):

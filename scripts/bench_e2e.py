@@ -1,0 +1,216 @@
+"""End-to-end GRPO step benchmark on one accelerator: rollout, reward, old/ref log-probs,
+advantages, actor update and weight sync, timed per stage with verl's metric names.
+
+    python scripts/bench_e2e.py                          # Qwen2.5-0.5B and -1.5B shapes
+    python scripts/bench_e2e.py --models 1.5b --prompts 32 --steps 2
+    python scripts/bench_e2e.py --tiny                   # CPU smoke run (tests call it)
+
+The step is `RLTrainer.train_step`'s sequence of `HostWorker` calls (the workers the trainer
+uses, in-process), on random-init bf16-compute models with Qwen2.5 shapes: `--prompts` random
+prompts of `--prompt-len` tokens, `n` samples each, exactly `--response-len` generated tokens (no
+stop token), a rule reward on the host (fraction of even token ids), GRPO advantages, a KL loss
+against the reference (so the reference forward runs), one optimizer step per RL step.
+
+Reported per model (the mean over the timed steps after one warm-up step):
+- `timing_s/<stage>` and `perf/throughput` = (prompt + response tokens) / step time / devices,
+  verl's definition;
+- `sync/copy_limit_s` = (bytes read + bytes written by the cast-and-copy) / `--copy-tbs`, and
+  `sync/multiple_of_copy_limit` = measured `timing_s/update_weights` / that; `sync/zero_copy_bytes`
+  is what `update_params` moved when handed the engine's own (layout-matching) buffers;
+- `idle_fraction` = 1 - (time inside device stages) / step time: host-only work (reward,
+  advantages, batch assembly), a lower bound on the accelerator's idle time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+QWEN25 = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+}
+VOCAB = {"0.5b": 151936, "1.5b": 151936, "tiny": 256}
+DEVICE_STAGES = ("gen", "old_log_prob", "ref", "update_actor", "update_weights")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["0.5b", "1.5b"], choices=sorted(QWEN25))
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--response-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+    p.add_argument("--micro", type=int, default=8, help="micro-batch rows per device (update, log-probs)")
+    p.add_argument("--remat", default="dots", choices=["none", "full", "dots", "dots_no_batch"])
+    p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--steps-per-sync", type=int, default=64)
+    p.add_argument("--copy-tbs", type=float, default=4.3, help="measured device copy rate, TB/s")
+    p.add_argument("--out", default="", help="also write the results (a JSON list) here")
+    p.add_argument("--tiny", "--dry-run", dest="tiny", action="store_true",
+                   help="tiny model, 2 prompts x 2 samples, 8+8 tokens, fp32, CPU: a smoke run")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.models, args.prompts, args.n, args.prompt_len, args.response_len = ["tiny"], 4, 2, 8, 8
+        args.steps, args.micro, args.steps_per_sync = 1, 8, 4
+    return args
+
+
+def _config(name: str, args):
+    from jaxrl_llm import config as C
+
+    tiny = name == "tiny"
+    c = C.base_config()
+    s = QWEN25[name]
+    c.model.init.update(model_type="qwen2", rope_theta=1e6, max_position_embeddings=32768,
+                        head_dim=s["hidden_size"] // s["num_attention_heads"], tie_word_embeddings=True, **s)
+    c.model.dtype = "float32" if tiny else "bfloat16"
+    c.model.param_dtype = "float32" if tiny else args.param_dtype
+    c.model.remat = args.remat
+    c.data.max_prompt_length = args.prompt_len
+    c.data.max_response_length = args.response_len
+    c.data.train_batch_size = args.prompts
+    c.actor.ppo_mini_batch_size = args.prompts  # one optimizer step per RL step
+    c.actor.ppo_micro_batch_size_per_device = args.micro
+    c.actor.use_kl_loss = True
+    c.rollout.n = args.n
+    c.rollout.max_concurrent_decodes = args.prompts * args.n
+    c.rollout.steps_per_sync = args.steps_per_sync
+    c.trainer.default_local_dir = "/tmp/bench_e2e"
+    c.data.builtin_task, c.model.tokenizer = "arithmetic", "char"  # validation only: prompts are ours
+    c.trainer.async_save = False
+    return C.to_run_config(c)
+
+
+def _reward(responses: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """A rule reward in [0, 1]: the fraction of even token ids in the response."""
+    return ((responses % 2 == 0) * mask).sum(-1) / np.maximum(mask.sum(-1), 1)
+
+
+def _step(worker, cfg, prompts, seed: int) -> tuple[dict, dict]:
+    from jaxrl_llm.trainer import _batch as B
+
+    timing: dict[str, float] = {}
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        timing[name] = time.perf_counter() - t0
+        return out
+
+    t_step = time.perf_counter()
+    n = cfg.rollout.n
+    gen = timed("gen", lambda: worker.generate(
+        [e.prompt_ids for e in prompts], n=n, max_new_tokens=cfg.data.max_response_length,
+        sampling=dict(temperature=1.0, top_k=-1, top_p=1.0), seed=seed))
+    batch = B.rollout_batch(prompts, gen, n=n, pad_token_id=0, max_prompt_length=cfg.data.max_prompt_length)
+
+    def reward():
+        batch["token_level_scores"] = B.token_level_scores(
+            _reward(batch["responses"], batch["response_mask"]).astype(np.float32), batch["response_mask"])
+    timed("reward", reward)
+    batch.update(timed("old_log_prob", lambda: worker.compute_old_log_prob(B.worker_view(batch))))
+    batch.update(timed("ref", lambda: worker.compute_ref_log_prob(B.worker_view(batch))))
+
+    def adv():
+        batch["token_level_rewards"] = batch["token_level_scores"]
+        batch["advantages"], batch["returns"] = B.compute_advantages(
+            batch, estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True)
+    timed("adv", adv)
+    metrics = timed("update_actor", lambda: worker.update_actor(
+        B.worker_view(batch), mini_rows=cfg.actor.ppo_mini_batch_size * n, seed=seed))
+    sync = timed("update_weights", worker.sync_weights)
+    timing["step"] = time.perf_counter() - t_step
+    n_prompt = int(batch["attention_mask"][:, :batch["prompts"].shape[1]].sum())
+    n_resp = int(batch["response_mask"].sum())
+    return timing, {"n_prompt": n_prompt, "n_resp": n_resp, "sync": sync,
+                    "score": float(batch["token_level_scores"].sum(-1).mean()), **metrics}
+
+
+def run_model(name: str, args) -> dict:
+    import jax
+
+    from jaxrl_llm import metrics as M
+    from jaxrl_llm.workers import HostWorker
+
+    cfg = _config(name, args)
+    rng = np.random.default_rng(0)
+    worker = HostWorker(cfg, vocab_size=VOCAB[name], pad_token_id=0, stop_token_ids=())
+    info = worker.info()
+    t0 = time.perf_counter()
+    start = worker.start_rl(total_steps=100)
+    setup_s = time.perf_counter() - t0
+
+    def prompts():
+        return [SimpleNamespace(prompt_ids=rng.integers(1, VOCAB[name], args.prompt_len).tolist())
+                for _ in range(args.prompts)]
+
+    t0 = time.perf_counter()
+    _step(worker, cfg, prompts(), seed=0)  # compiles every piece
+    warmup_s = time.perf_counter() - t0
+    timings, last = [], None
+    for i in range(args.steps):
+        timing, last = _step(worker, cfg, prompts(), seed=i + 1)
+        timings.append(timing)
+    timing = {k: float(np.mean([t[k] for t in timings])) for k in timings[0]}
+    out = {"bench": "e2e", "model": f"qwen2.5-{name}", "params": info["num_params"],
+           "device": info["device_kind"], "num_devices": info["num_devices"],
+           "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
+           "response_len": args.response_len, "remat": args.remat, "micro_batch": args.micro,
+           "param_dtype": args.param_dtype, "steps_timed": args.steps,
+           "setup_s": setup_s, "warmup_step_s": warmup_s}
+    out.update(M.compute_timing_metrics(timing, num_prompt_tokens=last["n_prompt"],
+                                        num_response_tokens=last["n_resp"]))
+    out.update(M.compute_throughput_metrics(total_tokens=last["n_prompt"] + last["n_resp"],
+                                            step_time_s=timing["step"], num_devices=info["num_devices"]))
+    out["gen_tokens_per_s"] = last["n_resp"] / timing["gen"]
+    out["idle_fraction"] = 1.0 - sum(timing[s] for s in DEVICE_STAGES) / timing["step"]
+    # weight sync against the byte-copy limit: read every source byte, write every target byte
+    src = sum(x.nbytes for x in jax.tree.leaves(worker.actor.params))
+    dst = sum(x.nbytes for x in jax.tree.leaves(worker.engine.params))
+    copied = last["sync"]["bytes_moved"] > 0
+    limit = (src + dst) / (args.copy_tbs * 1e12) if copied else 0.0
+    out.update({"sync/bytes_src": int(src), "sync/bytes_dst": int(dst),
+                "sync/bytes_moved": int(last["sync"]["bytes_moved"]),
+                "sync/zero_copy": bool(last["sync"]["zero_copy"]), "sync/copy_limit_s": limit,
+                "sync/multiple_of_copy_limit": timing["update_weights"] / limit if limit else None,
+                "sync/start_rl_bytes_moved": int(start["bytes_moved"])})
+    same = worker.engine.update_params(worker.engine.params)  # layouts match: nothing should move
+    out["sync/zero_copy_bytes"] = int(same["bytes_moved"])
+    out["sync/zero_copy_time_s"] = float(same["time_s"])
+    out["actor/pg_loss"] = float(last["actor/pg_loss"])
+    out["perf/max_memory_allocated_gb"] = M.max_memory_allocated_gb()
+    worker.close()
+    return out
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    results = []
+    for name in args.models:
+        try:
+            r = run_model(name, args)
+        except Exception as e:  # noqa: BLE001 - report and go on to the next model
+            if args.tiny:
+                raise
+            import traceback
+            r = {"bench": "e2e", "model": f"qwen2.5-{name}", "error": traceback.format_exc()[-3000:]}
+            del e
+        print(json.dumps(r), flush=True)
+        results.append(r)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
