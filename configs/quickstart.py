@@ -1,8 +1,10 @@
 """The embedded default: a tiny transformer learns addition on CPU, SFT warm start + GRPO.
 
-The SFT demonstrations are imperfect on purpose: 60% of them answer one too high
-(`sft.builtin_off_by_one`), so imitation learns the error and greedy held-out accuracy stays low;
-GRPO with the exact-match verifier unlearns it and raises held-out accuracy by well over 20 points.
+The SFT demonstrations are imperfect on purpose: 70% of them end the (right) answer with a stray
+"." (`sft.builtin_trailing_junk`), so imitation learns the habit and the exact-match verifier
+scores greedy held-out answers 0; GRPO unlearns it, and held-out accuracy rises to what the model
+can actually compute (about 50-70% on 2 CPU cores, seeds 0-2), far more than the 20 points the
+project asks of this demo. `sft.builtin_off_by_one` is a harder variant (wrong digits, not format).
 
 Launch (a few minutes on 2 CPU cores):
   python -m jaxrl_llm.train --config=configs/quickstart.py
@@ -43,7 +45,7 @@ def get_config(arg: str | None = None):
     c.rollout.steps_per_sync = 8
     c.reward.num_workers = 0
     c.sft.steps = 300
-    c.sft.builtin_off_by_one = 0.6
+    c.sft.builtin_trailing_junk = 0.7
     c.sft.batch_size = 64
     c.sft.lr = 2e-3
     c.sft.warmup_steps = 10

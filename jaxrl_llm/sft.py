@@ -35,7 +35,8 @@ def run_sft(run) -> dict:
                              tok, max_length=s.max_length, messages_key=s.messages_key)
     else:
         rows = data.tasks.make_arithmetic_sft_rows(s.builtin_size, d.seed + 7, max_operand=d.builtin_max_operand,
-                                                       off_by_one=s.builtin_off_by_one)
+                                                       off_by_one=s.builtin_off_by_one,
+                                                       trailing_junk=s.builtin_trailing_junk)
         ds = data.SFTDataset(rows, tok, max_length=s.max_length)
     host = HostWorker(run, vocab_size=tok.vocab_size, pad_token_id=tok.pad_token_id,
                       stop_token_ids=(tok.eos_token_id,))

@@ -47,7 +47,8 @@ def base_config() -> ConfigDict:
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
     c.placement = dict(mode="colocated", rollout_mesh=dict(data=1, fsdp=1, tensor=1))
     c.sft = dict(steps=0, batch_size=32, lr=1e-4, warmup_steps=0, max_length=512, train_files=(),
-                 messages_key="messages", builtin_size=2000, builtin_off_by_one=0.0)
+                 messages_key="messages", builtin_size=2000, builtin_off_by_one=0.0,
+                 builtin_trailing_junk=0.0)
     c.trainer = dict(
         backend="ray", total_training_steps=100, save_freq=0, test_freq=0, val_before_train=True,
         default_local_dir="runs/default", resume_mode="auto", max_to_keep=2, async_save=True,

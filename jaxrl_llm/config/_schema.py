@@ -191,6 +191,7 @@ class SFTConfig:
     messages_key: str
     builtin_size: int
     builtin_off_by_one: float  # arithmetic demos: fraction whose answer is off by one (imperfect data)
+    builtin_trailing_junk: float  # arithmetic demos: fraction whose answer ends with a stray "."
 
 
 @dataclasses.dataclass(frozen=True)

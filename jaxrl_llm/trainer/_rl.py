@@ -181,7 +181,8 @@ class RLTrainer:
         else:
             rows = data.tasks.make_arithmetic_sft_rows(s.builtin_size, d.seed + 7,
                                                        max_operand=d.builtin_max_operand,
-                                                       off_by_one=s.builtin_off_by_one)
+                                                       off_by_one=s.builtin_off_by_one,
+                                                       trailing_junk=s.builtin_trailing_junk)
             sft_set = data.SFTDataset(rows, self.tokenizer, max_length=s.max_length)
         rng = np.random.default_rng(self.config.trainer.seed)
         bar = _progress(self.config, 0, total=s.steps, desc="SFT")

@@ -83,3 +83,19 @@ def test_convert_gsm8k_rejects_answer_without_hashes(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode != 0
     assert "bad.jsonl row 0" in result.stderr and "####" in result.stderr
+
+
+def test_imperfect_sft_demonstrations_keep_the_true_ground_truth():
+    from jaxrl_llm.data.tasks import make_arithmetic_sft_rows
+    rows = make_arithmetic_sft_rows(400, seed=3, max_operand=20, trailing_junk=0.7, off_by_one=0.2)
+    answers = [r["messages"][-1]["content"] for r in rows]
+    truths = [int(r["reward_model"]["ground_truth"]) for r in rows]
+    junk = sum(a.endswith(".") for a in answers) / len(rows)
+    off = sum(int(a.rstrip(".")) == t + 1 for a, t in zip(answers, truths)) / len(rows)
+    assert 0.6 < junk < 0.8 and 0.12 < off < 0.28
+    assert all(int(a.rstrip(".")) in (t, t + 1) for a, t in zip(answers, truths))
+    clean = make_arithmetic_sft_rows(50, seed=3, max_operand=20)
+    assert all(r["messages"][-1]["content"] == r["reward_model"]["ground_truth"] for r in clean)
+    import pytest
+    with pytest.raises(ValueError, match="trailing_junk"):
+        make_arithmetic_sft_rows(5, seed=0, trailing_junk=1.5)

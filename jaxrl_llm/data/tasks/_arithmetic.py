@@ -69,21 +69,24 @@ def render_arithmetic_answer(row: Mapping) -> str:
 
 
 def make_arithmetic_sft_rows(n: int, seed: int, *, split: str = "train", max_operand: int = 99,
-                             ops: Sequence[str] = ("+",), off_by_one: float = 0.0) -> list[dict]:
+                             ops: Sequence[str] = ("+",), off_by_one: float = 0.0,
+                             trailing_junk: float = 0.0) -> list[dict]:
     """Rows with `messages` = [user prompt, assistant answer] for an SFT warm start; they also
     keep the verl fields of `make_arithmetic_rows`.
 
-    `off_by_one` is the fraction of demonstrations whose answer is the true result + 1: imperfect
-    demonstrations with a systematic error, which imitation copies and a verifier reward (RL) can
-    unlearn. The quickstart uses it to show what RL adds over SFT. `reward_model.ground_truth`
-    stays the true answer.
+    Imperfect demonstrations, for showing what a verifier reward (RL) adds over imitation:
+    `off_by_one` is the fraction whose answer is the true result + 1; `trailing_junk` the
+    fraction whose (otherwise right) answer ends with a stray "." that the exact-match scorer
+    rejects. Imitation copies both habits; GRPO unlearns them. `ground_truth` stays the truth.
     """
-    if not 0.0 <= off_by_one <= 1.0:
-        raise ValueError(f"off_by_one must be in [0, 1], got {off_by_one}")
+    for name, frac in (("off_by_one", off_by_one), ("trailing_junk", trailing_junk)):
+        if not 0.0 <= frac <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {frac}")
     rows = make_arithmetic_rows(n, seed=seed, split=split, max_operand=max_operand, ops=ops)
-    noisy = np.random.default_rng(seed + 1).random(len(rows)) < off_by_one
+    rng = np.random.default_rng(seed + 1)
+    wrong, junk = rng.random(len(rows)) < off_by_one, rng.random(len(rows)) < trailing_junk
     out = []
-    for row, wrong in zip(rows, noisy):
-        answer = str(int(render_arithmetic_answer(row)) + 1) if wrong else render_arithmetic_answer(row)
+    for row, w, j in zip(rows, wrong, junk):
+        answer = str(int(render_arithmetic_answer(row)) + int(w)) + ("." if j else "")
         out.append({**row, "messages": [*row["prompt"], {"role": "assistant", "content": answer}]})
     return out
