@@ -29,15 +29,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
-QWEN25 = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                 num_attention_heads=12, num_key_value_heads=2),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2),
-}
-VOCAB = {"0.5b": 151936, "1.5b": 151936, "tiny": 256}
+from jaxrl_llm.models import QWEN25_SHAPES
+
+_ARCH = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+QWEN25 = {k: {f: QWEN25_SHAPES[k][f] for f in _ARCH} for k in ("0.5b", "1.5b", "tiny")}
+VOCAB = {k: QWEN25_SHAPES[k]["vocab_size"] for k in QWEN25}
 DEVICE_STAGES = ("gen", "old_log_prob", "ref", "update_actor", "update_weights")
 
 

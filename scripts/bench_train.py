@@ -26,17 +26,9 @@ import time
 
 import numpy as np
 
-QWEN25 = {  # Hugging Face config.json values of Qwen/Qwen2.5-*-Instruct
-    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
-    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                 num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
-    "3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-               num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True),
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-}
+from jaxrl_llm.models import QWEN25_SHAPES
 
+QWEN25 = {k: QWEN25_SHAPES[k] for k in ("0.5b", "1.5b", "3b", "tiny")}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

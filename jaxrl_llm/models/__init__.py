@@ -5,3 +5,4 @@ from ._decoder import (CausalLM, KVCache, Transformer, ValueModel, abstract_mode
                        rope_inv_freq)
 from ._hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
 from ._tokenizer import (CharTokenizer, HFTokenizer, compile_chat_template, load_tokenizer)
+from ._presets import QWEN25_SHAPES
