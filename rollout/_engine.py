@@ -19,8 +19,6 @@ Conventions:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import time
 from typing import Any
 

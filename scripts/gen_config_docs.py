@@ -23,7 +23,6 @@ import typing
 from pathlib import Path
 
 from jaxrl_llm.config import RunConfig, base_config
-from jaxrl_llm.config import _schema
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configs.md"

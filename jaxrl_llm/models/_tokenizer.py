@@ -25,7 +25,6 @@ import json
 import os
 import string
 from collections.abc import Sequence
-from typing import Any
 
 import jinja2
 import jinja2.ext

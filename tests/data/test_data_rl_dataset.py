@@ -52,7 +52,7 @@ def test_truncation_error_left_right(tmp_path, tokenizer):
     limit = _prompt_len("12345")
     with pytest.raises(DataError, match=r"a.jsonl row 1: prompt has \d+ tokens"):
         RLDataset(path, tokenizer, max_prompt_length=limit, filter_overlong_prompts=False)
-    full = tokenizer.encode(f"<user>123456\n<assistant>")
+    full = tokenizer.encode("<user>123456\n<assistant>")
     left = RLDataset(path, tokenizer, max_prompt_length=limit, filter_overlong_prompts=False,
                      truncation="left")
     right = RLDataset(path, tokenizer, max_prompt_length=limit, filter_overlong_prompts=False,

@@ -9,7 +9,7 @@ from jaxrl_llm.config import load_config
 from jaxrl_llm.sft import run_sft
 from jaxrl_llm.trainer import RLTrainer
 
-from trainer_helpers import QUICKSTART, REWARD_FN, tiny_overrides
+from trainer_helpers import QUICKSTART, tiny_overrides
 
 
 def test_sft_trains_on_assistant_tokens_and_exports_a_loadable_model(tmp_path):

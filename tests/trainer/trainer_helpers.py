@@ -1,7 +1,6 @@
 """Helpers for trainer tests: tiny configs that run a step in seconds."""
 import os
 
-from jaxrl_llm.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
