@@ -23,6 +23,7 @@ from jaxrl_llm.workers import HostWorker
 
 from . import _batch as B
 from ._backend import WorkerError, make_group
+from ._sft_data import sft_batches, sft_dataset
 
 log = logging.getLogger(__name__)
 
@@ -174,24 +175,12 @@ class RLTrainer:
 
     # -- SFT warm start -----------------------------------------------------------------------------
     def run_sft(self) -> None:
-        s, d = self.config.sft, self.config.data
-        if s.train_files:
-            sft_set = data.SFTDataset(list(s.train_files)[0] if len(s.train_files) == 1 else s.train_files,
-                                      self.tokenizer, max_length=s.max_length, messages_key=s.messages_key)
-        else:
-            rows = data.tasks.make_arithmetic_sft_rows(s.builtin_size, d.seed + 7,
-                                                       max_operand=d.builtin_max_operand,
-                                                       off_by_one=s.builtin_off_by_one,
-                                                       trailing_junk=s.builtin_trailing_junk)
-            sft_set = data.SFTDataset(rows, self.tokenizer, max_length=s.max_length)
-        rng = np.random.default_rng(self.config.trainer.seed)
-        bar = _progress(self.config, 0, total=s.steps, desc="SFT")
+        sft_set = sft_dataset(self.config, self.tokenizer)
+        bar = _progress(self.config, 0, total=self.config.sft.steps, desc="SFT")
         with M.MetricsLogger(f"{self.run_dir}/sft", backends=("jsonl", "tensorboard"),
                              enable=self.logger_enabled) as sft_log:
-            for step in range(s.steps):
-                idx = rng.choice(len(sft_set), size=s.batch_size, replace=len(sft_set) < s.batch_size)
-                batch = data.collate_sft([sft_set[int(i)] for i in idx], self.pad_id, s.max_length)
-                m = self.call0("sft_step", {k: np.asarray(v) for k, v in batch.items()})
+            for step, batch in enumerate(sft_batches(self.config, sft_set, self.pad_id)):
+                m = self.call0("sft_step", batch)
                 sft_log.log(m, step=step + 1)
                 if bar is not None:
                     bar.update(1)

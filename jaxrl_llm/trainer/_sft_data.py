@@ -1,0 +1,31 @@
+"""The SFT warm start's data, shared by the RL job (`RLTrainer.run_sft`) and `python -m jaxrl_llm.sft`:
+the dataset from `sft.train_files` (or the built-in arithmetic demonstrations) and its batches."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from jaxrl_llm import data
+from jaxrl_llm.config import RunConfig
+
+
+def sft_dataset(run: RunConfig, tokenizer) -> data.SFTDataset:
+    s, d = run.sft, run.data
+    if s.train_files:
+        files = s.train_files[0] if len(s.train_files) == 1 else list(s.train_files)
+        return data.SFTDataset(files, tokenizer, max_length=s.max_length, messages_key=s.messages_key)
+    rows = data.tasks.make_arithmetic_sft_rows(
+        s.builtin_size, d.seed + 7, max_operand=d.builtin_max_operand,
+        off_by_one=s.builtin_off_by_one, trailing_junk=s.builtin_trailing_junk)
+    return data.SFTDataset(rows, tokenizer, max_length=s.max_length)
+
+
+def sft_batches(run: RunConfig, dataset, pad_token_id: int) -> Iterator[dict[str, np.ndarray]]:
+    """`sft.steps` batches of `sft.batch_size` rows drawn with the trainer's seed (deterministic)."""
+    s = run.sft
+    rng = np.random.default_rng(run.trainer.seed)
+    for _ in range(s.steps):
+        idx = rng.choice(len(dataset), size=s.batch_size, replace=len(dataset) < s.batch_size)
+        batch = data.collate_sft([dataset[int(i)] for i in idx], pad_token_id, s.max_length)
+        yield {k: np.asarray(v) for k, v in batch.items()}
