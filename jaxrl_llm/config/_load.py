@@ -159,6 +159,9 @@ def validate(c: RunConfig) -> None:
         if min(rm.data, rm.fsdp, rm.tensor) < 1:
             raise ConfigError("placement.rollout_mesh needs explicit sizes (>= 1, no -1) when "
                               "placement.mode='separate'")
+    if c.placement.one_step_off_policy and c.placement.mode != "separate":
+        raise ConfigError("placement.one_step_off_policy needs placement.mode='separate' (the rollout "
+                          "must run on its own devices to overlap with training)")
     _choice(c.algorithm.adv_estimator, ADV_ESTIMATORS, "algorithm.adv_estimator")
     _choice(c.actor.policy_loss, POLICY_LOSSES, "actor.policy_loss")
     _choice(c.actor.loss_agg_mode, LOSS_AGG_MODES, "actor.loss_agg_mode")

@@ -1,13 +1,16 @@
 """Where the workers live: in this process (`local`) or as one Ray actor per host (`ray`).
 
 Both expose `call(method, *args, **kwargs) -> list` (one result per host, same order) so the
-controller's loop is identical. A worker that raises surfaces as `WorkerError` carrying the
-remote traceback; the controller then stops cleanly.
+controller's loop is identical, and `call_async` / `wait` for a call that runs while the
+controller goes on (the one-step-off-policy rollout; the worker then serves two calls at once).
+A worker that raises surfaces as `WorkerError` carrying the remote traceback; the controller
+then stops cleanly.
 """
 from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +30,11 @@ class WorkerError(RuntimeError):
 class LocalGroup:
     """The workers of a one-host run, in this process (debugging, profiling, tests)."""
 
-    def __init__(self, cls, *args, **kwargs):
+    def __init__(self, cls, *args, max_concurrency: int = 1, **kwargs):
         self.workers = [cls(*args, **kwargs)]
+        # a background thread serves call_async (JAX dispatch is thread-safe; the two calls must
+        # use disjoint state, e.g. rollout on its own devices while the actor trains)
+        self._pool = ThreadPoolExecutor(max_concurrency - 1) if max_concurrency > 1 else None
 
     def call(self, method: str, *args, **kwargs) -> list:
         try:
@@ -36,7 +42,19 @@ class LocalGroup:
         except Exception as e:  # noqa: BLE001 - re-raised with context, original chained
             raise WorkerError(f"worker call {method!r} failed: {type(e).__name__}: {e}") from e
 
+    def call_async(self, method: str, *args, **kwargs):
+        """Starts `call` in the background; `wait(handle)` returns its result (or raises)."""
+        if self._pool is None:
+            raise RuntimeError("call_async needs a group made with max_concurrency >= 2")
+        return self._pool.submit(self.call, method, *args, **kwargs)
+
+    def wait(self, handle) -> list:
+        return handle.result()
+
     def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for w in self.workers:
             if hasattr(w, "close"):
                 w.close()
@@ -54,7 +72,8 @@ class RayGroup:
     free port there). On a single machine a local Ray is started with the machine's CPUs.
     """
 
-    def __init__(self, cls, *args, num_hosts: int = 1, distributed: dict | None = None, **kwargs):
+    def __init__(self, cls, *args, num_hosts: int = 1, distributed: dict | None = None,
+                 max_concurrency: int = 1, **kwargs):
         import ray
 
         if not ray.is_initialized():
@@ -71,7 +90,8 @@ class RayGroup:
         if distributed is not None:
             distributed = {**distributed, "num_processes": num_hosts}
         env = forward_env()
-        actor_cls = ray.remote(num_cpus=0)(cls)
+        # max_concurrency > 1 makes a threaded actor: call_async and call run side by side
+        actor_cls = ray.remote(num_cpus=0, max_concurrency=max_concurrency)(cls)
         self.workers = []
         for i in range(num_hosts):
             kw = dict(kwargs)
@@ -84,7 +104,14 @@ class RayGroup:
         self.call("info")  # surface construction errors now
 
     def call(self, method: str, *args, **kwargs) -> list:
-        refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+        return self.wait(self.call_async(method, *args, **kwargs))
+
+    def call_async(self, method: str, *args, **kwargs):
+        """Starts the call on every actor; `wait(handle)` returns the results (or raises)."""
+        return method, [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
+    def wait(self, handle) -> list:
+        method, refs = handle
         try:
             return self._ray.get(refs)
         except self._ray.exceptions.RayError as e:

@@ -94,9 +94,16 @@ class RLTrainer:
         self.kl_ctrl = algos.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.pad_id = self.tokenizer.pad_token_id
         stop_ids = tuple(getattr(self.tokenizer, "eos_token_ids", (self.tokenizer.eos_token_id,)))
+        self.overlap = c.placement.one_step_off_policy
+        if self.overlap and num_hosts > 1:
+            raise ValueError("placement.one_step_off_policy runs on one host only (num_hosts=1); "
+                             f"got num_hosts={num_hosts}")
+        # one-step-off-policy: (handle of the generate call in flight, its prompts, the data
+        # iterator's state before they were drawn)
+        self._pending = None
         self.group = make_group(c.trainer.backend, HostWorker, c, vocab_size=self.tokenizer.vocab_size,
                                 pad_token_id=self.pad_id, stop_token_ids=stop_ids, num_hosts=num_hosts,
-                                distributed=distributed)
+                                distributed=distributed, max_concurrency=2 if self.overlap else 1)
         self.info = self.call0("info")
         # Ray: this driver is the single controller; local multi-host: process 0 writes.
         self.logger_enabled = c.trainer.backend == "ray" or jax.process_index() == 0
@@ -128,6 +135,7 @@ class RLTrainer:
                 is_last = self.global_step == c.trainer.total_training_steps
                 if self.val_set is not None and (is_last or (c.trainer.test_freq > 0
                                                              and self.global_step % c.trainer.test_freq == 0)):
+                    self._settle()  # the engine must be idle and hold the newest weights
                     last_val = self.validate()
                     step_metrics.update(last_val)
                 if is_last or (c.trainer.save_freq > 0 and self.global_step % c.trainer.save_freq == 0):
@@ -143,6 +151,7 @@ class RLTrainer:
             return last_val
         except WorkerError:
             log.error("a worker failed; waiting for checkpoints in flight, then stopping")
+            self._pending = None
             self._safe_wait()
             raise
         finally:
@@ -166,6 +175,12 @@ class RLTrainer:
             pass
 
     def close(self):
+        if getattr(self, "_pending", None) is not None and getattr(self, "group", None) is not None:
+            try:  # a rollout still in flight: let it end before the workers go
+                self.group.wait(self._pending[0])
+            except Exception:  # noqa: BLE001 - we are closing anyway
+                pass
+            self._pending = None
         if getattr(self, "group", None) is not None:
             self.group.shutdown()
             self.group = None
@@ -189,20 +204,67 @@ class RLTrainer:
             bar.close()
 
     # -- one RL step ---------------------------------------------------------------------------------
-    def _seed(self, salt: int) -> int:
-        return (self.config.trainer.seed * 1_000_003 + self.global_step * 7919 + salt) % (2**31 - 1)
+    def _seed(self, salt: int, step: int | None = None) -> int:
+        step = self.global_step if step is None else step
+        return (self.config.trainer.seed * 1_000_003 + step * 7919 + salt) % (2**31 - 1)
+
+    def _generate_args(self, examples, step: int) -> tuple[tuple, dict]:
+        c = self.config
+        return ("generate", [e.prompt_ids for e in examples]), dict(
+            n=c.rollout.n, max_new_tokens=c.data.max_response_length,
+            sampling=dict(temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p),
+            seed=self._seed(1, step))
+
+    def _rollout(self, timing: dict, metrics: dict):
+        """This step's prompts and their rollout.
+
+        Synchronous mode: draws prompts and generates with the current weights. One-step-off-policy:
+        takes the batch generated in the background during the previous step (with the weights
+        of one update ago), syncs the current weights into the now idle engine, and starts the
+        next step's rollout before returning, so it runs while this step trains.
+        """
+        if self._pending is not None:
+            handle, examples, _ = self._pending
+            with _timer(timing, "gen"):  # only the time this step waited for the rollout
+                gen = self.group.wait(handle)[0]
+            self._pending = None
+            timing["gen_async"] = gen.pop("time_s", 0.0)  # its full duration, mostly hidden
+            metrics["rollout/off_policy_steps"] = 1.0
+        else:
+            examples = next(self.loader)
+            with _timer(timing, "gen"):
+                args, kwargs = self._generate_args(examples, self.global_step)
+                gen = self.call0(*args, **kwargs)
+            gen.pop("time_s", None)
+            metrics["rollout/off_policy_steps"] = 0.0
+        if self.overlap and self.global_step + 1 < self.config.trainer.total_training_steps:
+            with _timer(timing, "update_weights"):
+                self._sync(metrics)
+            state = self.loader.get_state()
+            nxt = next(self.loader)
+            args, kwargs = self._generate_args(nxt, self.global_step + 1)
+            self._pending = (self.group.call_async(*args, **kwargs), nxt, state)
+        return examples, gen
+
+    def _sync(self, metrics: dict) -> None:
+        sync = self.call0("sync_weights")
+        metrics.update({f"rollout/sync_{k}": float(v) for k, v in sync.items()})
+
+    def _settle(self) -> None:
+        """One-step-off-policy: waits for the rollout in flight (keeps its batch for the next step)
+        and gives the idle engine the newest weights, e.g. before validation."""
+        if not self.overlap:
+            return
+        if self._pending is not None:
+            self.group.wait(self._pending[0])  # a handle can be waited on again: the next step does
+        self.call0("sync_weights")
 
     def train_step(self) -> dict:
         c = self.config
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
         t_step = time.perf_counter()
-        examples = next(self.loader)
-        with _timer(timing, "gen"):
-            gen = self.call0("generate", [e.prompt_ids for e in examples], n=c.rollout.n,
-                             max_new_tokens=c.data.max_response_length,
-                             sampling=dict(temperature=c.rollout.temperature, top_k=c.rollout.top_k,
-                                           top_p=c.rollout.top_p), seed=self._seed(1))
+        examples, gen = self._rollout(timing, metrics)
         batch = B.rollout_batch(examples, gen, n=c.rollout.n, pad_token_id=self.pad_id,
                                 max_prompt_length=c.data.max_prompt_length)
         with _timer(timing, "reward"):
@@ -249,9 +311,9 @@ class RLTrainer:
             with _timer(timing, "update_actor"):
                 metrics.update(self.call0("update_actor", view, mini_rows=c.actor.ppo_mini_batch_size * c.rollout.n,
                                           seed=self._seed(3)))
-            with _timer(timing, "update_weights"):
-                sync = self.call0("sync_weights")
-                metrics.update({f"rollout/sync_{k}": float(v) for k, v in sync.items()})
+            if not self.overlap:  # one-step-off-policy syncs at the start of the next step
+                with _timer(timing, "update_weights"):
+                    self._sync(metrics)
         timing["step"] = time.perf_counter() - t_step
         metrics.update(self._step_metrics(batch, timing))
         metrics["training/epoch"] = float(self.loader.epoch)
@@ -306,7 +368,10 @@ class RLTrainer:
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def _meta(self) -> dict:
-        return {"global_step": self.global_step, "data": self.loader.get_state(),
+        # with a rollout in flight, the saved data position is before its prompts: a resumed run
+        # draws them again (and generates them with the restored, newer weights)
+        data_state = self._pending[2] if self._pending is not None else self.loader.get_state()
+        return {"global_step": self.global_step, "data": data_state,
                 "kl_coef": float(np.asarray(self.kl_ctrl.value)), "config": self.config.to_dict()}
 
     def save_checkpoint(self) -> None:

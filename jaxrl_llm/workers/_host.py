@@ -73,6 +73,9 @@ class HostWorker:
     def start_rl(self, total_steps: int) -> dict:
         """Builds actor (from the SFT result if any), reference, critic and the rollout engine."""
         c = self.config
+        if c.placement.one_step_off_policy and jax.process_count() > 1:
+            raise ValueError("placement.one_step_off_policy runs on one host only; this run has "
+                             f"{jax.process_count()} processes")
         if self._sft is not None:
             self._model = self._sft.model()
             self._sft = None
@@ -105,11 +108,13 @@ class HostWorker:
     # -- the RL step's calls -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, sampling: dict,
                  seed: int) -> dict:
+        t0 = time.perf_counter()
         out = self.driver.generate(prompts, n=n, max_new_tokens=max_new_tokens,
                                    sampling=rollout.SamplingParams(**sampling), seed=seed)
         return {"responses": out.responses, "response_mask": out.response_mask,
                 "rollout_log_probs": out.rollout_log_probs, "response_lengths": out.response_lengths,
-                "finish_reasons": list(out.finish_reasons), "prompt_index": out.prompt_index}
+                "finish_reasons": list(out.finish_reasons), "prompt_index": out.prompt_index,
+                "time_s": time.perf_counter() - t0}
 
     def compute_old_log_prob(self, batch):
         return self.actor.compute_log_prob(batch)
@@ -184,13 +189,26 @@ class HostWorker:
 
 
 def _meshes(c: RunConfig):
-    """(training mesh, rollout mesh): the same mesh when colocated, disjoint devices when separate."""
+    """(training mesh, rollout mesh).
+
+    Colocated: the training mesh itself when `placement.rollout_mesh` is 1x1x1, else the same
+    devices re-meshed to that shape (e.g. fsdp for training, tensor-parallel decode). Separate:
+    the last devices of the host for the rollout, the rest for training (disjoint).
+    """
     m = c.mesh
     train_cfg = sharding.MeshConfig(m.data, m.fsdp, m.tensor)
+    r = c.placement.rollout_mesh
     if c.placement.mode == "colocated":
         mesh = sharding.make_mesh(train_cfg)
-        return mesh, mesh
-    r = c.placement.rollout_mesh
+        if (r.data, r.fsdp, r.tensor) == (1, 1, 1):
+            return mesh, mesh
+        devices = list(mesh.devices.flat)
+        try:
+            rollout_mesh = sharding.make_mesh(sharding.MeshConfig(r.data, r.fsdp, r.tensor), devices=devices)
+        except ValueError as e:
+            raise ValueError(f"placement.rollout_mesh (colocated) must cover the {len(devices)} training "
+                             f"devices: {e}") from None
+        return mesh, rollout_mesh
     devices = jax.local_devices() if jax.process_count() == 1 else jax.devices()
     k = r.data * r.fsdp * r.tensor
     if k >= len(devices):
