@@ -1,9 +1,18 @@
-"""End-to-end GRPO step benchmark on one accelerator: rollout, reward, old/ref log-probs,
-advantages, actor update and weight sync, timed per stage with verl's metric names.
+"""End-to-end GRPO step benchmark: rollout, reward, old/ref log-probs, advantages, actor update
+and weight sync, timed per stage with verl's metric names, on one or several accelerators.
 
     python scripts/bench_e2e.py                          # Qwen2.5-0.5B and -1.5B shapes
     python scripts/bench_e2e.py --models 1.5b --prompts 32 --steps 2
+    python scripts/bench_e2e.py --mesh 1 -1 1 --rollout-mesh 1 1 -1     # fsdp train, TP decode
+    python scripts/bench_e2e.py --placement separate --rollout-mesh 1 1 1 --overlap
     python scripts/bench_e2e.py --tiny                   # CPU smoke run (tests call it)
+
+Placement (as `placement.*` in the run config): `colocated` runs everything on all devices (the
+training mesh `--mesh`; `--rollout-mesh` other than 1 1 1 re-meshes the same devices for decode);
+`separate` gives the rollout the last `--rollout-mesh` devices and training the rest;
+`--overlap` (separate only) is the trainer's one-step-off-policy mode: step k+1's rollout runs
+while step k trains, `timing_s/gen` is then only the wait for it and `timing_s/gen_async` its
+whole duration.
 
 The step is `RLTrainer.train_step`'s sequence of `HostWorker` calls (the workers the trainer
 uses, in-process), on random-init bf16-compute models with Qwen2.5 shapes: `--prompts` random
@@ -18,13 +27,19 @@ Reported per model (the mean over the timed steps after one warm-up step):
   `sync/multiple_of_copy_limit` = measured `timing_s/update_weights` / that; `sync/zero_copy_bytes`
   is what `update_params` moved when handed the engine's own (layout-matching) buffers;
 - `idle_fraction` = 1 - (time inside device stages) / step time: host-only work (reward,
-  advantages, batch assembly), a lower bound on the accelerator's idle time.
+  advantages, batch assembly), a lower bound on the accelerator's idle time (not defined with
+  `--overlap`, whose stages run at the same time);
+- with several devices, `sync/cross_device_bytes_max` = the most bytes any one device must receive
+  from other devices to build its rollout shards (counted at the rollout dtype), and
+  `sync/multiple_of_link_limit` = sync time / (that / `--link-gbs`), the NVLink byte limit.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
@@ -50,6 +65,16 @@ def parse_args(argv=None):
     p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--steps-per-sync", type=int, default=64)
     p.add_argument("--copy-tbs", type=float, default=4.3, help="measured device copy rate, TB/s")
+    p.add_argument("--link-gbs", type=float, default=450.0,
+                   help="device-to-device link rate per direction, GB/s (H100/H200 NVLink 4: 450)")
+    p.add_argument("--mesh", nargs=3, type=int, default=[1, -1, 1], metavar=("DATA", "FSDP", "TENSOR"),
+                   help="training mesh (-1 = fill with the training devices)")
+    p.add_argument("--placement", default="colocated", choices=["colocated", "separate"])
+    p.add_argument("--rollout-mesh", nargs=3, type=int, default=[1, 1, 1], metavar=("DATA", "FSDP", "TENSOR"),
+                   help="colocated: 1 1 1 = the training mesh, else a re-mesh of its devices; "
+                        "separate: the rollout's own devices")
+    p.add_argument("--overlap", action="store_true",
+                   help="one-step-off-policy: rollout of step k+1 during step k (needs --placement separate)")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
     p.add_argument("--tiny", "--dry-run", dest="tiny", action="store_true",
                    help="tiny model, 2 prompts x 2 samples, 8+8 tokens, fp32, CPU: a smoke run")
@@ -57,6 +82,8 @@ def parse_args(argv=None):
     if args.tiny:
         args.models, args.prompts, args.n, args.prompt_len, args.response_len = ["tiny"], 4, 2, 8, 8
         args.steps, args.micro, args.steps_per_sync = 1, 8, 4
+    if args.overlap and args.placement != "separate":
+        p.error("--overlap needs --placement separate")
     return args
 
 
@@ -83,6 +110,11 @@ def _config(name: str, args):
     c.trainer.default_local_dir = "/tmp/bench_e2e"
     c.data.builtin_task, c.model.tokenizer = "arithmetic", "char"  # validation only: prompts are ours
     c.trainer.async_save = False
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = args.mesh
+    c.placement.mode = args.placement
+    r = c.placement.rollout_mesh
+    r.data, r.fsdp, r.tensor = args.rollout_mesh
+    c.placement.one_step_off_policy = args.overlap
     return C.to_run_config(c)
 
 
@@ -91,7 +123,16 @@ def _reward(responses: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return ((responses % 2 == 0) * mask).sum(-1) / np.maximum(mask.sum(-1), 1)
 
 
-def _step(worker, cfg, prompts, seed: int) -> tuple[dict, dict]:
+def _generate(worker, cfg, prompts, seed: int) -> dict:
+    return worker.generate([e.prompt_ids for e in prompts], n=cfg.rollout.n,
+                           max_new_tokens=cfg.data.max_response_length,
+                           sampling=dict(temperature=1.0, top_k=-1, top_p=1.0), seed=seed)
+
+
+def _step(worker, cfg, prompts, seed: int, *, pending=None, launch_next=None) -> tuple[dict, dict]:
+    """One GRPO step. Synchronous: generates `prompts` now, syncs weights at the end.
+    One-step-off-policy (`pending` = a future of this step's rollout, `launch_next` = starts the
+    next step's): waits for the rollout, syncs the idle engine, starts the next rollout, trains."""
     from jaxrl_llm.trainer import _batch as B
 
     timing: dict[str, float] = {}
@@ -104,9 +145,16 @@ def _step(worker, cfg, prompts, seed: int) -> tuple[dict, dict]:
 
     t_step = time.perf_counter()
     n = cfg.rollout.n
-    gen = timed("gen", lambda: worker.generate(
-        [e.prompt_ids for e in prompts], n=n, max_new_tokens=cfg.data.max_response_length,
-        sampling=dict(temperature=1.0, top_k=-1, top_p=1.0), seed=seed))
+    if pending is not None:
+        gen = timed("gen", pending.result)
+        timing["gen_async"] = gen["time_s"]
+    else:
+        gen = timed("gen", lambda: _generate(worker, cfg, prompts, seed))
+    overlap = pending is not None or launch_next is not None
+    if overlap:  # the engine is idle now: give it the newest weights, start the next rollout
+        sync = timed("update_weights", worker.sync_weights)
+        if launch_next is not None:
+            launch_next()
     batch = B.rollout_batch(prompts, gen, n=n, pad_token_id=0, max_prompt_length=cfg.data.max_prompt_length)
 
     def reward():
@@ -123,7 +171,8 @@ def _step(worker, cfg, prompts, seed: int) -> tuple[dict, dict]:
     timed("adv", adv)
     metrics = timed("update_actor", lambda: worker.update_actor(
         B.worker_view(batch), mini_rows=cfg.actor.ppo_mini_batch_size * n, seed=seed))
-    sync = timed("update_weights", worker.sync_weights)
+    if not overlap:
+        sync = timed("update_weights", worker.sync_weights)
     timing["step"] = time.perf_counter() - t_step
     n_prompt = int(batch["attention_mask"][:, :batch["prompts"].shape[1]].sum())
     n_resp = int(batch["response_mask"].sum())
@@ -133,6 +182,7 @@ def _step(worker, cfg, prompts, seed: int) -> tuple[dict, dict]:
 
 def run_model(name: str, args) -> dict:
     import jax
+    from flax import nnx
 
     from jaxrl_llm import metrics as M
     from jaxrl_llm.workers import HostWorker
@@ -149,26 +199,42 @@ def run_model(name: str, args) -> dict:
         return [SimpleNamespace(prompt_ids=rng.integers(1, VOCAB[name], args.prompt_len).tolist())
                 for _ in range(args.prompts)]
 
-    t0 = time.perf_counter()
-    _step(worker, cfg, prompts(), seed=0)  # compiles every piece
-    warmup_s = time.perf_counter() - t0
-    timings, last = [], None
-    for i in range(args.steps):
-        timing, last = _step(worker, cfg, prompts(), seed=i + 1)
-        timings.append(timing)
-    timing = {k: float(np.mean([t[k] for t in timings])) for k in timings[0]}
+    pool = ThreadPoolExecutor(1) if args.overlap else None
+    pending = None
+    timings, last, warmup_s = [], None, 0.0
+    batches = [prompts() for _ in range(args.steps + 1)]
+    for i in range(args.steps + 1):  # step 0 is the warm-up: it compiles every piece
+        launch = None
+        if pool is not None and i < args.steps:
+            def launch(i=i):
+                nonlocal pending
+                pending = pool.submit(_generate, worker, cfg, batches[i + 1], i + 1)
+        this, pending = pending, None
+        t0 = time.perf_counter()
+        timing, last = _step(worker, cfg, batches[i], seed=i, pending=this, launch_next=launch)
+        if i == 0:
+            warmup_s = time.perf_counter() - t0
+        else:
+            timings.append(timing)
+    if pool is not None:
+        pool.shutdown()
+    keys = set.intersection(*(set(t) for t in timings))
+    timing = {k: float(np.mean([t[k] for t in timings])) for k in sorted(keys)}
     out = {"bench": "e2e", "model": f"qwen2.5-{name}", "params": info["num_params"],
            "device": info["device_kind"], "num_devices": info["num_devices"],
            "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
            "response_len": args.response_len, "remat": args.remat, "micro_batch": args.micro,
            "param_dtype": args.param_dtype, "steps_timed": args.steps,
+           "placement": args.placement, "overlap": args.overlap,
+           "train_mesh": dict(worker.mesh.shape), "rollout_mesh": dict(worker.rollout_mesh.shape),
            "setup_s": setup_s, "warmup_step_s": warmup_s}
     out.update(M.compute_timing_metrics(timing, num_prompt_tokens=last["n_prompt"],
                                         num_response_tokens=last["n_resp"]))
     out.update(M.compute_throughput_metrics(total_tokens=last["n_prompt"] + last["n_resp"],
                                             step_time_s=timing["step"], num_devices=info["num_devices"]))
     out["gen_tokens_per_s"] = last["n_resp"] / timing["gen"]
-    out["idle_fraction"] = 1.0 - sum(timing[s] for s in DEVICE_STAGES) / timing["step"]
+    out["idle_fraction"] = (None if args.overlap else
+                            1.0 - sum(timing[s] for s in DEVICE_STAGES) / timing["step"])
     # weight sync against the byte-copy limit: read every source byte, write every target byte
     src = sum(x.nbytes for x in jax.tree.leaves(worker.actor.params))
     dst = sum(x.nbytes for x in jax.tree.leaves(worker.engine.params))
@@ -179,6 +245,16 @@ def run_model(name: str, args) -> dict:
                 "sync/zero_copy": bool(last["sync"]["zero_copy"]), "sync/copy_limit_s": limit,
                 "sync/multiple_of_copy_limit": timing["update_weights"] / limit if limit else None,
                 "sync/start_rl_bytes_moved": int(start["bytes_moved"])})
+    if info["num_devices"] > 1:
+        itemsize = np.dtype(jax.tree.leaves(worker.engine.params)[0].dtype).itemsize
+        src = worker.actor.params
+        src = nnx.to_pure_dict(src) if isinstance(src, nnx.State) else src
+        cross = cross_device_bytes(src, _rollout_layout(cfg, worker), itemsize)
+        link = max(cross.values()) / (args.link_gbs * 1e9)
+        out.update({"sync/cross_device_bytes_max": int(max(cross.values())),
+                    "sync/cross_device_bytes_total": int(sum(cross.values())),
+                    "sync/link_limit_s": link,
+                    "sync/multiple_of_link_limit": timing["update_weights"] / link if link else None})
     same = worker.engine.update_params(worker.engine.params)  # layouts match: nothing should move
     out["sync/zero_copy_bytes"] = int(same["bytes_moved"])
     out["sync/zero_copy_time_s"] = float(same["time_s"])
@@ -186,6 +262,45 @@ def run_model(name: str, args) -> dict:
     out["perf/max_memory_allocated_gb"] = M.max_memory_allocated_gb()
     worker.close()
     return out
+
+
+def cross_device_bytes(src_tree, dst_shardings, itemsize: int) -> dict:
+    """Bytes each device must receive from other devices to turn `src_tree`'s shards into the
+    layout `dst_shardings` (a matching tree of shardings; elements of `itemsize` bytes): for each
+    destination shard, its elements that the same device does not already hold in the source."""
+    import jax
+
+    src, dst = jax.tree.leaves(src_tree), jax.tree.leaves(dst_shardings)
+    if len(src) != len(dst):
+        raise ValueError(f"cross_device_bytes: {len(src)} source leaves vs {len(dst)} destination shardings")
+    out: dict = {}
+    for x, s in zip(src, dst):
+        have = x.sharding.devices_indices_map(x.shape)
+        for dev, idx in s.devices_indices_map(x.shape).items():
+            want = _box(idx, x.shape)
+            local = _overlap(want, _box(have[dev], x.shape)) if dev in have else 0
+            out[dev] = out.get(dev, 0) + (math.prod(b - a for a, b in want) - local) * itemsize
+    return out
+
+
+def _rollout_layout(cfg, worker):
+    """The engine's parameter shardings in the trainer's stacked tree layout (the per-layer split
+    never cuts a shard: the layer axis is not sharded, so the bytes to move are the same)."""
+    from flax import nnx
+
+    import sharding
+    from jaxrl_llm import models
+
+    abstract = nnx.state(models.abstract_model(worker.actor.model().config), nnx.Param)
+    return nnx.to_pure_dict(sharding.state_shardings(abstract, worker.rollout_mesh, sharding.ROLLOUT_RULES))
+
+
+def _box(index, shape) -> list[tuple[int, int]]:
+    return [(sl.start or 0, n if sl.stop is None else sl.stop) for sl, n in zip(index, shape)]
+
+
+def _overlap(a, b) -> int:
+    return math.prod(max(0, min(a1, b1) - max(a0, b0)) for (a0, a1), (b0, b1) in zip(a, b))
 
 
 def main(argv=None) -> list[dict]:

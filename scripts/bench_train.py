@@ -1,8 +1,15 @@
-"""Actor-update benchmark: tokens/s and MFU of the GRPO actor update on one accelerator.
+"""Actor-update benchmark: tokens/s and MFU of the GRPO actor update on one or more accelerators.
 
     python scripts/bench_train.py                                 # 0.5B/1.5B/3B shapes, seq 1024
     python scripts/bench_train.py --models 1.5b --remat none dots --micro 8 16
+    python scripts/bench_train.py --models 7b --mesh 1 -1 1       # fsdp over all devices
+    python scripts/bench_train.py --models 0.5b --devices 1 --compute-dtype float32   # vs 2 devices:
+    python scripts/bench_train.py --models 0.5b --devices 2 --compute-dtype float32   # same loss
     python scripts/bench_train.py --tiny                          # CPU smoke run (tests call it)
+
+`--mesh DATA FSDP TENSOR` shapes the training mesh over the first `--devices` devices (default:
+all; -1 fills); the batch is the same whatever the mesh, so `first_pg_loss` / `first_grad_norm`
+(the warm-up step, from the same initial weights) must agree across meshes up to reduction order.
 
 Random-init models with Qwen2.5 shapes, fp32 parameters and Adam moments, bf16 compute
 (`--param-dtype bfloat16` for bf16 parameters), one `ActorWorker.update` call per timed step:
@@ -28,7 +35,7 @@ import numpy as np
 
 from jaxrl_llm.models import QWEN25_SHAPES
 
-QWEN25 = {k: QWEN25_SHAPES[k] for k in ("0.5b", "1.5b", "3b", "tiny")}
+QWEN25 = {k: QWEN25_SHAPES[k] for k in ("0.5b", "1.5b", "3b", "7b", "tiny")}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -41,6 +48,10 @@ def parse_args(argv=None):
     p.add_argument("--response-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--mesh", nargs=3, type=int, default=[1, -1, 1], metavar=("DATA", "FSDP", "TENSOR"),
+                   help="training mesh over the devices used (-1 = fill)")
+    p.add_argument("--devices", type=int, default=0, help="use the first N devices (0 = all)")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="one process per configuration (default: on unless --tiny)")
@@ -50,7 +61,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.tiny:
         args.models, args.rows, args.prompt_len, args.response_len = ["tiny"], 16, 8, 8
-        args.micro, args.steps = [8], 1
+        args.micro, args.steps, args.compute_dtype = [8], 1, "float32"
     if args.isolate is None:
         args.isolate = not args.tiny
     return args
@@ -76,9 +87,10 @@ def _run_config(name: str, remat: str, micro: int, args) -> dict:
     cfg = models.ModelConfig(
         model_type="qwen2", attention_bias=True, rope_theta=1e6, max_position_embeddings=32768,
         head_dim=shape["hidden_size"] // shape["num_attention_heads"],
-        dtype="float32" if tiny else "bfloat16", param_dtype="float32" if tiny else args.param_dtype,
+        dtype=args.compute_dtype, param_dtype="float32" if tiny else args.param_dtype,
         remat=remat, **shape)
-    mesh = sharding.make_mesh(sharding.MeshConfig(1, -1, 1))
+    devices = jax.devices()[:args.devices] if args.devices > 0 else jax.devices()
+    mesh = sharding.make_mesh(sharding.MeshConfig(*args.mesh), devices=devices)
     model = sharding.init_sharded(lambda: models.CausalLM(cfg, rngs=nnx.Rngs(params=0)), mesh,
                                   sharding.TRAIN_RULES)
     n_params = models.count_params(model)
@@ -101,7 +113,7 @@ def _run_config(name: str, remat: str, micro: int, args) -> dict:
         "advantages": rng.standard_normal((rows, t)).astype(np.float32),
     }
     t0 = time.perf_counter()
-    worker.update(batch, mini_rows=rows, seed=0)  # compiles
+    first = worker.update(batch, mini_rows=rows, seed=0)  # compiles
     compile_s = time.perf_counter() - t0
     times = []
     for i in range(args.steps):
@@ -111,18 +123,24 @@ def _run_config(name: str, remat: str, micro: int, args) -> dict:
     step_s = float(np.median(times))
     tokens = rows * (p + t)
     fpt = flops_per_token(cfg, n_params, p + t)
-    dev = jax.devices()[0]
-    stats = dev.memory_stats() or {}
+    ndev = mesh.devices.size
+    stats = [d.memory_stats() or {} for d in mesh.devices.flat]
+    peaks = [st.get("peak_bytes_in_use") for st in stats]
     return {
         "bench": "train", "model": f"qwen2.5-{name}", "params": n_params, "remat": remat,
         "micro_batch": micro, "rows": rows, "seq_len": p + t, "param_dtype": str(cfg.param_dtype),
-        "compute_dtype": str(cfg.dtype), "device": dev.device_kind, "num_devices": jax.device_count(),
+        "compute_dtype": str(cfg.dtype), "device": devices[0].device_kind, "num_devices": ndev,
+        "mesh": dict(mesh.shape),
         "step_s": step_s, "step_s_all": times, "compile_s": compile_s - step_s,
-        "tokens_per_s": tokens / step_s, "tokens_per_s_per_device": tokens / step_s / jax.device_count(),
+        "tokens_per_s": tokens / step_s, "tokens_per_s_per_device": tokens / step_s / ndev,
         "flops_per_token": fpt,
-        "mfu": fpt * tokens / (step_s * jax.device_count() * args.peak_tflops * 1e12),
-        "peak_bytes": stats.get("peak_bytes_in_use"), "bytes_in_use": stats.get("bytes_in_use"),
+        "mfu": fpt * tokens / (step_s * ndev * args.peak_tflops * 1e12),
+        # peak memory per device: the largest over the mesh (bytes_in_use likewise)
+        "peak_bytes": max(peaks) if None not in peaks else None,
+        "peak_bytes_per_device": peaks,
+        "bytes_in_use": max((st.get("bytes_in_use") or 0) for st in stats) or None,
         "grad_norm": float(metrics["actor/grad_norm"]),
+        "first_pg_loss": float(first["actor/pg_loss"]), "first_grad_norm": float(first["actor/grad_norm"]),
     }
 
 
@@ -130,7 +148,9 @@ def _run_isolated(name, remat, micro, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", name, remat, str(micro),
            "--rows", str(args.rows), "--prompt-len", str(args.prompt_len),
            "--response-len", str(args.response_len), "--steps", str(args.steps),
-           "--param-dtype", args.param_dtype, "--peak-tflops", str(args.peak_tflops)]
+           "--param-dtype", args.param_dtype, "--peak-tflops", str(args.peak_tflops),
+           "--compute-dtype", args.compute_dtype, "--devices", str(args.devices),
+           "--mesh", *map(str, args.mesh)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:

@@ -32,3 +32,14 @@ def test_bench_train_flops_count_matches_verl_formula():
                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
     # untied: the embedding lookup (100 x 8) is no matmul; attention 12 * L * heads * head_dim * S
     assert bench.flops_per_token(cfg, 1000, 10) == 6.0 * (1000 - 800) + 12.0 * 2 * 2 * 4 * 10
+
+
+def test_bench_train_same_loss_on_one_device_and_on_meshes(capsys):
+    bench = _load()
+    one = bench.main(["--tiny", "--devices", "1"])[0]
+    assert one["num_devices"] == 1
+    for mesh in (["1", "-1", "1"], ["2", "2", "2"], ["1", "4", "2"]):
+        r = bench.main(["--tiny", "--mesh", *mesh])[0]
+        assert r["num_devices"] == 8 and r["mesh"]["tensor"] == int(mesh[2])
+        assert abs(r["first_pg_loss"] - one["first_pg_loss"]) <= 1e-5 * max(1.0, abs(one["first_pg_loss"]))
+        assert abs(r["first_grad_norm"] - one["first_grad_norm"]) <= 1e-4 * one["first_grad_norm"]
