@@ -52,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--mesh", nargs=3, type=int, default=[1, -1, 1], metavar=("DATA", "FSDP", "TENSOR"),
                    help="training mesh over the devices used (-1 = fill)")
     p.add_argument("--devices", type=int, default=0, help="use the first N devices (0 = all)")
+    p.add_argument("--trace", default="", help="after timing, trace one more step with jax.profiler "
+                   "into this folder (trace_<model>_<remat>_<micro>.json.gz; scripts/trace_summary.py)")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="one process per configuration (default: on unless --tiny)")
@@ -121,6 +123,9 @@ def _run_config(name: str, remat: str, micro: int, args) -> dict:
         metrics = worker.update(batch, mini_rows=rows, seed=i + 1)  # ends with a device_get
         times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))
+    if args.trace:
+        _trace_step(lambda: worker.update(batch, mini_rows=rows, seed=args.steps + 1),
+                    os.path.join(args.trace, f"trace_{name}_{remat}_{micro}.json.gz"))
     tokens = rows * (p + t)
     fpt = flops_per_token(cfg, n_params, p + t)
     ndev = mesh.devices.size
@@ -144,13 +149,32 @@ def _run_config(name: str, remat: str, micro: int, args) -> dict:
     }
 
 
+def _trace_step(fn, dest: str) -> None:
+    """Runs fn() under jax.profiler and copies the perfetto trace to dest."""
+    import glob
+    import shutil
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            fn()
+        found = sorted(glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
+                       or glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True))
+        if not found:
+            raise RuntimeError(f"jax.profiler wrote no perfetto trace under {tmp}")
+        os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
+        shutil.copy(found[-1], dest)
+
+
 def _run_isolated(name, remat, micro, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", name, remat, str(micro),
            "--rows", str(args.rows), "--prompt-len", str(args.prompt_len),
            "--response-len", str(args.response_len), "--steps", str(args.steps),
            "--param-dtype", args.param_dtype, "--peak-tflops", str(args.peak_tflops),
            "--compute-dtype", args.compute_dtype, "--devices", str(args.devices),
-           "--mesh", *map(str, args.mesh)]
+           "--mesh", *map(str, args.mesh), *(["--trace", args.trace] if args.trace else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
