@@ -40,6 +40,7 @@ from jaxrl_llm.algos._kl import (
 )
 from jaxrl_llm.algos._logprobs import (
     entropy_from_logits,
+    project_logits,
     token_log_probs_from_hidden,
     token_log_probs_from_logits,
 )
@@ -73,6 +74,6 @@ __all__ = [
     "masked_var", "masked_whiten", "opo", "overlong_penalty", "reinforce_plus_plus",
     "reinforce_plus_plus_baseline", "remax", "rloo", "rollout_correction",
     "rollout_is_weights", "rollout_offpolicy_metrics", "rollout_rejection_mask",
-    "sequence_scores_to_token_level", "token_log_probs_from_hidden",
+    "sequence_scores_to_token_level", "token_log_probs_from_hidden", "project_logits",
     "token_log_probs_from_logits", "value_loss",
 ]

@@ -80,18 +80,54 @@ def token_log_probs_from_logits(logits, tokens, temperature=1.0, *, chunk_size=D
     return _chunked(logits_fn, logits, tokens, chunk_size, return_entropy)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "return_entropy"))
+_PROJECT = {"ev": ("bce,ev->bcv", "bcv,ev->bce", "bce,bcv->ev"),
+            "ve": ("bce,ve->bcv", "bcv,ve->bce", "bce,bcv->ve")}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def project_logits(h, w, layout="ev"):
+    """fp32 logits ``h @ w`` (``w`` is [e, v] for layout "ev", [v, e] for "ve": a tied embedding,
+    used without a transposed copy). Products accumulate in fp32 from inputs of any dtype.
+
+    The backward pass casts the fp32 logit gradient to the inputs' dtype before its two matmuls
+    (the usual mixed-precision rule), so bf16 models get bf16 tensor-core gradients instead of
+    fp32 (TF32) ones; with fp32 inputs it is the exact gradient.
+    """
+    return jnp.einsum(_PROJECT[layout][0], h, w, preferred_element_type=jnp.float32)
+
+
+def _project_fwd(h, w, layout):
+    return project_logits(h, w, layout), (h, w)
+
+
+def _project_bwd(layout, res, g):
+    h, w = res
+    g = g.astype(jnp.promote_types(h.dtype, w.dtype))
+    _, dh_eq, dw_eq = _PROJECT[layout]
+    dh = jnp.einsum(dh_eq, g, w, preferred_element_type=jnp.float32).astype(h.dtype)
+    dw = jnp.einsum(dw_eq, h, g, preferred_element_type=jnp.float32).astype(w.dtype)
+    return dh, dw
+
+
+project_logits.defvjp(_project_fwd, _project_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "return_entropy", "unembed_layout"))
 def token_log_probs_from_hidden(hidden, unembed, tokens, *, temperature=1.0,
-                                chunk_size=DEFAULT_CHUNK_SIZE, return_entropy=False):
+                                chunk_size=DEFAULT_CHUNK_SIZE, return_entropy=False,
+                                unembed_layout="ev"):
     """Chosen-token log-probs from final hidden states, never holding all logits at once.
 
-    hidden [b, s, e], unembed [e, v], tokens int[b, s] -> fp32 log_probs [b, s]
-    (and entropy [b, s] when ``return_entropy``). Logits are ``hidden @ unembed`` in fp32
-    (``preferred_element_type``), divided by ``temperature``, one ``[b, chunk_size, v]``
-    block at a time; ``tokens[:, i]`` is the token whose probability position ``i`` predicts.
+    hidden [b, s, e], unembed [e, v] (or [v, e] with ``unembed_layout="ve"``, e.g. a tied
+    embedding), tokens int[b, s] -> fp32 log_probs [b, s] (and entropy [b, s] when
+    ``return_entropy``). Logits are ``hidden @ unembed`` in fp32 (`project_logits`), divided
+    by ``temperature``, one ``[b, chunk_size, v]`` block at a time; ``tokens[:, i]`` is the
+    token whose probability position ``i`` predicts.
     """
+    if unembed_layout not in _PROJECT:
+        raise ValueError(f"unembed_layout must be 'ev' or 've', got {unembed_layout!r}")
+
     def logits_fn(h):
-        logits = jnp.einsum("bce,ev->bcv", h, unembed, preferred_element_type=jnp.float32)
-        return logits / temperature
+        return project_logits(h, unembed, unembed_layout) / temperature
 
     return _chunked(logits_fn, hidden, tokens, chunk_size, return_entropy)

@@ -78,6 +78,40 @@ def test_hidden_version_gradients_match_naive(data):
     close(g[1], r[1], 1e-4)
 
 
+def test_transposed_unembed_layout_gives_the_same_values_and_gradients(data):
+    hidden, unembed, tokens = data
+
+    def loss(h, u, layout):
+        lp, ent = algos.token_log_probs_from_hidden(h, u, tokens, chunk_size=4, return_entropy=True,
+                                                    unembed_layout=layout)
+        return jnp.sum(lp) + 0.1 * jnp.sum(ent)
+
+    ev = jax.value_and_grad(loss, argnums=(0, 1))(hidden, unembed, "ev")
+    ve = jax.value_and_grad(loss, argnums=(0, 1))(hidden, unembed.T, "ve")
+    close(ev[0], ve[0])
+    close(ev[1][0], ve[1][0])
+    close(ev[1][1], ve[1][1].T)
+    with pytest.raises(ValueError, match="unembed_layout"):
+        algos.token_log_probs_from_hidden(hidden, unembed, tokens, unembed_layout="vv")
+
+
+def test_bf16_backward_casts_the_logit_gradient_to_bf16():
+    h = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 8), jnp.bfloat16)
+    w = jax.random.normal(jax.random.PRNGKey(1), (8, 16), jnp.bfloat16)
+    g = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 16), jnp.float32)
+    _, vjp = jax.vjp(lambda a, b: algos.project_logits(a, b, "ev"), h, w)
+    dh, dw = vjp(g)
+    assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
+    gb = g.astype(jnp.bfloat16).astype(jnp.float32)  # the rule: cast first, accumulate in fp32
+    close(dh.astype(jnp.float32), jnp.einsum("bcv,ev->bce", gb, w.astype(jnp.float32)), 2e-2)
+    close(dw.astype(jnp.float32), jnp.einsum("bce,bcv->ev", h.astype(jnp.float32), gb), 2e-2)
+    # the backward's matmuls take bf16 operands (no fp32/TF32 products)
+    hlo = jax.jit(lambda a, b, c: jax.vjp(lambda x, y: algos.project_logits(x, y, "ev"), a, b)[1](c)
+                  ).lower(h, w, g).as_text()
+    dots = [ln for ln in hlo.splitlines() if "dot_general" in ln]
+    assert dots and all("tensor<2x3x16xf32>" not in ln.split("->")[0] for ln in dots), dots
+
+
 def test_bf16_hidden_is_computed_in_fp32(data):
     hidden, unembed, tokens = data
     lp = algos.token_log_probs_from_hidden(hidden.astype(jnp.bfloat16),
