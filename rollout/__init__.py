@@ -3,7 +3,8 @@
 - `Engine`: prefill / insert / generate over our Flax `CausalLM` with a KV cache in the decode
   state (JetStream 0.2.2's `Engine` API plus bulk_insert, prefill_multisampling, free_resource and
   per-token log-probs); `Engine.from_model`, `Engine.from_pretrained`; `engine.update_params`
-  (zero-copy or one reshard).
+  (zero-copy or one reshard); `layer_layout` per_layer (fast decode) or stacked (shares a
+  colocated trainer's buffers).
 - `RolloutDriver`: prompts x n samples -> `RolloutBatch` (responses, response_mask,
   rollout_log_probs, ...), continuous batching with an on-device multi-step decode loop.
 - `SamplingParams`, `sample`: greedy / temperature / top-k / top-p with log-probs.

@@ -15,6 +15,12 @@ Conventions:
   token and samples the first new token (JetStream 0.2.2 returns no token from prefill).
 - Weights live as a plain dict of arrays (`nnx.State.to_pure_dict()` layout) on the rollout
   shardings; `update_params` reshards (or shares, zero-copy) the trainer's.
+- Layer layout (`layer_layout`): "per_layer" keeps every layer's weights and KV cache in separate
+  arrays and runs the layers as an unrolled loop, so a decode step reads them in place (the stacked
+  layout slices layer i out of `[L, ...]` arrays inside the layer scan: copies on every step).
+  "stacked" keeps the trainer's `[L, ...]` arrays, so a colocated trainer with the same dtype and
+  sharding can share its buffers (zero-copy sync). "auto" picks stacked exactly when that sharing
+  is possible for the params given at construction, else per_layer.
 """
 from __future__ import annotations
 
@@ -29,10 +35,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import sharding
-from jaxrl_llm.models import CausalLM, KVCache, ModelConfig, abstract_model, to_dtype
+from jaxrl_llm.models import LAYER_LAYOUTS, CausalLM, KVCache, ModelConfig, abstract_model, to_dtype
 
 from ._sampling import SamplingParams, sample
 from ._state import DecodeState, Prefix, ResultTokens
+from ._weights import Relayout, layout_of, resolve_layout
 
 # JetStream's padding buckets (token_utils.pad_tokens); max_prefill_length must be one of them.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -78,12 +85,25 @@ def _default_mesh(pure_params) -> jax.sharding.Mesh:
 
 class Engine:
     """Generation engine (JetStream `Engine` API) over a `CausalLM`. Build with `from_model` or
-    `from_pretrained`; see the module docstring for the conventions."""
+    `from_pretrained`; see the module docstring for the conventions.
+
+    layer_layout: "auto" (default) | "stacked" | "per_layer" — how the engine holds the layers'
+    weights and KV cache. per_layer: L separate arrays per layer parameter and per cache (K, V),
+    the decode layers unrolled, every read in place (the fast decode). stacked: the trainer's
+    `[L, ...]` arrays under a `lax.scan`; the only layout that can share a colocated trainer's
+    buffers (zero-copy `update_params`). auto: stacked when every given param already has the
+    engine's dtype and stacked sharding (so sharing happens), else per_layer — a sync that must
+    copy anyway (e.g. fp32 trainer -> bf16 rollout, or fsdp -> tensor) splits the layers during
+    that one copy, at no extra cost. `engine.layer_layout` is the resolved layout;
+    `engine.params` is in it (per_layer: `params["model"]["layers"] == {i: layer i}`), and
+    `update_params` takes either layout.
+    """
 
     def __init__(self, config: ModelConfig, params: Any, *, mesh=None, rules="rollout",
                  max_concurrent_decodes: int, max_prefill_length: int, max_target_length: int,
                  dtype=None, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
-                 seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None):
+                 seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
+                 layer_layout: str = "auto"):
         self._check_sizes(max_concurrent_decodes, max_prefill_length, max_target_length)
         if dtype is not None:
             dtype = to_dtype(dtype)
@@ -101,9 +121,16 @@ class Engine:
         self._rules = sharding.get_rules(rules) if isinstance(rules, str) else rules
         pure = _pure(params)
         self._mesh = mesh if mesh is not None else _default_mesh(pure)
-        self._graphdef, abstract = nnx.split(abstract_model(config), nnx.Param)
-        self._param_shardings = nnx.to_pure_dict(
-            sharding.state_shardings(abstract, self._mesh, self._rules))
+        self._graphdefs, self._layout_shardings = {}, {}
+        for layout in LAYER_LAYOUTS:
+            graphdef, abstract = nnx.split(abstract_model(config, layer_layout=layout), nnx.Param)
+            self._graphdefs[layout] = graphdef
+            self._layout_shardings[layout] = nnx.to_pure_dict(
+                sharding.state_shardings(abstract, self._mesh, self._rules))
+        self._layout = resolve_layout(layer_layout, pure, self._layout_shardings, config.param_dtype)
+        self._graphdef = self._graphdefs[self._layout]
+        self._param_shardings = self._layout_shardings[self._layout]
+        self._relayout = Relayout(self._layout, self._param_shardings, config.param_dtype, self._mesh)
         self._state_shardings = self._decode_state_shardings()
         self._replicated = NamedSharding(self._mesh, PartitionSpec())
         self._prefix_shardings = self._prefix_sharding_tree()
@@ -130,32 +157,36 @@ class Engine:
     def from_model(cls, model_or_graphdef_and_params, *, mesh=None, rules="rollout",
                    max_concurrent_decodes: int, max_prefill_length: int, max_target_length: int,
                    dtype=None, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
-                   seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None
-                   ) -> "Engine":
+                   seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
+                   layer_layout: str = "auto") -> "Engine":
         """An engine over an in-memory CausalLM (or `(graphdef, params, ...)` from `nnx.split`).
 
         mesh None: the params' own mesh when they are `NamedSharding`-placed on a
         (data, fsdp, tensor) mesh (colocated trainer), else a 1-device mesh on their device.
         rules: "rollout" (default), "train" (shares the trainer's buffers when dtype matches) or a
         rules table. dtype None keeps the model's dtypes; otherwise params, compute and KV cache
-        use it.
+        use it. layer_layout: see the class docstring ("auto" shares the model's buffers when it
+        can, else splits the layers for the fast decode).
         """
         config, pure = _as_model(model_or_graphdef_and_params)
         return cls(config, pure, mesh=mesh, rules=rules,
                    max_concurrent_decodes=max_concurrent_decodes,
                    max_prefill_length=max_prefill_length, max_target_length=max_target_length,
                    dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                   stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tokenizer=tokenizer)
+                   stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tokenizer=tokenizer,
+                   layer_layout=layer_layout)
 
     @classmethod
     def from_pretrained(cls, path: str, *, max_concurrent_decodes: int, max_prefill_length: int,
                         max_target_length: int, dtype=jnp.bfloat16, temperature: float = 1.0,
                         top_k: int = -1, top_p: float = 1.0, seed: int = 0, mesh=None,
-                        rules="rollout") -> "Engine":
+                        rules="rollout", layer_layout: str = "per_layer") -> "Engine":
         """An engine over a Hugging Face folder (config.json + safetensors [+ tokenizer]).
 
         Stop tokens and pad id come from the folder's tokenizer (eos ids) when it has one, else
-        from config.json.
+        from config.json. layer_layout defaults to "per_layer" (the fast decode): nothing else
+        holds the loaded weights, so keeping them stacked for sharing buys nothing (the split
+        briefly holds both copies; pass "stacked" when that peak does not fit).
         """
         import os
 
@@ -176,19 +207,36 @@ class Engine:
                               max_prefill_length=max_prefill_length,
                               max_target_length=max_target_length, dtype=dtype,
                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                              stop_token_ids=stop, pad_token_id=pad, tokenizer=tokenizer)
+                              stop_token_ids=stop, pad_token_id=pad, tokenizer=tokenizer,
+                              layer_layout=layer_layout)
+
+    @property
+    def _per_layer(self) -> bool:
+        return self._layout == "per_layer"
+
+    def _cache_tree(self, make_one, axes) -> KVCache:
+        """A KVCache of `make_one(axes)` in the engine's layout (one per layer, or one stacked)."""
+        if self._per_layer:
+            n = self.config.num_hidden_layers
+            return KVCache(tuple(make_one(axes[1:]) for _ in range(n)),
+                           tuple(make_one(axes[1:]) for _ in range(n)))
+        return KVCache(make_one(axes), make_one(axes))
 
     def _decode_state_shardings(self) -> DecodeState:
         c = self.config
         shape = (c.num_hidden_layers, self._slots, self._max_target, c.num_key_value_heads, c.head_dim)
-        cache_s = sharding.logical_sharding(self._mesh, KVCache.LOGICAL_AXES, self._rules, shape,
-                                            name="KV cache (max_concurrent_decodes is its batch)")
+        # checks divisibility once, on the stacked shape (the per-layer shape is its tail)
+        sharding.logical_sharding(self._mesh, KVCache.LOGICAL_AXES, self._rules, shape,
+                                  name="KV cache (max_concurrent_decodes is its batch)")
+        cache = self._cache_tree(lambda axes: sharding.logical_sharding(self._mesh, axes, self._rules),
+                                 KVCache.LOGICAL_AXES)
         rep = NamedSharding(self._mesh, PartitionSpec())
-        return DecodeState(KVCache(cache_s, cache_s), *([rep] * 10))
+        return DecodeState(cache, *([rep] * 10))
 
     def _prefix_sharding_tree(self) -> Prefix:
-        s = sharding.logical_sharding(self._mesh, _PREFIX_AXES, self._rules)
-        return Prefix(KVCache(s, s), self._replicated, self._replicated)
+        cache = self._cache_tree(lambda axes: sharding.logical_sharding(self._mesh, axes, self._rules),
+                                 _PREFIX_AXES)
+        return Prefix(cache, self._replicated, self._replicated)
 
     # ---------------------------------------------------------------- compiled pieces
     def _build_compiled(self):
@@ -223,7 +271,8 @@ class Engine:
         shape = (c.num_hidden_layers, n, self._max_target, c.num_key_value_heads, c.head_dim)
         zi = jnp.zeros((n,), jnp.int32)
         return DecodeState(
-            cache=KVCache(jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype)),
+            cache=self._cache_tree(lambda axes: jnp.zeros(shape[-len(axes):], c.dtype),
+                                   KVCache.LOGICAL_AXES),
             tokens=zi, lengths=zi, generated=zi, max_new=zi, active=jnp.zeros((n,), jnp.bool_),
             row=zi, keys=jax.random.split(jax.random.key(0), n),
             temperature=jnp.ones((n,), jnp.float32), top_k=zi - 1, top_p=jnp.ones((n,), jnp.float32))
@@ -231,18 +280,25 @@ class Engine:
     def _insert_core(self, state: DecodeState, prefix: Prefix, src, dst, rows, max_new,
                      temperature, top_k, top_p, base_key):
         """Copies prefix rows `src` into slots `dst` (int32[m]; dst >= slots is ignored)."""
-        b = prefix.cache.k.shape[2]
-
         def put(buf, val):
             return buf.at[dst].set(val, mode="drop")
 
-        def put_cache(buf, val):
-            return buf.at[:, dst, :b].set(val[:, src].astype(buf.dtype), mode="drop")
+        def put_cache(buf, val):  # one layer's [slots, s, kvh, d] <- prefix [p, bucket, kvh, d]
+            return buf.at[dst, :val.shape[1]].set(val[src].astype(buf.dtype), mode="drop")
 
+        def put_stacked(buf, val):  # [L, slots, s, kvh, d] <- [L, p, bucket, kvh, d]
+            return buf.at[:, dst, :val.shape[2]].set(val[:, src].astype(buf.dtype), mode="drop")
+
+        if self._per_layer:
+            cache = KVCache(tuple(map(put_cache, state.cache.k, prefix.cache.k)),
+                            tuple(map(put_cache, state.cache.v, prefix.cache.v)))
+        else:
+            cache = KVCache(put_stacked(state.cache.k, prefix.cache.k),
+                            put_stacked(state.cache.v, prefix.cache.v))
         m = dst.shape[0]
         keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base_key, rows)
         return DecodeState(
-            cache=KVCache(put_cache(state.cache.k, prefix.cache.k), put_cache(state.cache.v, prefix.cache.v)),
+            cache=cache,
             tokens=put(state.tokens, prefix.tokens[src]),
             lengths=put(state.lengths, prefix.lengths[src]),
             generated=put(state.generated, jnp.zeros((m,), jnp.int32)),
@@ -304,27 +360,36 @@ class Engine:
     # ---------------------------------------------------------------- weights
     @property
     def params(self):
-        """The engine's weights: a plain dict of arrays (`nnx.State.to_pure_dict()` layout)."""
+        """The engine's weights: a plain dict of arrays (`nnx.State.to_pure_dict()` layout) in the
+        engine's `layer_layout` (per_layer: `params["model"]["layers"][i]` is layer i's dict)."""
         return self._params
 
-    def update_params(self, params) -> dict:
-        """Takes new weights (the trainer's Param `nnx.State`, a pure dict or a CausalLM).
+    @property
+    def layer_layout(self) -> str:
+        """"stacked" or "per_layer": how the engine holds its weights and KV cache."""
+        return self._layout
 
-        Leaves already on the rollout sharding with the engine's dtype are used as they are (0 bytes
-        copied, same device buffers); others go through one `sharding.reshard` with the cast fused.
-        The KV cache is not touched. Returns {"bytes_moved", "bytes_total", "zero_copy",
-        "num_copied", "time_s"}.
+    def update_params(self, params) -> dict:
+        """Takes new weights (the trainer's Param `nnx.State`, a pure dict or a CausalLM), in the
+        stacked layout or the per-layer one (e.g. `engine.params` itself).
+
+        Same layout as the engine's: leaves already on the rollout sharding with the engine's
+        dtype are used as they are (0 bytes copied, same device buffers); others go through one
+        `sharding.reshard` with the cast fused. Other layout: one jitted program casts, relayouts
+        and splits (or stacks) the layers, writing every engine byte once (params on other devices
+        are first moved there in their own layout). The KV cache is not touched. Returns
+        {"bytes_moved" (bytes written into new engine buffers), "bytes_total" (the engine's
+        weight bytes), "zero_copy", "num_copied" (new engine arrays), "time_s"}.
         """
         t0 = time.perf_counter()
         pure = _pure(params)
-        want = jax.tree.structure(self._param_shardings)
-        got = jax.tree.structure(pure)
-        if got != want:
-            raise ValueError(f"update_params: the parameter tree does not match the engine's model.\n"
-                             f"engine: {want}\ngot:    {got}")
+        layout = layout_of(pure, self._layout_shardings)
         self._params = None  # drop our old copies before making new ones (peak memory)
-        new, stats = sharding.reshard_with_stats(pure, self._param_shardings,
-                                                 dtype=self.config.param_dtype)
+        if layout == self._layout:
+            new, stats = sharding.reshard_with_stats(pure, self._param_shardings,
+                                                     dtype=self.config.param_dtype)
+        else:
+            new, stats = self._relayout(pure, self._layout_shardings[layout])
         new = jax.tree.map(self._own_mesh, new, self._param_shardings)
         jax.block_until_ready(new)
         self._params = new
@@ -479,6 +544,7 @@ class Engine:
         return self._param_shardings
 
     def kv_cache_bytes(self) -> int:
+        """Bytes of the decode state's K and V (the same in both layer layouts)."""
         c = self.config
         n = c.num_hidden_layers * self._slots * self._max_target * c.num_key_value_heads * c.head_dim
         return 2 * n * jnp.dtype(c.dtype).itemsize

@@ -20,8 +20,9 @@ from jaxrl_llm.models import KVCache
 class Prefix:
     """Prefilled prompts, ready to insert into decode slots.
 
-    cache: KVCache [layers, p, bucket, kv_heads, head_dim] holding the first `lengths[i]` tokens of
-      prompt i (all but its last token);
+    cache: KVCache holding the first `lengths[i]` tokens of prompt i (all but its last token), in
+      the engine's layer layout: [layers, p, bucket, kv_heads, head_dim] (stacked) or a tuple of
+      `layers` arrays [p, bucket, kv_heads, head_dim] (per layer);
     lengths: int32[p] tokens in the cache (prompt length - 1);
     tokens: int32[p] each prompt's last token, fed by the first `generate` after `insert` (which
       therefore returns the first generated token, as JetStream 0.2.2 expects).
@@ -37,7 +38,9 @@ class Prefix:
 class DecodeState:
     """Everything a generate step transforms. Per-slot fields are [slots].
 
-    cache: KVCache [layers, slots, max_target_length, kv_heads, head_dim];
+    cache: KVCache [layers, slots, max_target_length, kv_heads, head_dim] (stacked layout) or a
+    tuple of `layers` arrays [slots, max_target_length, kv_heads, head_dim] each for K and V (per
+    layer: every layer's buffer is donated and updated in place by a decode step);
     tokens: int32 the token each slot feeds next; lengths: int32 tokens already in the cache (the
     next write index and position); generated: int32 tokens sampled so far; max_new: int32 the
     slot's generation budget; active: bool; row: int32 the driver's output row (JetStream: a

@@ -4,10 +4,15 @@
     python scripts/bench_rollout.py --models 0.5b --batches 64 --no-peer
     python scripts/bench_rollout.py --tiny                # CPU smoke run in seconds (tests call it)
     python scripts/bench_rollout.py --models 1.5b --batches 256 --variants einsum:1 reduce:1 reduce:0
+    python scripts/bench_rollout.py --models 1.5b --batches 256 --no-peer --layouts stacked per_layer
 
 `--variants ATTN:UNROLL ...` times the decode path under each setting of
 `jaxrl_llm.models._decoder.DECODE_ATTENTION` (auto | einsum | reduce | cudnn) and `DECODE_UNROLL`
-(layers per scan iteration; 0 = all); the default `auto:1` is the library's default.
+(layers per scan iteration; 0 = all; the stacked layout only); the default `auto:1` is the
+library's default. `--layouts` picks the engine's `layer_layout` (per_layer: separate weight and
+KV-cache arrays per layer, unrolled; stacked: `[L, ...]` arrays under a scan; auto: what the
+engine would choose for these params, i.e. stacked, since it could share the model's bf16
+buffers); every (layout, variant) pair is timed.
 
 Random-init bf16 models with Qwen2.5 shapes; every prompt is `--prompt-len` random tokens and
 generates exactly `--gen-len` tokens (no stop tokens). Prints one JSON object per line with:
@@ -18,6 +23,7 @@ tokens_per_s, ms_per_step (decode only), hbm_fraction = (weight bytes + KV bytes
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -41,9 +47,12 @@ def parse_args(argv=None):
     p.add_argument("--no-peer", action="store_true", help="skip the transformers generate peer")
     p.add_argument("--variants", nargs="+", default=["auto:1"],
                    help="decode settings ATTN:UNROLL to compare (see the module docstring)")
+    p.add_argument("--layouts", nargs="+", default=["per_layer"],
+                   choices=["per_layer", "stacked", "auto"],
+                   help="engine layer_layout(s) to compare (see the module docstring)")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
     p.add_argument("--trace", default="", help="write a jax.profiler perfetto trace of each timed "
-                   "run into this folder (trace_<attn>_<unroll>.json.gz)")
+                   "run into this folder (trace_<layout>_<attn>_<unroll>.json.gz)")
     p.add_argument("--check", action="store_true", help="first compare each variant's one-token "
                    "decode with an fp32 einsum reference on a small bf16 model (relative error)")
     p.add_argument("--tiny", "--dry-run", dest="tiny", action="store_true",
@@ -66,7 +75,7 @@ def _peak_bytes():
     return stats.get("peak_bytes_in_use")
 
 
-def bench_ours(name, batch, args, variant="auto:1"):
+def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
     import rollout
     from jaxrl_llm.models import _decoder
     from jaxrl_llm.models import init_model
@@ -80,7 +89,8 @@ def bench_ours(name, batch, args, variant="auto:1"):
     prefill_len = next(b for b in PREFILL_BUCKETS if b >= args.prompt_len)
     engine = rollout.Engine.from_model(
         model, max_concurrent_decodes=batch, max_prefill_length=prefill_len,
-        max_target_length=max(prefill_len + 1, args.prompt_len + args.gen_len), temperature=1.0)
+        max_target_length=max(prefill_len + 1, args.prompt_len + args.gen_len), temperature=1.0,
+        layer_layout=layout)
     del model
     driver = rollout.RolloutDriver(engine, steps_per_sync=args.steps_per_sync,
                                    max_prefill_batch=min(batch, 64))
@@ -97,7 +107,7 @@ def bench_ours(name, batch, args, variant="auto:1"):
     run(1)  # a 1-token run has other output-buffer shapes: compile those before timing
     prefill_s, _ = run(1)  # prefill + insert + one decode step
     if args.trace:
-        total_s, out = _traced(run, args, f"trace_{attn}_{unroll}.json.gz")
+        total_s, out = _traced(run, args, f"trace_{engine.layer_layout}_{attn}_{unroll}.json.gz")
     else:
         total_s, out = run(args.gen_len)
     gen_tokens = int(out.response_lengths.sum())
@@ -109,7 +119,7 @@ def bench_ours(name, batch, args, variant="auto:1"):
     bytes_per_step = weight_bytes + batch * avg_ctx * kv_per_token
     return {
         "engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
-        "decode_attention": attn, "decode_unroll": int(unroll),
+        "decode_attention": attn, "decode_unroll": int(unroll), "layer_layout": engine.layer_layout,
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "dtype": str(jnp.dtype(dtype)),
         "device": str(jax.devices()[0].device_kind), "generated_tokens": gen_tokens,
         "tokens_per_s": gen_tokens / total_s, "total_s": total_s, "prefill_s": prefill_s,
@@ -137,9 +147,9 @@ def _traced(run, args, name):
     return result
 
 
-def check_variants(variants) -> list[dict]:
-    """Relative error of each variant's one-token decode vs an fp32 einsum reference (bf16 model,
-    head_dim 128, GQA 4:1, rows at different cache offsets)."""
+def check_variants(variants, layouts=("stacked",)) -> list[dict]:
+    """Relative error of each (layout, variant)'s one-token decode vs an fp32 stacked einsum
+    reference (bf16 model, head_dim 128, GQA 4:1, rows at different cache offsets)."""
     from jaxrl_llm.models import ModelConfig, _decoder, init_model
     from flax import nnx
     out = []
@@ -151,25 +161,33 @@ def check_variants(variants) -> list[dict]:
     index = jnp.asarray(rng.integers(1, 100, b), jnp.int32)
     tok = jnp.asarray(rng.integers(0, 1024, (b, 1)), jnp.int32)
 
-    def decode(dtype, variant):
+    def decode(dtype, variant, layout="stacked"):
         attn, unroll = variant.split(":")
         _decoder.DECODE_ATTENTION, _decoder.DECODE_UNROLL = attn, int(unroll)
-        model = init_model(ModelConfig(**base, dtype=dtype, param_dtype=dtype), seed=0)
+        config = ModelConfig(**base, dtype=dtype, param_dtype=dtype)
+        model = init_model(config, seed=0)
         _, pre = model.prefill(ids)
         pad = [(0, 0), (0, 0), (0, s - 100), (0, 0), (0, 0)]
         cache = _decoder.KVCache(jnp.pad(pre.k, pad), jnp.pad(pre.v, pad))
+        if layout == "per_layer":
+            pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+            graphdef, _ = nnx.split(_decoder.abstract_model(config, layer_layout="per_layer"), nnx.Param)
+            model = nnx.merge(graphdef, _decoder.unstack_layers(pure))
+            cache = _decoder.KVCache(tuple(cache.k), tuple(cache.v))
         graphdef, state = nnx.split(model)
         fn = jax.jit(lambda st, c: nnx.merge(graphdef, st).decode(tok, positions=index[:, None], cache=c,
                                                                    cache_index=index)[0])
         return np.asarray(fn(state, cache), np.float32)
 
     ref = decode(jnp.float32, "einsum:1")
-    for v in variants:
-        try:
-            h = decode(jnp.bfloat16, v)
-            out.append({"check": v, "rel_err": float(np.linalg.norm(h - ref) / np.linalg.norm(ref))})
-        except Exception as e:  # noqa: BLE001
-            out.append({"check": v, "error": repr(e)[-1000:]})
+    for layout in dict.fromkeys("stacked" if lay == "auto" else lay for lay in layouts):
+        for v in variants:
+            try:
+                h = decode(jnp.bfloat16, v, layout)
+                out.append({"check": v, "layer_layout": layout,
+                            "rel_err": float(np.linalg.norm(h - ref) / np.linalg.norm(ref))})
+            except Exception as e:  # noqa: BLE001
+                out.append({"check": v, "layer_layout": layout, "error": repr(e)[-1000:]})
     return out
 
 
@@ -211,20 +229,22 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     results = []
     if args.check:
-        for r in check_variants(["einsum:1"] + [v for v in args.variants if v != "einsum:1"]):
+        for r in check_variants(["einsum:1"] + [v for v in args.variants if v != "einsum:1"],
+                                args.layouts):
             print(json.dumps(r), flush=True)
             results.append(r)
     for name in args.models:
         for batch in args.batches:
             peer = None if args.no_peer else bench_peer(name, batch, args)
-            for variant in args.variants:
+            for layout, variant in [(lay, v) for lay in args.layouts for v in args.variants]:
+                gc.collect()  # the previous engine (a reference cycle through its jits) and its cache
                 try:
-                    ours = bench_ours(name, batch, args, variant)
+                    ours = bench_ours(name, batch, args, variant, layout)
                 except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
                     if args.tiny:
                         raise
                     ours = {"engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
-                            "variant": variant, "error": repr(e)[-2000:]}
+                            "variant": variant, "layer_layout": layout, "error": repr(e)[-2000:]}
                 if peer is not None:
                     ours["peer"] = peer
                     if "tokens_per_s" in peer and "tokens_per_s" in ours:

@@ -1,8 +1,8 @@
 """Flax NNX decoder models (Llama 3, Qwen2/2.5, Qwen3), Hugging Face I/O and tokenizers."""
 from ._config import ModelConfig, RopeScaling, to_dtype
-from ._decoder import (CausalLM, KVCache, Transformer, ValueModel, abstract_model, attend,
-                       causal_padding_mask, count_params, default_positions, init_model,
-                       rope_inv_freq)
+from ._decoder import (LAYER_LAYOUTS, CausalLM, KVCache, Transformer, ValueModel, abstract_model,
+                       attend, causal_padding_mask, count_params, default_positions, init_model,
+                       rope_inv_freq, stack_layers, unstack_layers)
 from ._hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
 from ._tokenizer import (CharTokenizer, HFTokenizer, compile_chat_template, load_tokenizer)
 from ._presets import QWEN25_SHAPES

@@ -2,9 +2,13 @@
 
 Layer parameters are stored stacked along a leading `layers` axis and the layers run under
 `jax.lax.scan`, so compile time does not grow with depth and the trainer and the rollout engine
-share one parameter pytree (no unscanning at weight sync). Every parameter carries its logical
-axis names as `logical_axes` metadata; activations are constrained with `sharding.constrain`.
-Mesh axes are `sharding/`'s business, not this module's.
+can share one parameter pytree. A second, inference-only layout (`layer_layout="per_layer"`:
+`Transformer.layers` is an `nnx.List` of one-layer modules, the pure dict's `layers` is
+`{0: {...}, 1: {...}, ...}`) runs the layers as an unrolled Python loop over separate arrays, so a
+decode step reads every layer's weights and KV cache in place instead of slicing stacked arrays
+(`unstack_layers` / `stack_layers` convert pure param dicts between the two). Every parameter
+carries its logical axis names as `logical_axes` metadata; activations are constrained with
+`sharding.constrain`. Mesh axes are `sharding/`'s business, not this module's.
 
 Three ways to run the same weights:
 - `__call__` / `hidden_states`: a full forward for training and scoring (padding mask, positions).
@@ -14,6 +18,7 @@ Three ways to run the same weights:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -31,12 +36,28 @@ _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Keys and values of every layer. Shapes: `k`, `v` [layers, b, s, kv_heads, head_dim]."""
+    """Keys and values of every layer, in one of two layouts:
 
-    k: jax.Array
-    v: jax.Array
+    stacked: `k`, `v` are arrays [layers, b, s, kv_heads, head_dim];
+    per layer: `k`, `v` are tuples of `layers` arrays [b, s, kv_heads, head_dim] (each one its own
+      buffer, updated in place by a donated decode step).
+    """
+
+    k: Any
+    v: Any
 
     LOGICAL_AXES = ("layers", "cache_batch", "cache_length", "kv_heads", "head_dim")
+    PER_LAYER_AXES = LOGICAL_AXES[1:]
+
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, (tuple, list))
+
+
+def _lead(n, shape, axes):
+    """Prepends the stacked `layers` axis (size n) to a layer parameter's shape and axes; n None:
+    a single layer's parameter (the per-layer layout)."""
+    return (shape, axes) if n is None else ((n,) + shape, ("layers",) + axes)
 
 
 def _param(rngs, shape, axes, dtype, std=0.02):
@@ -119,7 +140,8 @@ def attend(q, k, v, mask):
 #             at most 128), else "einsum". (H200, 1.5B shape, batch 256, 512 + 256 tokens, all
 #             layers unrolled: cudnn 10.1 ms/step, einsum 10.7, reduce 16.7; docs/benchmarks.md.)
 #   DECODE_UNROLL: layers unrolled per scan iteration in `decode` (1 = a rolled loop; 0 = all).
-#     Rolled is faster with cudnn (9.3 vs 11.9 ms/step at 512 + 128 tokens).
+#     Rolled is faster with cudnn (9.3 vs 11.9 ms/step at 512 + 128 tokens). Stacked layout only:
+#     the per-layer layout always runs its layers as an unrolled Python loop.
 DECODE_ATTENTION = "auto"
 DECODE_UNROLL = 1
 
@@ -159,22 +181,28 @@ def _decode_attention_impl(t: int, dtype, head_dim: int) -> str:
 
 
 class Attention(nnx.Module):
-    def __init__(self, c: ModelConfig, n: int, rngs: nnx.Rngs):
+    def __init__(self, c: ModelConfig, n: int | None, rngs: nnx.Rngs):
         e, h, kvh, d, pd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.param_dtype
-        L = ("layers",)
-        self.q_proj = nnx.Dict(kernel=_param(rngs, (n, e, h, d), L + ("embed", "heads", "head_dim"), pd))
-        self.k_proj = nnx.Dict(kernel=_param(rngs, (n, e, kvh, d), L + ("embed", "kv_heads", "head_dim"), pd))
-        self.v_proj = nnx.Dict(kernel=_param(rngs, (n, e, kvh, d), L + ("embed", "kv_heads", "head_dim"), pd))
-        self.o_proj = nnx.Dict(kernel=_param(rngs, (n, h, d, e), L + ("heads", "head_dim", "embed"), pd))
+
+        def param(shape, axes):
+            return _param(rngs, *_lead(n, shape, axes), pd)
+
+        def zeros(shape, axes):
+            return _zeros(*_lead(n, shape, axes), pd)
+
+        self.q_proj = nnx.Dict(kernel=param((e, h, d), ("embed", "heads", "head_dim")))
+        self.k_proj = nnx.Dict(kernel=param((e, kvh, d), ("embed", "kv_heads", "head_dim")))
+        self.v_proj = nnx.Dict(kernel=param((e, kvh, d), ("embed", "kv_heads", "head_dim")))
+        self.o_proj = nnx.Dict(kernel=param((h, d, e), ("heads", "head_dim", "embed")))
         if c.attention_bias:
-            self.q_proj["bias"] = _zeros((n, h, d), L + ("heads", "head_dim"), pd)
-            self.k_proj["bias"] = _zeros((n, kvh, d), L + ("kv_heads", "head_dim"), pd)
-            self.v_proj["bias"] = _zeros((n, kvh, d), L + ("kv_heads", "head_dim"), pd)
+            self.q_proj["bias"] = zeros((h, d), ("heads", "head_dim"))
+            self.k_proj["bias"] = zeros((kvh, d), ("kv_heads", "head_dim"))
+            self.v_proj["bias"] = zeros((kvh, d), ("kv_heads", "head_dim"))
             if c.model_type == "llama":
-                self.o_proj["bias"] = _zeros((n, e), L + ("embed",), pd)
+                self.o_proj["bias"] = zeros((e,), ("embed",))
         if c.qk_norm:
-            self.q_norm = RMSNorm((n, d), L + ("head_dim",), c.rms_norm_eps, pd)
-            self.k_norm = RMSNorm((n, d), L + ("head_dim",), c.rms_norm_eps, pd)
+            self.q_norm = RMSNorm(*_lead(n, (d,), ("head_dim",)), c.rms_norm_eps, pd)
+            self.k_norm = RMSNorm(*_lead(n, (d,), ("head_dim",)), c.rms_norm_eps, pd)
         self.config = c
 
     def _proj(self, p, x, out_axes):
@@ -199,11 +227,11 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, c: ModelConfig, n: int, rngs: nnx.Rngs):
+    def __init__(self, c: ModelConfig, n: int | None, rngs: nnx.Rngs):
         e, f, pd = c.hidden_size, c.intermediate_size, c.param_dtype
-        self.gate_proj = nnx.Dict(kernel=_param(rngs, (n, e, f), ("layers", "embed", "mlp"), pd))
-        self.up_proj = nnx.Dict(kernel=_param(rngs, (n, e, f), ("layers", "embed", "mlp"), pd))
-        self.down_proj = nnx.Dict(kernel=_param(rngs, (n, f, e), ("layers", "mlp", "embed"), pd))
+        self.gate_proj = nnx.Dict(kernel=_param(rngs, *_lead(n, (e, f), ("embed", "mlp")), pd))
+        self.up_proj = nnx.Dict(kernel=_param(rngs, *_lead(n, (e, f), ("embed", "mlp")), pd))
+        self.down_proj = nnx.Dict(kernel=_param(rngs, *_lead(n, (f, e), ("mlp", "embed")), pd))
 
     def __call__(self, x):
         gate = jnp.einsum("bte,ef->btf", x, self.gate_proj["kernel"][...].astype(x.dtype))
@@ -213,13 +241,14 @@ class MLP(nnx.Module):
 
 
 class DecoderLayers(nnx.Module):
-    """All decoder layers; every parameter has a leading `layers` axis of size num_hidden_layers."""
+    """All decoder layers; every parameter has a leading `layers` axis of size num_hidden_layers.
+    With `stacked=False`, one layer without that axis (an element of the per-layer layout)."""
 
-    def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
-        n, e = c.num_hidden_layers, c.hidden_size
-        self.input_layernorm = RMSNorm((n, e), ("layers", "embed"), c.rms_norm_eps, c.param_dtype)
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs, *, stacked: bool = True):
+        n, e = (c.num_hidden_layers if stacked else None), c.hidden_size
+        self.input_layernorm = RMSNorm(*_lead(n, (e,), ("embed",)), c.rms_norm_eps, c.param_dtype)
         self.self_attn = Attention(c, n, rngs)
-        self.post_attention_layernorm = RMSNorm((n, e), ("layers", "embed"), c.rms_norm_eps, c.param_dtype)
+        self.post_attention_layernorm = RMSNorm(*_lead(n, (e,), ("embed",)), c.rms_norm_eps, c.param_dtype)
         self.mlp = MLP(c, n, rngs)
 
     def layer(self, x, positions, inv_freq, kv_fn):
@@ -254,25 +283,55 @@ def causal_padding_mask(attention_mask):
     return causal[None] & attention_mask.astype(jnp.bool_)[:, None, :]
 
 
-class Transformer(nnx.Module):
-    """Embedding, the stacked decoder layers and the final norm (Hugging Face's `model.*`)."""
+LAYER_LAYOUTS = ("stacked", "per_layer")
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+
+def _check_layout(layer_layout: str) -> str:
+    if layer_layout not in LAYER_LAYOUTS:
+        raise ValueError(f"layer_layout must be one of {LAYER_LAYOUTS}, got {layer_layout!r}")
+    return layer_layout
+
+
+class Transformer(nnx.Module):
+    """Embedding, the decoder layers and the final norm (Hugging Face's `model.*`).
+
+    layer_layout "stacked" (training, checkpoints): `layers` is one `DecoderLayers` whose params
+    have a leading `layers` axis, run under `lax.scan`. "per_layer" (the rollout engine's decode
+    layout): `layers` is an `nnx.List` of one-layer `DecoderLayers`, run as an unrolled Python
+    loop (no remat; compile time grows with depth).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer_layout: str = "stacked"):
         c = config
         self.config = c
         self.embed_tokens = nnx.Dict(
             embedding=_param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), c.param_dtype))
-        self.layers = DecoderLayers(c, rngs)
+        if _check_layout(layer_layout) == "stacked":
+            self.layers = DecoderLayers(c, rngs)
+        else:
+            self.layers = nnx.List([DecoderLayers(c, rngs, stacked=False)
+                                    for _ in range(c.num_hidden_layers)])
         self.norm = RMSNorm((c.hidden_size,), ("embed",), c.rms_norm_eps, c.param_dtype)
+
+    @property
+    def layer_layout(self) -> str:
+        return "stacked" if isinstance(self.layers, DecoderLayers) else "per_layer"
 
     def embed(self, input_ids):
         x = jnp.take(self.embed_tokens["embedding"][...], input_ids, axis=0).astype(self.config.dtype)
         return sharding.constrain(x, ("batch", "length", "embed"))
 
     def _scan(self, x, positions, kv_fn, carry_extra, remat: bool, unroll: int | bool = 1):
-        """Runs the layers with lax.scan. kv_fn(layer_index, carry_extra, k, v) -> (k_all, v_all, mask, carry_extra)."""
-        graphdef, params = nnx.split(self.layers)
+        """Runs the layers (lax.scan when stacked, a Python loop when per layer).
+        kv_fn(layer_index, carry_extra, k, v) -> (k_all, v_all, mask, carry_extra); the index is a
+        traced int32 when stacked, a Python int when per layer."""
         inv_freq = rope_inv_freq(self.config)
+        if self.layer_layout == "per_layer":
+            for i, layer in enumerate(self.layers):
+                x, carry_extra = layer.layer(x, positions, inv_freq,
+                                             lambda k, v, i=i, e=carry_extra: kv_fn(i, e, k, v))
+            return self.norm(x), carry_extra
+        graphdef, params = nnx.split(self.layers)
 
         def body(carry, xs):
             h, extra = carry
@@ -298,7 +357,8 @@ class Transformer(nnx.Module):
         return h
 
     def prefill(self, input_ids, *, attention_mask=None, positions=None):
-        """Full forward that also returns the cache. Returns (hidden [b, t, e], KVCache [L, b, t, kvh, d])."""
+        """Full forward that also returns the cache. Returns (hidden [b, t, e], KVCache of t tokens
+        in the model's layer layout: [L, b, t, kvh, d] stacked, or L arrays [b, t, kvh, d])."""
         c = self.config
         b, t = input_ids.shape
         if attention_mask is None:
@@ -306,6 +366,11 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = default_positions(attention_mask)
         mask = causal_padding_mask(attention_mask)
+        if self.layer_layout == "per_layer":
+            def kv_fn(i, cache, k, v):
+                return k, v, mask, KVCache(cache.k + (k.astype(c.dtype),), cache.v + (v.astype(c.dtype),))
+
+            return self._scan(self.embed(input_ids), positions, kv_fn, KVCache((), ()), remat=False)
         shape = (c.num_hidden_layers, b, t, c.num_key_value_heads, c.head_dim)
         cache = KVCache(jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype))
 
@@ -318,18 +383,36 @@ class Transformer(nnx.Module):
     def decode(self, input_ids, *, positions, cache: KVCache, cache_index):
         """Append tokens to a cache and attend to it.
 
-        input_ids, positions int32[b, t]; cache [L, b, s, kvh, d]; cache_index int32[b] is where row
-        b's first new token is written. Query j of row b sees cache slots <= cache_index[b] + j.
+        input_ids, positions int32[b, t]; cache in the model's layer layout ([L, b, s, kvh, d]
+        stacked, a tuple of L [b, s, kvh, d] per layer); cache_index int32[b] is where row b's
+        first new token is written. Query j of row b sees cache slots <= cache_index[b] + j.
         Returns (hidden [b, t, e], updated KVCache).
         """
+        per_layer = self.layer_layout == "per_layer"
+        if cache.per_layer != per_layer:
+            raise ValueError(f"decode: the KV cache is {'per layer' if cache.per_layer else 'stacked'}"
+                             f" but the model's layers are {self.layer_layout}; build the cache in "
+                             f"the model's layout")
+        k0 = cache.k[0] if per_layer else jax.ShapeDtypeStruct(cache.k.shape[1:], cache.k.dtype)
         b, t = input_ids.shape
-        s = cache.k.shape[2]
+        s = k0.shape[1]  # one layer's cache is [b, s, kvh, d]
         write = cache_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [b, t]
         mask = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= write[:, :, None]  # [b, t, s]
         rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-
-        impl = _decode_attention_impl(t, cache.k.dtype, cache.k.shape[-1])
+        impl = _decode_attention_impl(t, k0.dtype, k0.shape[-1])
         kv_lengths = jnp.minimum(cache_index + 1, s).astype(jnp.int32)  # t == 1: slots <= write
+        attention = functools.partial(_decode_attention, impl, mask, kv_lengths)
+
+        if per_layer:
+            def kv_fn(i, cache, k, v):
+                # each layer's cache is its own (donated) buffer: scatter the new tokens in place
+                # and let attention read it where it lies
+                k_i = cache.k[i].at[rows, write].set(k.astype(cache.k[i].dtype), mode="drop")
+                v_i = cache.v[i].at[rows, write].set(v.astype(cache.v[i].dtype), mode="drop")
+                new = KVCache(_replace(cache.k, i, k_i), _replace(cache.v, i, v_i))
+                return k_i, v_i, attention(k_i, v_i), new
+
+            return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False)
 
         def kv_fn(i, cache, k, v):
             # in-place scatter of the new tokens into the carried cache (only b * t rows move)
@@ -337,24 +420,50 @@ class Transformer(nnx.Module):
             v_all = cache.v.at[i, rows, write].set(v.astype(cache.v.dtype), mode="drop")
             k_i = jax.lax.dynamic_index_in_dim(k_all, i, 0, keepdims=False)
             v_i = jax.lax.dynamic_index_in_dim(v_all, i, 0, keepdims=False)
-            if impl == "reduce":
-                att = lambda q: attend_one(q, k_i, v_i, kv_lengths)  # noqa: E731
-            elif impl == "cudnn":
-                att = lambda q: _attend_one_cudnn(q, k_i, v_i, kv_lengths).astype(q.dtype)  # noqa: E731
-            else:
-                att = mask
-            return k_i, v_i, att, KVCache(k_all, v_all)
+            return k_i, v_i, attention(k_i, v_i), KVCache(k_all, v_all)
 
         unroll = int(DECODE_UNROLL) if int(DECODE_UNROLL) > 0 else self.config.num_hidden_layers
         return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False, unroll=unroll)
 
 
-class CausalLM(nnx.Module):
-    """Decoder with a language-model head. `model(input_ids)` -> logits [b, t, vocab]."""
+def _replace(xs: tuple, i: int, x) -> tuple:
+    return xs[:i] + (x,) + xs[i + 1:]
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+
+def _decode_attention(impl, mask, kv_lengths, k_i, v_i):
+    """The `mask` argument of `DecoderLayers.layer` for one layer's cache [b, s, kvh, d]: the bool
+    mask itself (einsum) or a function q -> attention output (the decode fast paths)."""
+    if impl == "reduce":
+        return lambda q: attend_one(q, k_i, v_i, kv_lengths)
+    if impl == "cudnn":
+        return lambda q: _attend_one_cudnn(q, k_i, v_i, kv_lengths).astype(q.dtype)
+    return mask
+
+
+def unstack_layers(params: dict) -> dict:
+    """A pure param dict (`nnx.to_pure_dict` layout, `CausalLM` or `ValueModel`) with stacked
+    layers -> the same weights in the per-layer layout (`params["model"]["layers"]` becomes
+    `{i: layer i's params}`). Slices, so it copies; run it inside a jit (fused with a cast)."""
+    layers = params["model"]["layers"]
+    n = jax.tree.leaves(layers)[0].shape[0]
+    per = {i: jax.tree.map(lambda x, i=i: x[i], layers) for i in range(n)}
+    return {**params, "model": {**params["model"], "layers": per}}
+
+
+def stack_layers(params: dict) -> dict:
+    """The inverse of `unstack_layers` (per-layer pure dict -> stacked)."""
+    per = params["model"]["layers"]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(per[i] for i in range(len(per))))
+    return {**params, "model": {**params["model"], "layers": stacked}}
+
+
+class CausalLM(nnx.Module):
+    """Decoder with a language-model head. `model(input_ids)` -> logits [b, t, vocab].
+    `layer_layout`: see `Transformer` ("per_layer" is the rollout engine's decode layout)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer_layout: str = "stacked"):
         self.config = config
-        self.model = Transformer(config, rngs=rngs)
+        self.model = Transformer(config, rngs=rngs, layer_layout=layer_layout)
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Dict(kernel=_param(
                 rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), config.param_dtype))
@@ -390,9 +499,9 @@ class ValueModel(nnx.Module):
     Matches Hugging Face's `*ForTokenClassification` with `num_labels=1` (`score.weight/bias`).
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer_layout: str = "stacked"):
         self.config = config
-        self.model = Transformer(config, rngs=rngs)
+        self.model = Transformer(config, rngs=rngs, layer_layout=layer_layout)
         self.score = nnx.Dict(
             kernel=_param(rngs, (config.hidden_size, 1), ("embed", None), config.param_dtype),
             bias=_zeros((1,), (None,), config.param_dtype))
@@ -404,16 +513,18 @@ class ValueModel(nnx.Module):
         return out[..., 0] + self.score["bias"][...].astype(jnp.float32)[0]
 
 
-def init_model(config: ModelConfig, *, seed: int = 0, value_head: bool = False) -> Any:
-    """A randomly initialised CausalLM (or ValueModel)."""
+def init_model(config: ModelConfig, *, seed: int = 0, value_head: bool = False,
+               layer_layout: str = "stacked") -> Any:
+    """A randomly initialised CausalLM (or ValueModel). The two layer layouts draw different
+    random weights for one seed; convert a model's weights with `unstack_layers` instead."""
     cls = ValueModel if value_head else CausalLM
-    return cls(config, rngs=nnx.Rngs(params=seed))
+    return cls(config, rngs=nnx.Rngs(params=seed), layer_layout=layer_layout)
 
 
-def abstract_model(config: ModelConfig, *, value_head: bool = False):
+def abstract_model(config: ModelConfig, *, value_head: bool = False, layer_layout: str = "stacked"):
     """The model with ShapeDtypeStructs instead of arrays (nothing allocated)."""
     cls = ValueModel if value_head else CausalLM
-    return nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(params=0)))
+    return nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(params=0), layer_layout=layer_layout))
 
 
 def count_params(model_or_state) -> int:

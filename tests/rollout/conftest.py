@@ -70,13 +70,32 @@ def stop_id(tiny_model, prompts):
     return ref[3]
 
 
+def _tiny_engine(model, stop_id, layer_layout):
+    return rollout.Engine.from_model(model, max_concurrent_decodes=4, max_prefill_length=16,
+                                     max_target_length=32, temperature=0.0,
+                                     stop_token_ids=(stop_id,), pad_token_id=0,
+                                     layer_layout=layer_layout)
+
+
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model, stop_id):
-    return rollout.Engine.from_model(tiny_model, max_concurrent_decodes=4, max_prefill_length=16,
-                                     max_target_length=32, temperature=0.0,
-                                     stop_token_ids=(stop_id,), pad_token_id=0)
+    """The per-layer layout (what `auto` picks whenever the sync copies): the fast decode path."""
+    return _tiny_engine(tiny_model, stop_id, "per_layer")
+
+
+@pytest.fixture(scope="session")
+def tiny_stacked_engine(tiny_model, stop_id):
+    """The stacked layout (what `auto` picks when it can share the model's buffers)."""
+    engine = _tiny_engine(tiny_model, stop_id, "auto")
+    assert engine.layer_layout == "stacked"
+    return engine
 
 
 @pytest.fixture(scope="session")
 def tiny_driver(tiny_engine):
     return rollout.RolloutDriver(tiny_engine, steps_per_sync=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_stacked_driver(tiny_stacked_engine):
+    return rollout.RolloutDriver(tiny_stacked_engine, steps_per_sync=4)

@@ -18,4 +18,5 @@ def test_bench_rollout_tiny_prints_json_with_all_metrics(capsys):
                 "kv_cache_bytes", "weight_bytes"):
         assert key in r, key
     assert r["generated_tokens"] == 4 * 8
+    assert r["layer_layout"] == "per_layer"  # the default: the fast decode layout
     assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and 0 < r["hbm_fraction"]

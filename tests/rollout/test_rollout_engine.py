@@ -1,11 +1,13 @@
 """Engine and RL driver: greedy parity with full forwards and HF generate, log-probs, batching."""
 import json
 import os
+import re
 
 import numpy as np
 import pytest
 
 import rollout
+import sharding
 from conftest import greedy_reference, trainer_log_probs
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "models")
@@ -13,10 +15,12 @@ FAMILIES = [f for f in ("llama3", "qwen2", "qwen2_tied", "qwen3")
             if os.path.exists(os.path.join(FIXTURES, f, "generate.json"))]
 
 
-def test_engine_api_greedy_equals_full_forward_with_staggered_inserts(tiny_model, tiny_engine,
-                                                                      prompts, stop_id):
-    """prefill -> insert -> generate, several slots, prompts inserted at different steps."""
-    e = tiny_engine
+@pytest.mark.parametrize("engine_fixture", ["tiny_engine", "tiny_stacked_engine"])
+def test_engine_api_greedy_equals_full_forward_with_staggered_inserts(tiny_model, engine_fixture,
+                                                                      prompts, stop_id, request):
+    """prefill -> insert -> generate, several slots, prompts inserted at different steps (both
+    layer layouts)."""
+    e = request.getfixturevalue(engine_fixture)
     state = e.init_decode_state()
     schedule = {0: [(0, 0), (1, 2)], 2: [(2, 1)], 3: [(3, 3)]}  # step -> [(prompt, slot)]
     owner, got = {}, {p: [] for p in range(4)}
@@ -49,6 +53,7 @@ def test_driver_greedy_equals_hf_generate_and_full_forward(family):
     engine = rollout.Engine.from_pretrained(path, max_concurrent_decodes=2, max_prefill_length=16,
                                             max_target_length=32, dtype="float32", temperature=0.0)
     assert engine.stop_token_ids == ()  # fixtures generate with eos stopping off
+    assert engine.layer_layout == "per_layer"  # from_pretrained's default: the fast decode
     cases = ref["cases"]
     batch = rollout.RolloutDriver(engine, steps_per_sync=4).generate(
         [c["prompt"] for c in cases], n=1, max_new_tokens=ref["max_new_tokens"],
@@ -59,6 +64,61 @@ def test_driver_greedy_equals_hf_generate_and_full_forward(family):
         assert batch.responses[i].tolist() == c["output"], f"{family} case {i}"
         assert greedy_reference(model, c["prompt"], len(c["output"])) == c["output"]
     assert batch.finish_reasons == ["length"] * len(cases)
+
+
+def test_per_layer_and_stacked_engines_give_the_same_greedy_tokens_and_log_probs(
+        tiny_model, tiny_driver, tiny_stacked_driver, prompts, stop_id):
+    """per-layer engine == stacked engine == full-forward argmax, row by row; log-probs agree."""
+    assert tiny_driver.engine.layer_layout == "per_layer"
+    assert tiny_stacked_driver.engine.layer_layout == "stacked"
+    kw = dict(n=2, max_new_tokens=10, sampling=rollout.SamplingParams(temperature=0.0), seed=3)
+    per, stacked = tiny_driver.generate(prompts, **kw), tiny_stacked_driver.generate(prompts, **kw)
+    np.testing.assert_array_equal(per.responses, stacked.responses)
+    np.testing.assert_array_equal(per.response_lengths, stacked.response_lengths)
+    np.testing.assert_allclose(per.rollout_log_probs, stacked.rollout_log_probs, atol=1e-5, rtol=0)
+    for r in range(len(per.responses)):
+        n = per.response_lengths[r]
+        assert per.responses[r, :n].tolist() == greedy_reference(tiny_model, prompts[r // 2], 10, (stop_id,))
+
+
+def test_per_layer_engine_holds_separate_arrays_per_layer(tiny_engine, tiny_model):
+    """The per-layer engine's weights and decode cache: L arrays without a layers axis."""
+    L = tiny_model.config.num_hidden_layers
+    layers = tiny_engine.params["model"]["layers"]
+    assert sorted(layers) == list(range(L))
+    stacked_q = tiny_model.model.layers.self_attn.q_proj["kernel"][...]
+    for i in range(L):
+        np.testing.assert_array_equal(np.asarray(layers[i]["self_attn"]["q_proj"]["kernel"]),
+                                      np.asarray(stacked_q[i]))
+    state = tiny_engine.init_decode_state()
+    c = tiny_model.config
+    assert isinstance(state.cache.k, tuple) and len(state.cache.k) == len(state.cache.v) == L
+    assert {x.shape for x in state.cache.k + state.cache.v} == {(4, 32, c.num_key_value_heads, c.head_dim)}
+    assert 2 * sum(x.nbytes for x in state.cache.k) == tiny_engine.kv_cache_bytes()
+
+
+def _dynamic_slices(engine) -> list[str]:
+    """Result shapes of the dynamic-slice ops in the engine's compiled one-step generate."""
+    state = engine.init_decode_state()
+    with sharding.use_rules(engine.mesh, "rollout"):
+        hlo = engine._generate_jit.lower(engine.params, state).compile().as_text()
+    return re.findall(r"= (\w+\[[\d,]*\])\S* dynamic-slice\(", hlo)
+
+
+def test_per_layer_decode_step_slices_no_stacked_weights_or_cache(tiny_engine, tiny_stacked_engine):
+    """The point of the per-layer layout: the compiled decode step has no dynamic-slice (the
+    per-layer copies of weights and KV cache that the stacked layer scan makes on every step)."""
+    assert _dynamic_slices(tiny_engine) == []
+    stacked = _dynamic_slices(tiny_stacked_engine)
+    c = tiny_stacked_engine.config
+    assert f"f32[1,4,32,{c.num_key_value_heads},{c.head_dim}]" in stacked  # a layer's K or V
+    assert f"f32[1,{c.hidden_size},{c.intermediate_size}]" in stacked  # a layer's gate/up kernel
+
+
+def test_engine_rejects_an_unknown_layer_layout(tiny_model):
+    with pytest.raises(ValueError, match="layer_layout"):
+        rollout.Engine.from_model(tiny_model, max_concurrent_decodes=2, max_prefill_length=16,
+                                  max_target_length=32, layer_layout="scanned")
 
 
 def test_driver_continuous_batching_more_rows_than_slots(tiny_model, tiny_driver, prompts, stop_id):
@@ -93,6 +153,7 @@ def test_rollout_log_probs_equal_trainer_log_probs(tiny_model, tiny_driver, prom
 
 @pytest.fixture(scope="module")
 def three_slot_driver(tiny_model, stop_id):
+    """auto -> stacked (the model's own fp32 buffers): compared with the per-layer tiny_driver."""
     e = rollout.Engine.from_model(tiny_model, max_concurrent_decodes=3, max_prefill_length=16,
                                   max_target_length=32, stop_token_ids=(stop_id,))
     return rollout.RolloutDriver(e, steps_per_sync=3)
@@ -100,7 +161,8 @@ def three_slot_driver(tiny_model, stop_id):
 
 @pytest.mark.parametrize("sampling", [rollout.SamplingParams(0.0), rollout.SamplingParams(1.0, 20, 0.95)])
 def test_results_independent_of_slots_order_and_batch(tiny_driver, three_slot_driver, prompts, sampling):
-    """Same seed -> same rows whatever the slot count, prompt order or batch composition."""
+    """Same seed -> same rows whatever the slot count, layer layout (per-layer vs stacked),
+    prompt order or batch composition."""
     kw = dict(n=2, max_new_tokens=9, sampling=sampling, seed=11)
     base = tiny_driver.generate(prompts, **kw)
     other = three_slot_driver.generate(prompts, **kw)

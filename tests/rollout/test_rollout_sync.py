@@ -28,54 +28,127 @@ def _leaves(tree):
     return jax.tree.leaves(tree)
 
 
+def _same_buffers(a, b):
+    for ours, theirs in zip(_leaves(a), _leaves(b)):
+        assert ours is theirs
+        assert ours.addressable_shards[0].data.unsafe_buffer_pointer() == \
+            theirs.addressable_shards[0].data.unsafe_buffer_pointer()
+
+
+def _q_kernel(engine, layer=0):
+    layers = engine.params["model"]["layers"]
+    if engine.layer_layout == "per_layer":
+        return layers[layer]["self_attn"]["q_proj"]["kernel"]
+    return layers["self_attn"]["q_proj"]["kernel"][layer]
+
+
 def test_zero_copy_sync_shares_the_trainers_buffers(train_params):
     mesh, (graphdef, params) = train_params
     engine = rollout.Engine.from_model((graphdef, params), rules="train", max_concurrent_decodes=8,
                                        max_prefill_length=16, max_target_length=32)
     assert engine.mesh is mesh  # mesh=None -> the params' own mesh
+    assert engine.layer_layout == "stacked"  # auto: the trainer's buffers can be shared
     stats = engine.update_params(params)
     assert stats["zero_copy"] and stats["bytes_moved"] == 0 and stats["bytes_total"] > 0
-    for ours, theirs in zip(_leaves(engine.params), _leaves(params)):
-        assert ours is theirs
-        assert ours.addressable_shards[0].data.unsafe_buffer_pointer() == \
-            theirs.addressable_shards[0].data.unsafe_buffer_pointer()
-    # a dtype change is not zero-copy
+    _same_buffers(engine.params, params)
+    # a dtype change is not zero-copy: auto splits the layers during the cast (per_layer)
     cast = rollout.Engine.from_model((graphdef, params), rules="train", max_concurrent_decodes=8,
                                      max_prefill_length=16, max_target_length=32, dtype="bfloat16")
+    assert cast.layer_layout == "per_layer"
     stats = cast.update_params(params)
     assert not stats["zero_copy"] and stats["bytes_moved"] == stats["bytes_total"] > 0
+    assert stats["bytes_total"] == sum(x.nbytes for x in _leaves(params)) // 2  # fp32 -> bf16
+    assert stats["num_copied"] == len(_leaves(cast.params)) > len(_leaves(params))
     assert all(x.dtype == jnp.bfloat16 for x in _leaves(cast.params))
+    np.testing.assert_array_equal(
+        np.asarray(_q_kernel(cast, 1)),
+        np.asarray(params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][...][1].astype(jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("layer_layout", ["per_layer", "stacked"])
+def test_handing_the_engine_its_own_params_moves_zero_bytes(train_params, layer_layout):
+    _, (graphdef, params) = train_params
+    engine = rollout.Engine.from_model((graphdef, params), max_concurrent_decodes=8,
+                                       max_prefill_length=16, max_target_length=32,
+                                       dtype="bfloat16", layer_layout=layer_layout)
+    own = engine.params
+    stats = engine.update_params(own)
+    assert stats["zero_copy"] and stats["bytes_moved"] == 0 and stats["num_copied"] == 0
+    assert stats["bytes_total"] == sum(x.nbytes for x in _leaves(own)) > 0
+    _same_buffers(engine.params, own)
 
 
 def test_resharded_sync_fsdp_to_tensor_gives_identical_generations(train_params):
-    """train fsdp 1x8x1 -> rollout tensor 1x1x8 on 8 CPU devices: same greedy tokens as 1 device."""
+    """train fsdp 1x8x1 -> rollout tensor 1x1x8 and 1x2x4 (per-layer) on 8 CPU devices: same greedy
+    tokens as a stacked 1-device engine."""
     _, (graphdef, params) = train_params
     single = rollout.Engine.from_model(
         (graphdef, jax.device_put(params, jax.devices()[0])), max_concurrent_decodes=4,
         max_prefill_length=16, max_target_length=32)
-    tensor_mesh = sharding.make_mesh((1, 1, 8))
-    tp = rollout.Engine.from_model((graphdef, params), mesh=tensor_mesh, max_concurrent_decodes=4,
-                                   max_prefill_length=16, max_target_length=32)
-    stats = tp.update_params(params)
-    assert not stats["zero_copy"] and stats["bytes_moved"] > 0
-    q = tp.params["model"]["layers"]["self_attn"]["q_proj"]["kernel"]
-    assert q.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor", None)
+    assert single.layer_layout == "stacked"
     a = rollout.RolloutDriver(single).generate(PROMPTS, n=2, max_new_tokens=8, sampling=GREEDY)
-    b = rollout.RolloutDriver(tp).generate(PROMPTS, n=2, max_new_tokens=8, sampling=GREEDY)
-    np.testing.assert_array_equal(a.responses, b.responses)
-    np.testing.assert_allclose(a.rollout_log_probs, b.rollout_log_probs, atol=1e-4)
+    for shape in [(1, 1, 8), (1, 2, 4)]:
+        tp = rollout.Engine.from_model((graphdef, params), mesh=sharding.make_mesh(shape),
+                                       max_concurrent_decodes=4, max_prefill_length=16,
+                                       max_target_length=32)
+        assert tp.layer_layout == "per_layer"
+        stats = tp.update_params(params)
+        assert not stats["zero_copy"] and stats["bytes_moved"] == stats["bytes_total"] > 0
+        q = _q_kernel(tp)
+        assert q.sharding.spec == jax.sharding.PartitionSpec(None, "tensor", None)
+        assert q.addressable_shards[0].data.shape == (64, 8 // shape[2], 8)
+        b = rollout.RolloutDriver(tp).generate(PROMPTS, n=2, max_new_tokens=8, sampling=GREEDY)
+        np.testing.assert_array_equal(a.responses, b.responses)
+        np.testing.assert_allclose(a.rollout_log_probs, b.rollout_log_probs, atol=1e-4)
 
-    # New weights take effect and the KV cache buffer survives the sync.
+    # New weights take effect and the KV cache buffers survive the sync (tp: the 1x2x4 engine).
     driver = rollout.RolloutDriver(tp)
     driver.generate(PROMPTS, n=1, max_new_tokens=8, sampling=GREEDY)
-    cache_before = driver._state.cache.k
+    cache_before = [x.shape for x in driver._state.cache.k]
     new_params = jax.tree.map(lambda x: x * 1.5, params)
     tp.update_params(new_params)
     after = driver.generate(PROMPTS, n=2, max_new_tokens=8, sampling=GREEDY)
     assert not np.array_equal(after.responses, b.responses)
-    assert driver._state.cache.k.shape == cache_before.shape
+    assert [x.shape for x in driver._state.cache.k] == cache_before
     with pytest.raises(ValueError, match="does not match"):
         tp.update_params({"model": {}})
+
+
+def test_bf16_per_layer_sync_from_fp32_trainer_params_changes_outputs(train_params):
+    """The normal RL sync: the trainer's stacked fp32 params -> per-layer bf16, every step."""
+    _, (graphdef, params) = train_params
+    engine = rollout.Engine.from_model((graphdef, params), mesh=sharding.make_mesh((1, 1, 8)),
+                                       max_concurrent_decodes=4, max_prefill_length=16,
+                                       max_target_length=32, dtype="bfloat16")
+    assert engine.layer_layout == "per_layer"
+    driver = rollout.RolloutDriver(engine)
+    before = driver.generate(PROMPTS, n=1, max_new_tokens=8, sampling=GREEDY)
+    stats = engine.update_params(jax.tree.map(lambda x: x * 1.5, params))
+    assert stats["bytes_moved"] == stats["bytes_total"] > 0 and not stats["zero_copy"]
+    after = driver.generate(PROMPTS, n=1, max_new_tokens=8, sampling=GREEDY)
+    assert not np.array_equal(before.responses, after.responses)
+    assert all(x.dtype == jnp.bfloat16 for x in driver._state.cache.k)
+
+
+def test_per_layer_sync_across_device_sets_gives_identical_generations(train_params):
+    """Separate placement: trainer on devices 0-3 (fsdp), rollout on devices 4-7 (tensor)."""
+    _, (graphdef, params) = train_params
+    devices = jax.devices()
+    train_mesh = sharding.make_mesh((1, 4, 1), devices=devices[:4])
+    train = sharding.reshard(params, sharding.state_shardings(params, train_mesh, "train"))
+    rollout_mesh = sharding.make_mesh((1, 1, 4), devices=devices[4:])
+    engine = rollout.Engine.from_model((graphdef, train), mesh=rollout_mesh, max_concurrent_decodes=4,
+                                       max_prefill_length=16, max_target_length=32)
+    assert engine.layer_layout == "per_layer"
+    stats = engine.update_params(train)
+    assert stats["bytes_moved"] == stats["bytes_total"] > 0
+    assert {d for x in _leaves(engine.params) for d in x.sharding.device_set} == set(devices[4:])
+    single = rollout.Engine.from_model((graphdef, jax.device_put(params, devices[0])),
+                                       max_concurrent_decodes=4, max_prefill_length=16,
+                                       max_target_length=32)
+    a = rollout.RolloutDriver(single).generate(PROMPTS, n=1, max_new_tokens=6, sampling=GREEDY)
+    b = rollout.RolloutDriver(engine).generate(PROMPTS, n=1, max_new_tokens=6, sampling=GREEDY)
+    np.testing.assert_array_equal(a.responses, b.responses)
 
 
 def test_engine_refuses_to_run_on_donated_weights(train_params):
