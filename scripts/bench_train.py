@@ -52,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--mesh", nargs=3, type=int, default=[1, -1, 1], metavar=("DATA", "FSDP", "TENSOR"),
                    help="training mesh over the devices used (-1 = fill)")
     p.add_argument("--devices", type=int, default=0, help="use the first N devices (0 = all)")
+    p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "rolled"],
+                   help="jaxrl_llm.models._decoder.TRAIN_ATTENTION (auto: cuDNN flash on GPU)")
     p.add_argument("--trace", default="", help="after timing, trace one more step with jax.profiler "
                    "into this folder (trace_<model>_<remat>_<micro>.json.gz; scripts/trace_summary.py)")
     p.add_argument("--peak-tflops", type=float, default=989.0)
@@ -82,8 +84,10 @@ def _run_config(name: str, remat: str, micro: int, args) -> dict:
 
     import sharding
     from jaxrl_llm import config as C, models
+    from jaxrl_llm.models import _decoder
     from jaxrl_llm.workers import ActorWorker
 
+    _decoder.TRAIN_ATTENTION = args.attention
     tiny = name == "tiny"
     shape = QWEN25[name]
     cfg = models.ModelConfig(
@@ -136,6 +140,7 @@ def _run_config(name: str, remat: str, micro: int, args) -> dict:
         "micro_batch": micro, "rows": rows, "seq_len": p + t, "param_dtype": str(cfg.param_dtype),
         "compute_dtype": str(cfg.dtype), "device": devices[0].device_kind, "num_devices": ndev,
         "mesh": dict(mesh.shape),
+        "attention": _decoder._train_attention_impl(cfg.dtype, cfg.head_dim),
         "step_s": step_s, "step_s_all": times, "compile_s": compile_s - step_s,
         "tokens_per_s": tokens / step_s, "tokens_per_s_per_device": tokens / step_s / ndev,
         "flops_per_token": fpt,
@@ -174,7 +179,8 @@ def _run_isolated(name, remat, micro, args) -> dict:
            "--response-len", str(args.response_len), "--steps", str(args.steps),
            "--param-dtype", args.param_dtype, "--peak-tflops", str(args.peak_tflops),
            "--compute-dtype", args.compute_dtype, "--devices", str(args.devices),
-           "--mesh", *map(str, args.mesh), *(["--trace", args.trace] if args.trace else [])]
+           "--mesh", *map(str, args.mesh), "--attention", args.attention,
+           *(["--trace", args.trace] if args.trace else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:

@@ -144,6 +144,15 @@ def attend(q, k, v, mask):
 #     the per-layer layout always runs its layers as an unrolled Python loop.
 DECODE_ATTENTION = "auto"
 DECODE_UNROLL = 1
+#   TRAIN_ATTENTION: attention of the full forward (training, log-probs, scoring).
+#     "xla": `attend` with the [b, t, t] padding mask (materialises fp32 scores).
+#     "cudnn": cuDNN flash attention. Each row is first rotated so that its real tokens start at
+#       position 0 (rows are one run of real tokens: left-padded prompt + right-padded response),
+#       so causal masking plus per-row lengths is the padding mask, and cuDNN skips the masked
+#       blocks; hidden states are rotated back after the final norm.
+#     "rolled": the same rotation with XLA's `jax.nn.dot_product_attention` (CPU tests of it).
+#     "auto": cudnn on GPU with bf16/fp16 compute and head_dim <= 128 (multiple of 8), else xla.
+TRAIN_ATTENTION = "auto"
 
 
 def attend_one(q, k_cache, v_cache, kv_lengths):
@@ -347,14 +356,36 @@ class Transformer(nnx.Module):
         return self.norm(x), carry_extra
 
     def __call__(self, input_ids, *, attention_mask=None, positions=None):
-        """Final hidden states [b, t, e] of a full causal forward (training / scoring)."""
+        """Final hidden states [b, t, e] of a full causal forward (training / scoring).
+
+        With `TRAIN_ATTENTION` cudnn/rolled, each row's real tokens must be one contiguous run
+        (any left and right padding); hidden states at padding positions are then zero.
+        """
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
         if positions is None:
             positions = default_positions(attention_mask)
-        mask = causal_padding_mask(attention_mask)
-        h, _ = self._scan(self.embed(input_ids), positions, lambda i, e, k, v: (k, v, mask, e), (), remat=True)
-        return h
+        c = self.config
+        impl = _train_attention_impl(c.dtype, c.head_dim)
+        if impl == "xla":
+            mask = causal_padding_mask(attention_mask)
+            h, _ = self._scan(self.embed(input_ids), positions, lambda i, e, k, v: (k, v, mask, e), (),
+                              remat=True)
+            return h
+        real = attention_mask.astype(jnp.bool_)
+        t = real.shape[1]
+        start = jnp.argmax(real, axis=1).astype(jnp.int32)  # first real token (0 for empty rows)
+        lengths = real.sum(axis=1, dtype=jnp.int32)
+        fwd = (jnp.arange(t, dtype=jnp.int32)[None, :] + start[:, None]) % t  # rotate left by start
+        back = (jnp.arange(t, dtype=jnp.int32)[None, :] - start[:, None]) % t
+
+        def rot(x, idx):
+            return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+        attention = functools.partial(_flash_attention, impl, lengths)
+        h, _ = self._scan(self.embed(rot(input_ids, fwd)), rot(positions, fwd),
+                          lambda i, e, k, v: (k, v, attention(k, v), e), (), remat=True)
+        return jnp.where(real[..., None], rot(h, back), 0).astype(h.dtype)
 
     def prefill(self, input_ids, *, attention_mask=None, positions=None):
         """Full forward that also returns the cache. Returns (hidden [b, t, e], KVCache of t tokens
@@ -428,6 +459,28 @@ class Transformer(nnx.Module):
 
 def _replace(xs: tuple, i: int, x) -> tuple:
     return xs[:i] + (x,) + xs[i + 1:]
+
+
+def _train_attention_impl(dtype, head_dim: int) -> str:
+    impl = TRAIN_ATTENTION
+    if impl not in ("auto", "xla", "cudnn", "rolled"):
+        raise ValueError(f"TRAIN_ATTENTION must be auto, xla, cudnn or rolled; got {impl!r}")
+    if impl == "auto":
+        cudnn_ok = (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+                    and head_dim % 8 == 0 and head_dim <= 128)
+        return "cudnn" if cudnn_ok else "xla"
+    return impl
+
+
+def _flash_attention(impl, lengths, k, v):
+    """The `mask` argument of `DecoderLayers.layer` for a rotated full forward: q -> causal
+    attention over each row's first `lengths` tokens (cuDNN flash, or XLA for "rolled")."""
+    def run(q):
+        out = jax.nn.dot_product_attention(
+            q, k.astype(q.dtype), v.astype(q.dtype), is_causal=True, query_seq_lengths=lengths,
+            key_value_seq_lengths=lengths, implementation="cudnn" if impl == "cudnn" else "xla")
+        return out.astype(q.dtype)
+    return run
 
 
 def _decode_attention(impl, mask, kv_lengths, k_i, v_i):

@@ -64,9 +64,26 @@ def micro_batches(mesh, arrays: dict[str, np.ndarray], micro_size: int) -> dict[
     b = next(iter(arrays.values())).shape[0]
     if b % micro_size:
         raise ValueError(f"mini-batch of {b} rows is not a multiple of the micro-batch size {micro_size}")
+    if "attention_mask" in arrays:
+        check_contiguous_mask(arrays["attention_mask"])
     n = b // micro_size
     shaped = {k: v.reshape(n, micro_size, *v.shape[1:]) for k, v in arrays.items()}
     return put_batch(mesh, shaped, batch_axis=1)
+
+
+def check_contiguous_mask(mask: np.ndarray) -> None:
+    """Every row's real tokens must be one run (left and/or right padding only): the models'
+    flash-attention path rotates rows so that the run starts at 0."""
+    m = np.asarray(mask) != 0
+    t = m.shape[1]
+    start = m.argmax(axis=1)
+    idx = np.arange(t)[None, :]
+    expected = (idx >= start[:, None]) & (idx < (start + m.sum(axis=1))[:, None])
+    bad = np.nonzero((m != expected).any(axis=1))[0]
+    if bad.size:
+        raise ValueError(f"attention_mask row {int(bad[0])} has padding between real tokens "
+                         f"({int(bad.size)} such rows); rows must be left-padded prompt + "
+                         f"right-padded response, one contiguous run of real tokens")
 
 
 def micro_size_for(rows: int, per_device: int, dp: int) -> int:
