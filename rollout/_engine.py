@@ -388,9 +388,9 @@ class Engine:
         if layout == self._layout:
             new, stats = sharding.reshard_with_stats(pure, self._param_shardings,
                                                      dtype=self.config.param_dtype)
-        else:
+            new = jax.tree.map(self._own_mesh, new, self._param_shardings)
+        else:  # a jit with our out_shardings: already on our mesh (no per-leaf re-labelling)
             new, stats = self._relayout(pure, self._layout_shardings[layout])
-        new = jax.tree.map(self._own_mesh, new, self._param_shardings)
         jax.block_until_ready(new)
         self._params = new
         return {"bytes_moved": int(stats["bytes_moved"]), "bytes_total": int(stats["bytes_total"]),

@@ -9,3 +9,21 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import importlib.util  # noqa: E402 - after the environment set-up above
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.fixture
+def load_script():
+    """load_script("bench_e2e") -> scripts/bench_e2e.py as a module (scripts are not a package)."""
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return load

@@ -1,16 +1,9 @@
 """scripts/bench_e2e.py --tiny runs whole GRPO steps on CPU and reports verl's step metrics."""
-import importlib.util
 import json
-import os
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_e2e.py")
 
 
-def test_bench_e2e_tiny_prints_json_with_stage_timings_throughput_and_sync(capsys):
-    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    results = bench.main(["--tiny"])
+def test_bench_e2e_tiny_prints_json_with_stage_timings_throughput_and_sync(capsys, load_script):
+    results = load_script("bench_e2e").main(["--tiny"])
     printed = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert printed == json.loads(json.dumps(results))
     r = printed[0]
@@ -24,16 +17,9 @@ def test_bench_e2e_tiny_prints_json_with_stage_timings_throughput_and_sync(capsy
     assert r["sync/zero_copy_bytes"] == 0  # the engine's own buffers: layouts match, nothing moves
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
-def test_bench_e2e_separate_placement_with_overlap_hides_the_rollout(capsys):
+def test_bench_e2e_separate_placement_with_overlap_hides_the_rollout(capsys, load_script):
     # 8 CPU devices: rollout on the last 4 (data 2 x tensor 2), training fsdp over the first 4
-    r = _load().main(["--tiny", "--placement", "separate", "--rollout-mesh", "2", "1", "2",
+    r = load_script("bench_e2e").main(["--tiny", "--placement", "separate", "--rollout-mesh", "2", "1", "2",
                       "--overlap", "--steps", "2"])[0]
     assert "error" not in r, r.get("error")
     assert r["overlap"] and r["train_mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
@@ -45,12 +31,12 @@ def test_bench_e2e_separate_placement_with_overlap_hides_the_rollout(capsys):
     assert r["sync/bytes_moved"] == r["sync/bytes_dst"]
 
 
-def test_cross_device_bytes_counts_what_each_device_lacks():
+def test_cross_device_bytes_counts_what_each_device_lacks(load_script):
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    bench = _load()
+    bench = load_script("bench_e2e")
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
     x = jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(mesh, P("x", None)))
     # rows split -> replicated: each device lacks the other half (16 elements of 4 bytes)

@@ -1,20 +1,9 @@
 """scripts/bench_train.py --tiny runs the real actor update on CPU and reports throughput and MFU."""
-import importlib.util
 import json
-import os
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_train.py")
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_train", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_bench_train_tiny_prints_json_with_throughput_mfu_and_memory(capsys):
-    results = _load().main(["--tiny"])
+def test_bench_train_tiny_prints_json_with_throughput_mfu_and_memory(capsys, load_script):
+    results = load_script("bench_train").main(["--tiny"])
     printed = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert printed == json.loads(json.dumps(results))
     r = printed[0]
@@ -25,8 +14,8 @@ def test_bench_train_tiny_prints_json_with_throughput_mfu_and_memory(capsys):
     assert r["grad_norm"] > 0  # the update really ran on the batch
 
 
-def test_bench_train_flops_count_matches_verl_formula():
-    bench = _load()
+def test_bench_train_flops_count_matches_verl_formula(load_script):
+    bench = load_script("bench_train")
     from jaxrl_llm.models import ModelConfig
     cfg = ModelConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
@@ -34,8 +23,8 @@ def test_bench_train_flops_count_matches_verl_formula():
     assert bench.flops_per_token(cfg, 1000, 10) == 6.0 * (1000 - 800) + 12.0 * 2 * 2 * 4 * 10
 
 
-def test_bench_train_same_loss_on_one_device_and_on_meshes(capsys):
-    bench = _load()
+def test_bench_train_same_loss_on_one_device_and_on_meshes(capsys, load_script):
+    bench = load_script("bench_train")
     one = bench.main(["--tiny", "--devices", "1"])[0]
     assert one["num_devices"] == 1
     for mesh in (["1", "-1", "1"], ["2", "2", "2"], ["1", "4", "2"]):

@@ -1,19 +1,8 @@
 """scripts/trace_summary.py: device time per kernel and kind from a perfetto trace."""
 import gzip
-import importlib.util
 import json
-import os
 
 import pytest
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "trace_summary.py")
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("trace_summary", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _trace(path):
@@ -32,9 +21,9 @@ def _trace(path):
         json.dump({"traceEvents": ev}, f)
 
 
-def test_trace_summary_groups_device_kernels_by_name_and_kind(tmp_path, capsys):
+def test_trace_summary_groups_device_kernels_by_name_and_kind(tmp_path, capsys, load_script):
     _trace(tmp_path / "t.trace.json.gz")
-    out = _load().main([str(tmp_path / "t.trace.json.gz"), "--per", "2"])
+    out = load_script("trace_summary").main([str(tmp_path / "t.trace.json.gz"), "--per", "2"])
     assert json.loads(capsys.readouterr().out) == out
     assert out["device_track"] == "/device:GPU:0"  # the busiest device; host events ignored
     k = out["by_kind_ms"]
@@ -45,8 +34,8 @@ def test_trace_summary_groups_device_kernels_by_name_and_kind(tmp_path, capsys):
     assert out["kernel_ms"] == pytest.approx(0.6) and out["window_ms"] == pytest.approx(0.63)
 
 
-def test_trace_summary_without_device_events_says_so(tmp_path):
+def test_trace_summary_without_device_events_says_so(tmp_path, load_script):
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps({"traceEvents": [{"ph": "X", "pid": 3, "name": "x", "ts": 0, "dur": 1}]}))
     with pytest.raises(ValueError, match="no device events"):
-        _load().main([str(path)])
+        load_script("trace_summary").main([str(path)])

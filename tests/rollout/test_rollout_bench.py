@@ -1,15 +1,9 @@
 """scripts/bench_rollout.py --tiny runs on CPU and reports every field the GPU run reports."""
-import importlib.util
 import json
-import os
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_rollout.py")
 
 
-def test_bench_rollout_tiny_prints_json_with_all_metrics(capsys):
-    spec = importlib.util.spec_from_file_location("bench_rollout", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_bench_rollout_tiny_prints_json_with_all_metrics(capsys, load_script):
+    bench = load_script("bench_rollout")
     results = bench.main(["--tiny"])
     printed = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert printed == json.loads(json.dumps(results))
