@@ -68,6 +68,10 @@ class RLTrainer:
 
     def __init__(self, config: RunConfig, *, num_hosts: int = 1, distributed: dict | None = None):
         self.config = c = config
+        self.overlap = c.placement.one_step_off_policy
+        if self.overlap and num_hosts > 1:
+            raise ValueError("placement.one_step_off_policy runs on one host only (num_hosts=1); "
+                             f"got num_hosts={num_hosts}")
         if c.trainer.backend == "ray":
             # The controller's own JAX work (advantages) is tiny: keep it off the accelerators
             # that the Ray workers own. Workers get the original environment (RayGroup).
@@ -94,10 +98,6 @@ class RLTrainer:
         self.kl_ctrl = algos.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.pad_id = self.tokenizer.pad_token_id
         stop_ids = tuple(getattr(self.tokenizer, "eos_token_ids", (self.tokenizer.eos_token_id,)))
-        self.overlap = c.placement.one_step_off_policy
-        if self.overlap and num_hosts > 1:
-            raise ValueError("placement.one_step_off_policy runs on one host only (num_hosts=1); "
-                             f"got num_hosts={num_hosts}")
         # one-step-off-policy: (handle of the generate call in flight, its prompts, the data
         # iterator's state before they were drawn)
         self._pending = None

@@ -83,10 +83,13 @@ def test_one_step_off_policy_fit_with_ray_backend(tmp_path):
     assert np.isfinite(steps[2]["actor/grad_norm"])
 
 
-def test_one_step_off_policy_needs_separate_placement(tmp_path):
+def test_one_step_off_policy_needs_separate_placement_and_one_host(tmp_path, tiny_run):
     with pytest.raises(ConfigError, match="one_step_off_policy needs placement.mode='separate'"):
         load_config(f"{QUICKSTART}:tiny,local",
                     tiny_overrides(tmp_path / "run", **{"placement.one_step_off_policy": True}))
+    run = tiny_run(**_SEPARATE, **{"placement.one_step_off_policy": True})
+    with pytest.raises(ValueError, match="one_step_off_policy runs on one host only"):
+        RLTrainer(run, num_hosts=2)
 
 
 def test_colocated_rollout_mesh_re_meshes_the_training_devices(tiny_run):
