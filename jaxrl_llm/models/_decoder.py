@@ -521,11 +521,17 @@ class CausalLM(nnx.Module):
             self.lm_head = nnx.Dict(kernel=_param(
                 rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), config.param_dtype))
 
+    def unembed(self) -> tuple[jax.Array, str]:
+        """(weight, layout) mapping final hidden states to logits, as stored: the tied embedding
+        [vocab, embed] ("ve") or the LM head [embed, vocab] ("ev"); no transposed copy."""
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens["embedding"][...], "ve"
+        return self.lm_head["kernel"][...], "ev"
+
     def unembed_matrix(self) -> jax.Array:
         """[embed, vocab] matrix mapping final hidden states to logits."""
-        if self.config.tie_word_embeddings:
-            return self.model.embed_tokens["embedding"][...].T
-        return self.lm_head["kernel"][...]
+        w, layout = self.unembed()
+        return w.T if layout == "ve" else w
 
     def logits(self, hidden):
         w = self.unembed_matrix().astype(hidden.dtype)

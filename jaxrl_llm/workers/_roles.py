@@ -28,19 +28,12 @@ def response_hidden(model, m):
     return h[:, -t - 1:-1]
 
 
-def unembed_weight(model, dtype):
-    """(weight in `dtype`, layout) for `algos.token_log_probs_from_hidden`: a tied embedding is
-    used as [vocab, embed] ("ve") rather than transposed (a full copy per call)."""
-    if model.config.tie_word_embeddings:
-        return model.model.embed_tokens["embedding"][...].astype(dtype), "ve"
-    return model.lm_head["kernel"][...].astype(dtype), "ev"
-
-
 def response_log_probs(model, m, temperature, return_entropy=False):
     h = response_hidden(model, m)
-    unembed, layout = unembed_weight(model, h.dtype)
-    return algos.token_log_probs_from_hidden(h, unembed, m["responses"], temperature=temperature,
-                                             return_entropy=return_entropy, unembed_layout=layout)
+    unembed, layout = model.unembed()
+    return algos.token_log_probs_from_hidden(h, unembed.astype(h.dtype), m["responses"],
+                                             temperature=temperature, return_entropy=return_entropy,
+                                             unembed_layout=layout)
 
 
 def _iter_minibatches(batch: dict[str, np.ndarray], mini_rows: int, epochs: int, shuffle: bool, seed: int):
@@ -205,8 +198,9 @@ def sft_loss(model, m, denoms):
     """Next-token cross-entropy on `loss_mask` tokens (assistant turns), token-mean over the batch."""
     ids, mask = m["input_ids"], m["loss_mask"]
     h = model.hidden_states(ids, attention_mask=m["attention_mask"], positions=m["position_ids"])
-    unembed, layout = unembed_weight(model, h.dtype)
-    lp = algos.token_log_probs_from_hidden(h[:, :-1], unembed, ids[:, 1:], unembed_layout=layout)
+    unembed, layout = model.unembed()
+    lp = algos.token_log_probs_from_hidden(h[:, :-1], unembed.astype(h.dtype), ids[:, 1:],
+                                           unembed_layout=layout)
     target_mask = mask[:, 1:].astype(jnp.float32)
     nll = -(lp * target_mask).sum() / jnp.maximum(denoms["tokens"], 1.0)
     correct = (lp > jnp.log(0.5)).astype(jnp.float32)
