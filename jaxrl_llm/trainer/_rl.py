@@ -208,12 +208,13 @@ class RLTrainer:
         step = self.global_step if step is None else step
         return (self.config.trainer.seed * 1_000_003 + step * 7919 + salt) % (2**31 - 1)
 
-    def _generate_args(self, examples, step: int) -> tuple[tuple, dict]:
+    def _generate_kwargs(self, examples, step: int) -> dict:
+        """Arguments of the workers' `generate` for step `step`'s prompts."""
         c = self.config
-        return ("generate", [e.prompt_ids for e in examples]), dict(
-            n=c.rollout.n, max_new_tokens=c.data.max_response_length,
-            sampling=dict(temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p),
-            seed=self._seed(1, step))
+        return dict(prompts=[e.prompt_ids for e in examples], n=c.rollout.n,
+                    max_new_tokens=c.data.max_response_length, seed=self._seed(1, step),
+                    sampling=dict(temperature=c.rollout.temperature, top_k=c.rollout.top_k,
+                                  top_p=c.rollout.top_p))
 
     def _rollout(self, timing: dict, metrics: dict):
         """This step's prompts and their rollout.
@@ -233,8 +234,7 @@ class RLTrainer:
         else:
             examples = next(self.loader)
             with _timer(timing, "gen"):
-                args, kwargs = self._generate_args(examples, self.global_step)
-                gen = self.call0(*args, **kwargs)
+                gen = self.call0("generate", **self._generate_kwargs(examples, self.global_step))
             gen.pop("time_s", None)
             metrics["rollout/off_policy_steps"] = 0.0
         if self.overlap and self.global_step + 1 < self.config.trainer.total_training_steps:
@@ -242,8 +242,8 @@ class RLTrainer:
                 self._sync(metrics)
             state = self.loader.get_state()
             nxt = next(self.loader)
-            args, kwargs = self._generate_args(nxt, self.global_step + 1)
-            self._pending = (self.group.call_async(*args, **kwargs), nxt, state)
+            handle = self.group.call_async("generate", **self._generate_kwargs(nxt, self.global_step + 1))
+            self._pending = (handle, nxt, state)
         return examples, gen
 
     def _sync(self, metrics: dict) -> None:
@@ -257,7 +257,7 @@ class RLTrainer:
             return
         if self._pending is not None:
             self.group.wait(self._pending[0])  # a handle can be waited on again: the next step does
-        self.call0("sync_weights")
+        self._sync({})
 
     def train_step(self) -> dict:
         c = self.config
