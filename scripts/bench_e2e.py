@@ -36,7 +36,7 @@ Reported per model (the mean over the timed steps after one warm-up step):
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -129,10 +129,12 @@ def _generate(worker, cfg, prompts, seed: int) -> dict:
                            sampling=dict(temperature=1.0, top_k=-1, top_p=1.0), seed=seed)
 
 
-def _step(worker, cfg, prompts, seed: int, *, pending=None, launch_next=None) -> tuple[dict, dict]:
-    """One GRPO step. Synchronous: generates `prompts` now, syncs weights at the end.
-    One-step-off-policy (`pending` = a future of this step's rollout, `launch_next` = starts the
-    next step's): waits for the rollout, syncs the idle engine, starts the next rollout, trains."""
+def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start_next=None):
+    """One GRPO step -> (timing, step info, future of the next step's rollout or None).
+
+    Synchronous: generates `prompts` now and syncs weights at the end. One-step-off-policy
+    (`overlap`): takes this step's rollout from `pending` (a future) if there is one, syncs the
+    now idle engine, calls `start_next()` (if given) to start the next rollout, then trains."""
     from jaxrl_llm.trainer import _batch as B
 
     timing: dict[str, float] = {}
@@ -150,11 +152,10 @@ def _step(worker, cfg, prompts, seed: int, *, pending=None, launch_next=None) ->
         timing["gen_async"] = gen["time_s"]
     else:
         gen = timed("gen", lambda: _generate(worker, cfg, prompts, seed))
-    overlap = pending is not None or launch_next is not None
+    following = None
     if overlap:  # the engine is idle now: give it the newest weights, start the next rollout
         sync = timed("update_weights", worker.sync_weights)
-        if launch_next is not None:
-            launch_next()
+        following = start_next() if start_next is not None else None
     batch = B.rollout_batch(prompts, gen, n=n, pad_token_id=0, max_prompt_length=cfg.data.max_prompt_length)
 
     def reward():
@@ -177,7 +178,7 @@ def _step(worker, cfg, prompts, seed: int, *, pending=None, launch_next=None) ->
     n_prompt = int(batch["attention_mask"][:, :batch["prompts"].shape[1]].sum())
     n_resp = int(batch["response_mask"].sum())
     return timing, {"n_prompt": n_prompt, "n_resp": n_resp, "sync": sync,
-                    "score": float(batch["token_level_scores"].sum(-1).mean()), **metrics}
+                    "score": float(batch["token_level_scores"].sum(-1).mean()), **metrics}, following
 
 
 def run_model(name: str, args) -> dict:
@@ -204,14 +205,12 @@ def run_model(name: str, args) -> dict:
     timings, last, warmup_s = [], None, 0.0
     batches = [prompts() for _ in range(args.steps + 1)]
     for i in range(args.steps + 1):  # step 0 is the warm-up: it compiles every piece
-        launch = None
+        start_next = None
         if pool is not None and i < args.steps:
-            def launch(i=i):
-                nonlocal pending
-                pending = pool.submit(_generate, worker, cfg, batches[i + 1], i + 1)
-        this, pending = pending, None
+            start_next = functools.partial(pool.submit, _generate, worker, cfg, batches[i + 1], i + 1)
         t0 = time.perf_counter()
-        timing, last = _step(worker, cfg, batches[i], seed=i, pending=this, launch_next=launch)
+        timing, last, pending = _step(worker, cfg, batches[i], seed=i, overlap=args.overlap,
+                                      pending=pending, start_next=start_next)
         if i == 0:
             warmup_s = time.perf_counter() - t0
         else:
@@ -249,7 +248,7 @@ def run_model(name: str, args) -> dict:
         itemsize = np.dtype(jax.tree.leaves(worker.engine.params)[0].dtype).itemsize
         src = worker.actor.params
         src = nnx.to_pure_dict(src) if isinstance(src, nnx.State) else src
-        cross = cross_device_bytes(src, _rollout_layout(cfg, worker), itemsize)
+        cross = cross_device_bytes(src, _rollout_layout(worker), itemsize)
         link = max(cross.values()) / (args.link_gbs * 1e9)
         out.update({"sync/cross_device_bytes_max": int(max(cross.values())),
                     "sync/cross_device_bytes_total": int(sum(cross.values())),
@@ -283,7 +282,7 @@ def cross_device_bytes(src_tree, dst_shardings, itemsize: int) -> dict:
     return out
 
 
-def _rollout_layout(cfg, worker):
+def _rollout_layout(worker):
     """The engine's parameter shardings in the trainer's stacked tree layout (the per-layer split
     never cuts a shard: the layer axis is not sharded, so the bytes to move are the same)."""
     from flax import nnx
@@ -304,8 +303,10 @@ def _overlap(a, b) -> int:
 
 
 def main(argv=None) -> list[dict]:
+    from jaxrl_llm.metrics import JsonReport
+
     args = parse_args(argv)
-    results = []
+    report = JsonReport(args.out)
     for name in args.models:
         try:
             r = run_model(name, args)
@@ -315,12 +316,8 @@ def main(argv=None) -> list[dict]:
             import traceback
             r = {"bench": "e2e", "model": f"qwen2.5-{name}", "error": traceback.format_exc()[-3000:]}
             del e
-        print(json.dumps(r), flush=True)
-        results.append(r)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
-    return results
+        report.add(r)
+    return report.records
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import time
 
@@ -32,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.metrics import JsonReport, perfetto_trace
 from jaxrl_llm.models import QWEN25_SHAPES
 
 QWEN25 = {k: QWEN25_SHAPES[k] for k in ("0.5b", "1.5b", "tiny")}
@@ -107,7 +107,8 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
     run(1)  # a 1-token run has other output-buffer shapes: compile those before timing
     prefill_s, _ = run(1)  # prefill + insert + one decode step
     if args.trace:
-        total_s, out = _traced(run, args, f"trace_{engine.layer_layout}_{attn}_{unroll}.json.gz")
+        total_s, out = perfetto_trace(lambda: run(args.gen_len), os.path.join(
+            args.trace, f"trace_{engine.layer_layout}_{attn}_{unroll}.json.gz"))
     else:
         total_s, out = run(args.gen_len)
     gen_tokens = int(out.response_lengths.sum())
@@ -129,22 +130,6 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
         "kv_cache_bytes": int(engine.kv_cache_bytes()), "peak_bytes": _peak_bytes(),
         "decode_loops": out.stats["decode_loops"], "steps_per_sync": args.steps_per_sync,
     }
-
-
-def _traced(run, args, name):
-    """run(gen_len) under jax.profiler with a perfetto trace, copied to args.trace/name."""
-    import glob
-    import shutil
-    import tempfile
-    tmp = tempfile.mkdtemp()
-    with jax.profiler.trace(tmp, create_perfetto_trace=True):
-        result = run(args.gen_len)
-    found = sorted(glob.glob(f"{tmp}/**/*perfetto*.json.gz", recursive=True)
-                   or glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True))
-    if found:
-        os.makedirs(args.trace, exist_ok=True)
-        shutil.copy(found[-1], os.path.join(args.trace, name))
-    return result
 
 
 def check_variants(variants, layouts=("stacked",)) -> list[dict]:
@@ -227,12 +212,11 @@ def bench_peer(name, batch, args):
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    results = []
+    report = JsonReport(args.out)
     if args.check:
         for r in check_variants(["einsum:1"] + [v for v in args.variants if v != "einsum:1"],
                                 args.layouts):
-            print(json.dumps(r), flush=True)
-            results.append(r)
+            report.add(r)
     for name in args.models:
         for batch in args.batches:
             peer = None if args.no_peer else bench_peer(name, batch, args)
@@ -249,12 +233,8 @@ def main(argv=None) -> list[dict]:
                     ours["peer"] = peer
                     if "tokens_per_s" in peer and "tokens_per_s" in ours:
                         ours["speedup_vs_peer"] = ours["tokens_per_s"] / peer["tokens_per_s"]
-                print(json.dumps(ours), flush=True)
-                results.append(ours)
-                if args.out:
-                    with open(args.out, "w") as f:
-                        json.dump(results, f, indent=1)
-    return results
+                report.add(ours)
+    return report.records
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def _run_config(name: str, remat: str, micro: int, args) -> dict:
     from flax import nnx
 
     import sharding
-    from jaxrl_llm import config as C, models
+    from jaxrl_llm import config as C, metrics as M, models
     from jaxrl_llm.models import _decoder
     from jaxrl_llm.workers import ActorWorker
 
@@ -128,8 +128,8 @@ def _run_config(name: str, remat: str, micro: int, args) -> dict:
         times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))
     if args.trace:
-        _trace_step(lambda: worker.update(batch, mini_rows=rows, seed=args.steps + 1),
-                    os.path.join(args.trace, f"trace_{name}_{remat}_{micro}.json.gz"))
+        M.perfetto_trace(lambda: worker.update(batch, mini_rows=rows, seed=args.steps + 1),
+                         os.path.join(args.trace, f"trace_{name}_{remat}_{micro}.json.gz"))
     tokens = rows * (p + t)
     fpt = flops_per_token(cfg, n_params, p + t)
     ndev = mesh.devices.size
@@ -152,25 +152,6 @@ def _run_config(name: str, remat: str, micro: int, args) -> dict:
         "grad_norm": float(metrics["actor/grad_norm"]),
         "first_pg_loss": float(first["actor/pg_loss"]), "first_grad_norm": float(first["actor/grad_norm"]),
     }
-
-
-def _trace_step(fn, dest: str) -> None:
-    """Runs fn() under jax.profiler and copies the perfetto trace to dest."""
-    import glob
-    import shutil
-    import tempfile
-
-    import jax
-
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp, create_perfetto_trace=True):
-            fn()
-        found = sorted(glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
-                       or glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True))
-        if not found:
-            raise RuntimeError(f"jax.profiler wrote no perfetto trace under {tmp}")
-        os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
-        shutil.copy(found[-1], dest)
 
 
 def _run_isolated(name, remat, micro, args) -> dict:
@@ -196,8 +177,10 @@ def main(argv=None) -> list[dict]:
         r = _run_config(name, remat, micro, parse_args(argv[4:]))
         print(json.dumps(r), flush=True)
         return [r]
+    from jaxrl_llm.metrics import JsonReport
+
     args = parse_args(argv)
-    results = []
+    report = JsonReport(args.out)
     for name in args.models:
         for remat in args.remat:
             for micro in args.micro:
@@ -211,12 +194,8 @@ def main(argv=None) -> list[dict]:
                             raise
                         r = {"bench": "train", "model": f"qwen2.5-{name}", "remat": remat,
                              "micro_batch": micro, "error": repr(e)[-2000:]}
-                print(json.dumps(r), flush=True)
-                results.append(r)
-                if args.out:
-                    with open(args.out, "w") as f:
-                        json.dump(results, f, indent=1)
-    return results
+                report.add(r)
+    return report.records
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Calculators are pure functions over host numpy batches (`compute_data_metrics`, timing,
 throughput, MFU); `MetricsLogger` writes what the trainer hands it; `plot_curves` turns a run's
-`metrics.jsonl` into a PNG. Computing the actor/critic loss metrics is left to `algos`/`workers`.
+`metrics.jsonl` into a PNG; `JsonReport` and `perfetto_trace` serve
+the benchmark scripts. Computing the actor/critic loss metrics is left to `algos`/`workers`.
 """
 from jaxrl_llm.metrics._data import compute_data_metrics, reduce_metrics
 from jaxrl_llm.metrics._logger import MetricsLogger, read_jsonl
@@ -14,8 +15,10 @@ from jaxrl_llm.metrics._perf import (
     peak_flops,
 )
 from jaxrl_llm.metrics._plot import plot_curves
+from jaxrl_llm.metrics._report import JsonReport, perfetto_trace
 
 __all__ = [
+    "JsonReport",
     "MetricsLogger",
     "compute_data_metrics",
     "compute_mfu",
@@ -23,6 +26,7 @@ __all__ = [
     "compute_timing_metrics",
     "max_memory_allocated_gb",
     "peak_flops",
+    "perfetto_trace",
     "plot_curves",
     "read_jsonl",
     "reduce_metrics",
