@@ -7,6 +7,11 @@ applies the two fixes 0.2.2 needs on current JAX:
   die and the process be killed. We replace it with a `jax.tree.map` version.
 - importing the orchestrator sets the root logger to DEBUG and adds a stdout handler: we restore
   the root logger's level and handlers.
+It also makes `orchestrator.Driver` a subclass that survives a race in 0.2.2's generate thread:
+after filling slots it asserts that some slot is in use, but the detokenize thread may free the
+last one in between. The assertion then kills the whole process (every driver thread is a
+`JetThread`, which sends SIGKILL on any exception). Our generate thread restarts instead, which is
+safe because at that moment no request holds a slot.
 """
 from __future__ import annotations
 
@@ -45,6 +50,8 @@ def import_jetstream():
         jax.tree.map(delete_leaf, p)
 
     orchestrator.delete_pytree = delete_pytree
+    if not getattr(orchestrator.Driver, "_jaxrl_llm_patched", False):
+        orchestrator.Driver = _patch_driver(orchestrator.Driver)
 
     class NS:
         pass
@@ -56,6 +63,30 @@ def import_jetstream():
                           tokenizer_api=tokenizer_api, tokenizer_pb2=tokenizer_pb2).items():
         setattr(ns, name, mod)
     return ns
+
+
+def _patch_driver(base):
+    """`base` (0.2.2's Driver) with a generate thread that restarts after the all-slots-free race."""
+
+    class Driver(base):
+        _jaxrl_llm_patched = True
+
+        def _generate_thread(self, idx: int):
+            slots = self._generate_slots[idx]
+            while True:
+                try:
+                    return super()._generate_thread(idx)
+                except AssertionError:
+                    # Only this thread takes slots, so a full queue now means it was full at the
+                    # assertion: no request is being decoded and the decode state holds nothing.
+                    if slots.qsize() != self._generate_engines[idx].max_concurrent_decodes:
+                        raise
+                    if not self.live:
+                        return None
+                    logging.getLogger(__name__).info(
+                        "generate thread %d: every slot was freed during a step; restarting", idx)
+
+    return Driver
 
 
 def _make_tokenizer(js, engine: Engine):
