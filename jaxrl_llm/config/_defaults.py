@@ -40,7 +40,11 @@ def base_config() -> ConfigDict:
     c.algorithm = dict(
         adv_estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
         use_kl_in_reward=False, kl_penalty="kl",
-        kl_ctrl=dict(type="fixed", kl_coef=0.001, target_kl=0.1, horizon=10000))
+        kl_ctrl=dict(type="fixed", kl_coef=0.001, target_kl=0.1, horizon=10000),
+        rollout_correction=dict(
+            rollout_is="", rollout_is_threshold=2.0, rollout_is_batch_normalize=False,
+            rollout_rs="", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.0,
+            rollout_token_veto_threshold=0.0))
     c.reward = dict(num_workers=2, timeout_s=10.0,
                     custom_reward_function=dict(path="", name="compute_score"),
                     model=dict(path="", micro_batch_size_per_device=8))

@@ -23,6 +23,8 @@ ADV_ESTIMATORS = ("gae", "grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_pl
 POLICY_LOSSES = ("vanilla", "gspo", "gpg", "cispo", "geo_mean", "sapo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_RS_LEVELS = ("token", "sequence", "geometric")
 
 
 class ConfigError(ValueError):
@@ -205,8 +207,7 @@ def validate(c: RunConfig) -> None:
         raise ConfigError(
             f"algorithm.adv_estimator={c.algorithm.adv_estimator!r} compares samples of a prompt "
             f"and needs rollout.n >= 2 (got {c.rollout.n})")
-    if c.rollout.use_rollout_log_probs and c.actor.ppo_epochs > 1:
-        pass  # allowed: old log-probs are fixed per step either way
+    _check_rollout_correction(c)
     if not c.data.train_files and not c.data.builtin_task:
         raise ConfigError("data.train_files is empty and data.builtin_task is not set: give parquet/jsonl "
                           "files or a built-in task ('arithmetic' or 'countdown')")
@@ -217,3 +218,21 @@ def validate(c: RunConfig) -> None:
         raise ConfigError("model.init.num_attention_heads must be a multiple of model.init.num_key_value_heads")
     if c.trainer.max_to_keep < 1:
         raise ConfigError(f"trainer.max_to_keep must be >= 1, got {c.trainer.max_to_keep}")
+
+
+def _check_rollout_correction(c: RunConfig) -> None:
+    rc = c.algorithm.rollout_correction
+    where = "algorithm.rollout_correction"
+    _choice(rc.rollout_is, ("",) + ROLLOUT_IS_LEVELS, f"{where}.rollout_is")
+    _choice(rc.rollout_rs, ("",) + ROLLOUT_RS_LEVELS, f"{where}.rollout_rs")
+    _positive(rc.rollout_is_threshold, f"{where}.rollout_is_threshold")
+    _positive(rc.rollout_rs_threshold, f"{where}.rollout_rs_threshold")
+    _positive(rc.rollout_rs_threshold_lower, f"{where}.rollout_rs_threshold_lower", allow_zero=True)
+    _positive(rc.rollout_token_veto_threshold, f"{where}.rollout_token_veto_threshold", allow_zero=True)
+    lower = rc.rollout_rs_threshold_lower or 1.0 / rc.rollout_rs_threshold
+    if rc.rollout_rs and lower > rc.rollout_rs_threshold:
+        raise ConfigError(f"{where}.rollout_rs_threshold_lower={lower} is above "
+                          f"rollout_rs_threshold={rc.rollout_rs_threshold}: every token would be rejected")
+    if (rc.rollout_is or rc.rollout_rs or rc.rollout_token_veto_threshold) and c.rollout.use_rollout_log_probs:
+        raise ConfigError(f"{where} compares the trainer's old log-probs with the engine's, but "
+                          "rollout.use_rollout_log_probs=True makes them the same: set it to False")

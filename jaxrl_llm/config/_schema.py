@@ -128,6 +128,20 @@ class KLControlConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """verl's `algorithm.rollout_correction`: the gap between the engine's policy (stale weights
+    under one-step-off-policy, bf16 serving) and the trainer's old log-probs."""
+
+    rollout_is: str  # "" (off) | token | sequence
+    rollout_is_threshold: float
+    rollout_is_batch_normalize: bool
+    rollout_rs: str  # "" (off) | token | sequence | geometric
+    rollout_rs_threshold: float
+    rollout_rs_threshold_lower: float  # 0 = 1 / rollout_rs_threshold
+    rollout_token_veto_threshold: float  # 0 = off
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: str
     gamma: float
@@ -136,6 +150,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool
     kl_penalty: str
     kl_ctrl: KLControlConfig
+    rollout_correction: RolloutCorrectionConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,6 +68,26 @@ def kl_in_reward(batch: dict, kl_coef: float, kl_penalty: str) -> tuple[np.ndarr
     return np.asarray(rewards, np.float32), float(current_kl)
 
 
+def rollout_correction(batch: dict, rc) -> dict[str, float]:
+    """verl's rollout correction (`algorithm.rollout_correction`, a `RolloutCorrectionConfig`)
+    between `old_log_probs` and `rollout_log_probs`, in place: truncated IS weights go to
+    `rollout_is_weights` (the actor's policy loss multiplies by them) and rejected tokens / rows
+    leave `response_mask`. Returns the `rollout_corr/*` metrics."""
+    weights, mask, metrics = algos.rollout_correction(
+        jnp.asarray(batch["old_log_probs"]), jnp.asarray(batch["rollout_log_probs"]),
+        jnp.asarray(batch["response_mask"]),
+        rollout_is=rc.rollout_is or None, rollout_is_threshold=rc.rollout_is_threshold,
+        rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+        rollout_rs=rc.rollout_rs or None, rollout_rs_threshold=rc.rollout_rs_threshold,
+        rollout_rs_threshold_lower=rc.rollout_rs_threshold_lower or None,
+        rollout_token_veto_threshold=rc.rollout_token_veto_threshold or None)
+    weights, mask, metrics = jax.device_get((weights, mask, metrics))
+    if weights is not None:
+        batch["rollout_is_weights"] = np.asarray(weights, np.float32)
+    batch["response_mask"] = np.asarray(mask, batch["response_mask"].dtype)
+    return {k: float(v) for k, v in metrics.items()}
+
+
 def worker_view(batch: dict) -> dict:
     """Only the numeric arrays workers need (no strings, no controller-only fields)."""
     return {k: v for k, v in batch.items() if isinstance(v, np.ndarray) and v.dtype != object}

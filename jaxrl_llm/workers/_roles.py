@@ -100,7 +100,8 @@ class ActorWorker(_Trained):
         pg_loss, pg_metrics = algos.get_policy_loss(c.policy_loss)(
             m["old_log_probs"], log_prob, m["advantages"], mask, c.loss_agg_mode,
             clip_ratio=c.clip_ratio, clip_ratio_low=c.clip_ratio_low,
-            clip_ratio_high=c.clip_ratio_high, clip_ratio_c=c.clip_ratio_c, **glob)
+            clip_ratio_high=c.clip_ratio_high, clip_ratio_c=c.clip_ratio_c,
+            rollout_is_weights=m.get("rollout_is_weights"), **glob)
         entropy_loss = algos.agg_loss(entropy, mask, c.loss_agg_mode, **glob)
         loss = pg_loss - c.entropy_coeff * entropy_loss
         metrics = {"pg_loss": pg_loss, "entropy": entropy_loss, **pg_metrics}
@@ -119,6 +120,8 @@ class ActorWorker(_Trained):
         keys = _SEQ_KEYS + ("responses", "response_mask", "old_log_probs", "advantages")
         if self.cfg.use_kl_loss:
             keys += ("ref_log_prob",)
+        if "rollout_is_weights" in batch:  # algorithm.rollout_correction.rollout_is
+            keys += ("rollout_is_weights",)
         m = self._run_updates(batch, mini_rows, self.cfg.ppo_epochs, self.cfg.shuffle, seed, keys)
         return {f"actor/{k}": v for k, v in m.items() if k != "loss"}
 

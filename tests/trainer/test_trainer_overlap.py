@@ -33,7 +33,8 @@ def _record_calls(worker, names):
 
 
 def test_one_step_off_policy_overlaps_rollout_with_training(tiny_run):
-    run = tiny_run(**_SEPARATE, **{"placement.one_step_off_policy": True, "trainer.total_training_steps": 3})
+    run = tiny_run(**_SEPARATE, **{"placement.one_step_off_policy": True, "trainer.total_training_steps": 3,
+                                   "algorithm.rollout_correction.rollout_is": "token"})
     trainer = RLTrainer(run)
     try:
         trainer.call0("start_rl", 3)
@@ -59,6 +60,9 @@ def test_one_step_off_policy_overlaps_rollout_with_training(tiny_run):
     assert all(m["rollout/logprob_abs_diff/mean"] > 1e-4 for m in metrics[1:])
     assert all(math.isfinite(m["actor/pg_loss"]) for m in metrics)
     assert all("timing_s/gen_async" in m for m in metrics[1:])
+    # rollout correction sees the stale rollouts: IS weights near 1, spread wider than on-policy
+    assert all(abs(m["rollout_corr/rollout_is_mean"] - 1.0) < 1e-2 for m in metrics)
+    assert all(m["rollout_corr/rollout_is_std"] > metrics[0]["rollout_corr/rollout_is_std"] for m in metrics[1:])
     gens = sorted((c for c in calls if c[0] == "generate"), key=lambda c: c[1])
     updates = sorted((c for c in calls if c[0] == "update_actor"), key=lambda c: c[1])
     assert len(gens) == 3 and len(updates) == 3
