@@ -82,7 +82,7 @@ DESCRIPTIONS = {
     "ActorConfig.entropy_coeff": "Entropy bonus coefficient.",
     "ActorConfig.use_kl_loss": "Add a KL-to-reference loss term (GRPO style); builds the reference model.",
     "ActorConfig.kl_loss_coef": "Weight of the KL loss.",
-    "ActorConfig.kl_loss_type": "KL estimator of the loss: `kl`/`k1`, `abs`, `mse`/`k2`, `low_var_kl`/`k3`.",
+    "ActorConfig.kl_loss_type": "KL estimator of the loss: `kl`/`k1`, `abs`, `mse`/`k2`, `low_var_kl`/`k3`; a `+` suffix (e.g. `low_var_kl+`) keeps the value and takes k2's unbiased gradient.",
     "CriticConfig.optim": "Critic optimizer.",
     "CriticConfig.ppo_mini_batch_size": "Prompts per critic optimizer step.",
     "CriticConfig.ppo_micro_batch_size_per_device": "Sequences per device per critic forward/backward.",

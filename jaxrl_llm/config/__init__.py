@@ -3,4 +3,5 @@ from ._defaults import base_config
 from ._load import ConfigError, load_config, load_config_dict, to_run_config, validate
 from ._schema import (ActorConfig, AlgorithmConfig, CriticConfig, DataConfig, KLControlConfig,
                       MeshSection, ModelInitConfig, PlacementConfig, RewardModelConfig, ModelSection, OptimConfig, RewardConfig,
-                      RolloutConfig, RunConfig, SamplingConfig, SFTConfig, TrainerConfig)
+                      RolloutConfig, RolloutCorrectionConfig, RunConfig, SamplingConfig, SFTConfig,
+                      TrainerConfig)

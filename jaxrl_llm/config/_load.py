@@ -22,7 +22,8 @@ ADV_ESTIMATORS = ("gae", "grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_pl
                   "reinforce_plus_plus_baseline", "remax", "gpg")
 POLICY_LOSSES = ("vanilla", "gspo", "gpg", "cispo", "geo_mean", "sapo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+                "kl+", "k1+", "abs+", "low_var_kl+", "k3+")  # "+": k2's gradient (straight-through)
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 ROLLOUT_RS_LEVELS = ("token", "sequence", "geometric")
 

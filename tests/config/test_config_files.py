@@ -59,3 +59,16 @@ def test_bad_value_type_is_reported():
 def test_impossible_combination_names_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(os.path.join(ROOT, "configs/quickstart.py"), overrides)
+
+
+def test_config_choices_are_the_algorithm_registries():
+    # the config module keeps its own copies (it does not import JAX code); they must not drift
+    from jaxrl_llm import algos
+    from jaxrl_llm.algos import _rollout_correction
+    from jaxrl_llm.config import _load
+    assert set(_load.ADV_ESTIMATORS) == set(algos.ADV_ESTIMATORS)
+    assert set(_load.POLICY_LOSSES) == set(algos.POLICY_LOSSES)
+    assert set(_load.LOSS_AGG_MODES) == set(algos.LOSS_AGG_MODES)
+    assert set(_load.KL_PENALTIES) == set(algos.KL_PENALTIES)
+    assert _load.ROLLOUT_IS_LEVELS == _rollout_correction.ROLLOUT_IS_LEVELS
+    assert _load.ROLLOUT_RS_LEVELS == _rollout_correction.ROLLOUT_RS_LEVELS

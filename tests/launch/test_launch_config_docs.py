@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 import typing
@@ -11,13 +10,6 @@ from pathlib import Path
 from jaxrl_llm.config import RunConfig, base_config
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _gen():
-    spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts" / "gen_config_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _field_paths(cls, prefix=""):
@@ -34,9 +26,9 @@ def _cells(row: str) -> list[str]:
     return [c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]]
 
 
-def test_configs_doc_is_up_to_date_with_the_dataclasses():
+def test_configs_doc_is_up_to_date_with_the_dataclasses(load_script):
     text = (ROOT / "docs" / "configs.md").read_text()
-    assert text == _gen().render(), "docs/configs.md is stale: run `python scripts/gen_config_docs.py`"
+    assert text == load_script("gen_config_docs").render(), "docs/configs.md is stale: run `python scripts/gen_config_docs.py`"
 
 
 def test_configs_doc_has_a_described_row_for_every_field():
@@ -56,8 +48,8 @@ def test_configs_doc_has_a_described_row_for_every_field():
             assert cells[2] == f"`{json.dumps(value)}`", (path, cells[2], value)
 
 
-def test_a_field_without_description_fails_generation(monkeypatch):
-    gen = _gen()
+def test_a_field_without_description_fails_generation(monkeypatch, load_script):
+    gen = load_script("gen_config_docs")
     monkeypatch.delitem(gen.DESCRIPTIONS, "DataConfig.seed")
     try:
         gen.render()
