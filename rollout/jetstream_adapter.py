@@ -7,11 +7,15 @@ applies the two fixes 0.2.2 needs on current JAX:
   die and the process be killed. We replace it with a `jax.tree.map` version.
 - importing the orchestrator sets the root logger to DEBUG and adds a stdout handler: we restore
   the root logger's level and handlers.
-It also makes `orchestrator.Driver` a subclass that survives a race in 0.2.2's generate thread:
-after filling slots it asserts that some slot is in use, but the detokenize thread may free the
-last one in between. The assertion then kills the whole process (every driver thread is a
-`JetThread`, which sends SIGKILL on any exception). Our generate thread restarts instead, which is
-safe because at that moment no request holds a slot.
+Every driver thread is a `JetThread`, which SIGKILLs the whole process on any exception. Two
+0.2.2 races raise there, and `import_jetstream()` fixes both:
+- after filling slots, the generate thread asserts that some slot is in use, but the detokenize
+  thread may free the last one in between. `orchestrator.Driver` becomes a subclass whose
+  generate thread restarts instead, which is safe because at that moment no request holds a slot;
+- a request's `AsyncMultifuture.close()` posts two callbacks to the receiver's event loop. The
+  receiver can finish after the first one and close its loop (e.g. `asyncio.run` returning), and
+  the second one then raises "Event loop is closed". Results posted to a closed loop are now
+  dropped, since nobody is left to read them.
 """
 from __future__ import annotations
 
@@ -52,6 +56,12 @@ def import_jetstream():
     orchestrator.delete_pytree = delete_pytree
     if not getattr(orchestrator.Driver, "_jaxrl_llm_patched", False):
         orchestrator.Driver = _patch_driver(orchestrator.Driver)
+    from jetstream.core.utils import async_multifuture
+    future_cls = async_multifuture.AsyncMultifuture
+    for name in ("add_result", "set_exception"):
+        fn = getattr(future_cls, name)
+        if not getattr(fn, "_jaxrl_llm_patched", False):
+            setattr(future_cls, name, _drop_if_loop_closed(fn))
 
     class NS:
         pass
@@ -63,6 +73,22 @@ def import_jetstream():
                           tokenizer_api=tokenizer_api, tokenizer_pb2=tokenizer_pb2).items():
         setattr(ns, name, mod)
     return ns
+
+
+def _drop_if_loop_closed(method):
+    """An `AsyncMultifuture` method that does nothing once the receiver's event loop is closed."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args):
+        try:
+            return method(self, *args)
+        except RuntimeError:
+            if self._loop.is_closed():  # noqa: SLF001 - the receiver is gone
+                return None
+            raise
+
+    wrapper._jaxrl_llm_patched = True
+    return wrapper
 
 
 def _patch_driver(base):
