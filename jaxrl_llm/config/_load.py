@@ -234,6 +234,6 @@ def _check_rollout_correction(c: RunConfig) -> None:
     if rc.rollout_rs and lower > rc.rollout_rs_threshold:
         raise ConfigError(f"{where}.rollout_rs_threshold_lower={lower} is above "
                           f"rollout_rs_threshold={rc.rollout_rs_threshold}: every token would be rejected")
-    if (rc.rollout_is or rc.rollout_rs or rc.rollout_token_veto_threshold) and c.rollout.use_rollout_log_probs:
+    if rc.enabled and c.rollout.use_rollout_log_probs:
         raise ConfigError(f"{where} compares the trainer's old log-probs with the engine's, but "
                           "rollout.use_rollout_log_probs=True makes them the same: set it to False")

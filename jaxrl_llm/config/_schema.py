@@ -140,6 +140,11 @@ class RolloutCorrectionConfig:
     rollout_rs_threshold_lower: float  # 0 = 1 / rollout_rs_threshold
     rollout_token_veto_threshold: float  # 0 = off
 
+    @property
+    def enabled(self) -> bool:
+        """Whether any correction (IS weights, rejection or veto) is switched on."""
+        return bool(self.rollout_is or self.rollout_rs or self.rollout_token_veto_threshold)
+
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:

@@ -284,10 +284,9 @@ class RLTrainer:
                 metrics["actor/entropy_rollout"] = float((out["entropys"] * mask).sum() / max(mask.sum(), 1))
                 diff = np.abs(out["old_log_probs"] - batch["rollout_log_probs"]) * mask
                 metrics["rollout/logprob_abs_diff/mean"] = float(diff.sum() / max(mask.sum(), 1))
-        rc = c.algorithm.rollout_correction
-        if rc.rollout_is or rc.rollout_rs or rc.rollout_token_veto_threshold:
+        if c.algorithm.rollout_correction.enabled:
             with _timer(timing, "rollout_correction"):
-                metrics.update(B.rollout_correction(batch, rc))
+                metrics.update(B.rollout_correction(batch, c.algorithm.rollout_correction))
         if c.use_reference:
             with _timer(timing, "ref"):
                 batch.update(self.call0("compute_ref_log_prob", B.worker_view(batch)))

@@ -1,6 +1,7 @@
 """algorithm.rollout_correction in the trainer: IS weights reach the actor's policy loss, rejected
 tokens leave the loss mask, and the config refuses combinations that cannot work."""
 import math
+import re
 
 import pytest
 
@@ -48,7 +49,7 @@ def test_is_weights_scale_the_policy_loss_and_veto_empties_the_mask(tiny_run):
     ({"rollout_token_veto_threshold": -1.0}, "rollout_token_veto_threshold must be >= 0"),
 ])
 def test_bad_rollout_correction_settings_are_named(tiny_run, overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         tiny_run(**{_RC + k: v for k, v in overrides.items()})
 
 
