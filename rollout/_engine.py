@@ -247,6 +247,9 @@ class Engine:
                                      out_shardings=(st, self._replicated, self._replicated))
         self._loop_jit = jax.jit(self._loop_core, donate_argnums=(1, 2),
                                  out_shardings=(st, None, self._replicated))
+        self._extend_jit = jax.jit(self._extend_core, static_argnums=(4,),
+                                   out_shardings=self._prefix_shardings)
+        self._append_jit = jax.jit(self._append_core, donate_argnums=(1,), out_shardings=st)
         self._init_jit = jax.jit(self._init_core, out_shardings=st)
         self._free_jit = jax.jit(self._free_core, donate_argnums=(0,), out_shardings=st)
 
@@ -278,11 +281,8 @@ class Engine:
             temperature=jnp.ones((n,), jnp.float32), top_k=zi - 1, top_p=jnp.ones((n,), jnp.float32))
 
     def _insert_core(self, state: DecodeState, prefix: Prefix, src, dst, rows, max_new,
-                     temperature, top_k, top_p, base_key):
+                     temperature, top_k, top_p, key):
         """Copies prefix rows `src` into slots `dst` (int32[m]; dst >= slots is ignored)."""
-        def put(buf, val):
-            return buf.at[dst].set(val, mode="drop")
-
         def put_cache(buf, val):  # one layer's [slots, s, kvh, d] <- prefix [p, bucket, kvh, d]
             return buf.at[dst, :val.shape[1]].set(val[src].astype(buf.dtype), mode="drop")
 
@@ -295,12 +295,27 @@ class Engine:
         else:
             cache = KVCache(put_stacked(state.cache.k, prefix.cache.k),
                             put_stacked(state.cache.v, prefix.cache.v))
+        return self._arm(state, cache, dst, prefix.tokens[src], prefix.lengths[src], rows, max_new,
+                         temperature, top_k, top_p, key)
+
+    def _arm(self, state, cache, dst, tokens, lengths, rows, max_new, temperature, top_k, top_p,
+             key) -> DecodeState:
+        """Starts a request in slots `dst` (int32[m], >= slots ignored): `tokens` pending,
+        `lengths` tokens cached, nothing generated. `key`: one typed key (slot i's stream is
+        fold_in(key, rows[i])) or raw key data uint32[m, k] (each row's own key). Sampling
+        parameters are scalars or [m]."""
+        def put(buf, val):
+            return buf.at[dst].set(val, mode="drop")
+
         m = dst.shape[0]
-        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base_key, rows)
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, rows)
+        else:
+            keys = jax.random.wrap_key_data(key)
         return DecodeState(
             cache=cache,
-            tokens=put(state.tokens, prefix.tokens[src]),
-            lengths=put(state.lengths, prefix.lengths[src]),
+            tokens=put(state.tokens, tokens),
+            lengths=put(state.lengths, lengths),
             generated=put(state.generated, jnp.zeros((m,), jnp.int32)),
             max_new=put(state.max_new, max_new),
             active=put(state.active, jnp.ones((m,), jnp.bool_)),
@@ -309,6 +324,51 @@ class Engine:
             temperature=put(state.temperature, jnp.broadcast_to(temperature, (m,)).astype(jnp.float32)),
             top_k=put(state.top_k, jnp.broadcast_to(top_k, (m,)).astype(jnp.int32)),
             top_p=put(state.top_p, jnp.broadcast_to(top_p, (m,)).astype(jnp.float32)))
+
+    def _extend_cache(self, params, cache: KVCache, tokens, start) -> KVCache:
+        """Chunked prefill: appends tokens int32[m, t] to cache rows [m, s] at positions
+        start[i], start[i] + 1, ... (int32[m]); writes past s are dropped. Every token is written,
+        so entries past a row's real tokens hold padding (never read: a query at position q only
+        sees cache slots <= q, and decoding overwrites slot q before reading it)."""
+        positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        _, cache = self._model(params).decode(tokens, positions=positions, cache=cache,
+                                              cache_index=start)
+        return cache
+
+    def _extend_core(self, params, prefix: Prefix, tokens, true_lengths, length: int) -> Prefix:
+        """`prefix` (p rows) followed by tokens int32[p, bucket] (true_lengths int32[p] >= 1, the
+        first one being each row's pending token) -> a Prefix with a `length`-token cache."""
+        def resize(x, axis):  # the cache_length axis to `length` (zeros after the old entries)
+            x = jax.lax.slice_in_dim(x, 0, min(x.shape[axis], length), axis=axis)
+            pad = [(0, 0)] * x.ndim
+            pad[axis] = (0, length - x.shape[axis])
+            return jnp.pad(x, pad)
+
+        axis = 1 if self._per_layer else 2
+        cache = jax.tree.map(lambda x: resize(x, axis), prefix.cache)
+        cache = self._extend_cache(params, cache, tokens, prefix.lengths)
+        last = jnp.take_along_axis(tokens, (true_lengths - 1)[:, None], axis=1)[:, 0]
+        return Prefix(cache, (prefix.lengths + true_lengths - 1).astype(jnp.int32),
+                      last.astype(jnp.int32))
+
+    def _append_core(self, params, state: DecodeState, tokens, true_lengths, dst, rows, max_new,
+                     temperature, top_k, top_p, key) -> DecodeState:
+        """Appends tokens int32[m, bucket] to slots `dst` (int32[m]; >= slots ignored) at each
+        slot's current length and re-arms them; the other slots are untouched."""
+        idx = jnp.clip(dst, 0, self._slots - 1)
+        start = state.lengths[idx]
+        if self._per_layer:
+            sub = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), state.cache)
+        else:
+            sub = jax.tree.map(lambda x: jnp.take(x, idx, axis=1), state.cache)
+        sub = self._extend_cache(params, sub, tokens, start)
+        if self._per_layer:
+            cache = jax.tree.map(lambda buf, val: buf.at[dst].set(val, mode="drop"), state.cache, sub)
+        else:
+            cache = jax.tree.map(lambda buf, val: buf.at[:, dst].set(val, mode="drop"), state.cache, sub)
+        last = jnp.take_along_axis(tokens, (true_lengths - 1)[:, None], axis=1)[:, 0]
+        return self._arm(state, cache, dst, last, start + true_lengths - 1, rows, max_new,
+                         temperature, top_k, top_p, key)
 
     def _step(self, params, state: DecodeState):
         """One decode step for all slots. Returns (state, tokens, log_probs, valid, generated)."""
@@ -438,16 +498,51 @@ class Engine:
 
     def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int,
                 sampler=None, rng=None) -> Prefix:
-        """JetStream prefill of one prompt (1-D tokens padded to a bucket)."""
+        """JetStream prefill of one prompt (1-D tokens padded to a bucket).
+
+        existing_prefix: a one-row `Prefix` (its cache holds `lengths` tokens, `tokens` is its
+        pending last token). Then `padded_tokens[:true_length]` is the rest of the sequence from
+        index `existing_prefix.lengths` on, i.e. starting with that pending token; only those
+        tokens are computed (chunked prefill over the cached ones) and the result caches the
+        existing tokens plus all new ones but the last, which is pending: inserting it and
+        decoding equals a full prefill of the whole sequence. Its cache is padded to a bucket of
+        the total length (at most max_target_length).
+        """
         if existing_prefix is not None:
-            raise NotImplementedError("prefill with an existing_prefix (multi-turn cache reuse) is "
-                                      "not supported; send the whole conversation")
+            return self._prefill_after(params, existing_prefix, padded_tokens, true_length)
         true_length = int(true_length)
         bucket = self.bucket_for(true_length)
         toks = np.asarray(padded_tokens, np.int32).reshape(-1)[:true_length]
         padded = np.full((1, bucket), self.pad_token_id, np.int32)
         padded[0, :true_length] = toks
         return self.prefill_batch(params, padded, np.asarray([true_length], np.int32))
+
+    def _prefill_after(self, params, prefix: Prefix, padded_tokens, true_length: int) -> Prefix:
+        """`prefill` with an existing prefix (see there)."""
+        if not isinstance(prefix, Prefix):
+            raise TypeError(f"existing_prefix must be a rollout.Prefix, got {type(prefix).__name__}")
+        lengths, pending = np.asarray(prefix.lengths), np.asarray(prefix.tokens)
+        if lengths.shape != (1,):
+            raise ValueError(f"existing_prefix must hold one prompt, got {lengths.shape[0]} rows")
+        true_length = int(true_length)
+        bucket = self.bucket_for(true_length)
+        toks = np.asarray(padded_tokens, np.int32).reshape(-1)[:true_length]
+        if toks.size != true_length:
+            raise ValueError(f"padded_tokens has {toks.size} tokens, fewer than true_length={true_length}")
+        if toks[0] != pending[0]:
+            raise ValueError(f"the new tokens must start at the existing prefix's pending token "
+                             f"(sequence index {int(lengths[0])}, token {int(pending[0])}), got "
+                             f"{int(toks[0])}; pass the sequence from index existing.lengths on")
+        total = int(lengths[0]) + true_length
+        if total > self._max_target:
+            raise ValueError(f"existing prefix ({int(lengths[0])} cached tokens) + {true_length} new "
+                             f"tokens exceeds max_target_length={self._max_target}")
+        length = min(next((b for b in PREFILL_BUCKETS if b >= total), self._max_target), self._max_target)
+        padded = np.full((1, bucket), self.pad_token_id, np.int32)
+        padded[0, :true_length] = toks
+        self.check_params(params)
+        return self._run(self._extend_jit, params, prefix, jnp.asarray(padded),
+                         jnp.asarray([true_length], jnp.int32), length)
 
     def prefill_multisampling(self, *, params, existing_prefix=None, padded_tokens,
                               true_length: int, num_samples: int = 1, **kw) -> Prefix:
@@ -476,18 +571,78 @@ class Engine:
                                 max_new=np.full(m, max_new, np.int32), sampling=sp,
                                 key=self._base_key)
 
-    def insert_rows(self, state, prefix, *, src, dst, rows, max_new, sampling: SamplingParams, key):
-        """Prefix rows `src` into slots `dst` (numpy int32[m]); pads m to a power of two."""
+    def insert_rows(self, state, prefix, *, src, dst, rows, max_new, sampling, key=None,
+                    row_keys=None) -> DecodeState:
+        """Prefix rows `src` into slots `dst` (numpy int32[m]; a dst >= max_concurrent_decodes is
+        padding and ignored); pads m to a power of two.
+
+        rows int32[m]: each slot's `row` (the driver's output row); max_new int32[m].
+        sampling: one SamplingParams for all rows, or a sequence of m (one per row).
+        key: a typed PRNG key; slot i samples step t with fold_in(fold_in(key, rows[i]), t) (the
+        driver's streams). row_keys: instead of key, raw key data uint32[m, k]
+        (`jax.random.key_data` of each row's own, already folded key).
+        """
+        args = self._row_args(len(dst), rows, max_new, sampling, key, row_keys)
+        return self._run(self._insert_jit, state, prefix, self._pad_rows(src, 0, len(dst)),
+                         self._pad_rows(dst, self._slots, len(dst)), *args)
+
+    def append_rows(self, state, *, tokens, true_lengths, dst, rows, max_new, sampling, key=None,
+                    row_keys=None) -> DecodeState:
+        """Prefix reuse on parked slots: appends tokens[i, :true_lengths[i]] to slot dst[i]'s KV
+        cache at the slot's current length and re-arms the slot for a new request.
+
+        A parked slot is an inactive slot whose cache still holds a sequence's first `lengths`
+        tokens, its last token pending (what a finished request leaves). tokens int32[m, bucket]
+        (numpy, right-padded; a prefill bucket) is the rest of the new sequence from index
+        `lengths` on, i.e. starting with the pending token. Afterwards the slot has
+        lengths = old + true_length - 1, tokens = the last new token, generated 0 and the given
+        max_new / sampling / key (as `insert_rows`), active; other slots are untouched. Prefill
+        work is proportional to the new tokens. Compiles once per (power-of-two m, bucket).
+        """
+        tokens = np.asarray(tokens, np.int32)
         m = len(dst)
+        if tokens.ndim != 2 or tokens.shape[0] != m or tokens.shape[1] not in self._buckets:
+            raise ValueError(f"append_rows: tokens must be int32[{m}, bucket] with bucket one of "
+                             f"{self._buckets}, got shape {tokens.shape}")
         mp = _next_pow2(m)
-        pad = mp - m
+        padded = np.full((mp, tokens.shape[1]), self.pad_token_id, np.int32)
+        padded[:m] = tokens
+        self.check_params()
+        args = self._row_args(m, rows, max_new, sampling, key, row_keys)
+        return self._run(self._append_jit, self._params, state, jnp.asarray(padded),
+                         self._pad_rows(true_lengths, 1, m), self._pad_rows(dst, self._slots, m),
+                         *args)
 
-        def padded(x, fill):
-            return jnp.asarray(np.concatenate([np.asarray(x, np.int32), np.full(pad, fill, np.int32)]))
+    @staticmethod
+    def _pad_rows(x, fill, m):
+        """int32[m] -> int32[next_pow2(m)] padded with `fill`."""
+        x = np.asarray(x, np.int32).reshape(-1)
+        if x.size != m:
+            raise ValueError(f"expected {m} per-row values, got {x.size}")
+        return jnp.asarray(np.concatenate([x, np.full(_next_pow2(m) - m, fill, np.int32)]))
 
-        return self._run(self._insert_jit, state, prefix, padded(src, 0), padded(dst, self._slots),
-                         padded(rows, 0), padded(max_new, 0), jnp.float32(sampling.temperature),
-                         jnp.int32(sampling.top_k), jnp.float32(sampling.top_p), key)
+    def _row_args(self, m, rows, max_new, sampling, key, row_keys) -> tuple:
+        """(rows, max_new, temperature, top_k, top_p, key) padded to next_pow2(m) for `_arm`."""
+        mp = _next_pow2(m)
+        if (key is None) == (row_keys is None):
+            raise ValueError("pass exactly one of key (a typed PRNG key) and row_keys (uint32[m, k])")
+        if row_keys is not None:
+            data = np.asarray(row_keys, np.uint32)
+            if data.ndim != 2 or data.shape[0] != m:
+                raise ValueError(f"row_keys must be uint32[{m}, k], got shape {data.shape}")
+            key = jnp.asarray(np.concatenate([data, np.repeat(data[:1], mp - m, axis=0)]))
+        if isinstance(sampling, SamplingParams):
+            temp, top_k, top_p = (jnp.float32(sampling.temperature), jnp.int32(sampling.top_k),
+                                  jnp.float32(sampling.top_p))
+        else:
+            sampling = list(sampling)
+            if len(sampling) != m or not all(isinstance(s, SamplingParams) for s in sampling):
+                raise ValueError(f"sampling must be a SamplingParams or {m} of them (one per row)")
+            sampling += [sampling[0]] * (mp - m)
+            temp = jnp.asarray([s.temperature for s in sampling], jnp.float32)
+            top_k = jnp.asarray([s.top_k for s in sampling], jnp.int32)
+            top_p = jnp.asarray([s.top_p for s in sampling], jnp.float32)
+        return (self._pad_rows(rows, 0, m), self._pad_rows(max_new, 0, m), temp, top_k, top_p, key)
 
     def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every slot. Free slots produce tokens with validity 0."""
