@@ -31,7 +31,7 @@ DOC = ROOT / "docs" / "configs.md"
 DESCRIPTIONS = {
     "DataConfig.train_files": "Training prompt files (parquet or jsonl, verl schema); comma-separated on the command line.",
     "DataConfig.val_files": "Validation prompt files; empty disables validation.",
-    "DataConfig.builtin_task": "`arithmetic` or `countdown`: generate `train_files`/`val_files` if missing; `\"\"` = use your files.",
+    "DataConfig.builtin_task": "`arithmetic`, `arithmetic_tools` (multiplication with the calculator tool, for `rollout.multi_turn`) or `countdown`: generate `train_files`/`val_files` if missing; `\"\"` = use your files.",
     "DataConfig.builtin_train_size": "Rows generated for the built-in task's training file.",
     "DataConfig.builtin_val_size": "Rows generated for the built-in task's validation file.",
     "DataConfig.builtin_max_operand": "Arithmetic task: operands drawn from [0, builtin_max_operand].",
@@ -99,6 +99,7 @@ DESCRIPTIONS = {
     "RolloutConfig.dtype": "Rollout weights/KV dtype; `\"\"` = `model.dtype`. Equal dtype and layout make weight sync zero-copy.",
     "RolloutConfig.use_rollout_log_probs": "Use the engine's sampling log-probs as `old_log_probs` (skips one forward pass).",
     "RolloutConfig.val": "Sampling for validation.",
+    "RolloutConfig.multi_turn": "Agent rollouts (verl's `multi_turn`): tools, simulated users, multi-turn trajectories; see `docs/agents.md`.",
     "SamplingConfig.temperature": "Validation sampling temperature (0 = greedy).",
     "SamplingConfig.top_k": "Validation top-k; -1 = off.",
     "SamplingConfig.top_p": "Validation nucleus mass.",

@@ -4,8 +4,13 @@ Each step directory `<directory>/<step>/` holds three orbax items:
 `state` (StandardSave of the array pytree), `meta` (the user's JSON dict) and `prng_impls`
 (JSON map from key path to PRNG implementation, so typed keys from `jax.random.key` round-trip).
 orbax writes into a temporary directory and renames it when the save is complete, so an
-interrupted save is never listed as a step. In multi-host runs every process must call `save`
-and `restore` (orbax coordinates them; only process 0 writes metadata and JSON items).
+interrupted save is never listed as a step. Once orbax has finalised a step, the last file
+written into it is `COMPLETE_MARKER`, which records the size and CRC-32 of every other file of
+the step (`_verify.py`): a step without it, or whose files no longer match it (truncated,
+flipped bytes), is never resumed from. With `async_save` the marker of a step is written when
+the next save starts, or at `wait()` / `close()`. In multi-host runs every process must call
+`save` and `restore` (orbax coordinates them; only process 0 writes metadata, JSON items and
+the marker).
 """
 from __future__ import annotations
 
@@ -13,9 +18,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 from jaxrl_llm.checkpoint import _tree
+from jaxrl_llm.checkpoint._verify import write_marker
 
 _STATE, _META, _IMPLS = "state", "meta", "prng_impls"
 
@@ -36,6 +43,7 @@ class Checkpointer:
             raise ValueError(f"Checkpointer: max_to_keep must be >= 1 or None, got {max_to_keep}.")
         self.directory = Path(directory).absolute()
         self.enable = enable
+        self._async = async_save
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
             create=enable, read_only=not enable)
@@ -45,6 +53,7 @@ class Checkpointer:
                 _META: ocp.JsonCheckpointHandler(),
                 _IMPLS: ocp.JsonCheckpointHandler(),
             })
+        self._unmarked: list[int] = []  # steps saved here whose completion marker is not written yet
 
     def save(self, step: int, state: Any, meta: dict | None = None, *, force: bool = False) -> bool:
         """Save `state` (pytree of arrays, typed PRNG keys allowed) and JSON `meta` at `step`.
@@ -56,13 +65,34 @@ class Checkpointer:
             return False
         meta = {} if meta is None else meta
         _check_json(meta)
+        self.wait()  # orbax waits for the previous save anyway; then its marker goes in
         raw_state, impls = _tree.split_keys(state)
         args = ocp.args.Composite(**{
             _STATE: ocp.args.StandardSave(raw_state),
             _META: ocp.args.JsonSave(meta),
             _IMPLS: ocp.args.JsonSave(impls),
         })
-        return bool(self._manager.save(int(step), args=args, force=force))
+        started = bool(self._manager.save(int(step), args=args, force=force))
+        if started:
+            self._unmarked.append(int(step))
+            if not self._async:
+                self._mark_complete()
+        return started
+
+    def _mark_complete(self) -> None:
+        """Writes the completion marker of every finished save of this Checkpointer (the last
+        file of the step)."""
+        steps, self._unmarked = self._unmarked, []
+        if jax.process_index() != 0:
+            return
+        for step in steps:
+            path = self.directory / str(step)
+            if path.is_dir():  # max_to_keep may already have removed it
+                write_marker(path)
+
+    def reload(self) -> None:
+        """Re-reads the step directories from disk (after they were moved aside)."""
+        self._manager.reload()
 
     def restore(self, step: int | None = None, *, target: Any = None) -> tuple[Any, dict]:
         """Restore `(state, meta)` from `step` (None → latest).
@@ -110,11 +140,14 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def wait(self) -> None:
-        """Block until pending async saves are written and finalised."""
+        """Block until pending async saves are written, finalised and marked complete."""
         self._manager.wait_until_finished()
+        self._mark_complete()
 
     def close(self) -> None:
         """Wait for pending saves and release orbax's resources."""
+        if self.enable:
+            self.wait()
         self._manager.close()
 
     def __enter__(self) -> "Checkpointer":

@@ -1,20 +1,54 @@
-"""Resolve the trainer's `resume_mode` into a concrete `(checkpoint_root, step)`.
+"""Resolve the trainer's `resume_mode` into a concrete `(checkpoint_root, step)`, and clear the
+way for a resumed run's saves.
 
 A step counts only when its directory is finalised (orbax renames `<step>.orbax-checkpoint-tmp-*`
-to `<step>` once every item is written), so a save interrupted by a crash is never resumed from.
+to `<step>` once every item is written) and carries the completion marker written after that
+(`_verify.py`), so a save interrupted by a crash is never resumed from. "auto" also checks the
+newest step's files against the marker's checksums and falls back to the next older step,
+logging which step it skipped and why. `set_aside_steps` moves step directories newer than the
+resumed one (and broken ones) out of the checkpoint root, so the resumed run can save again.
 """
 from __future__ import annotations
 
+import logging
+import os
+import time
 from pathlib import Path
 
 import orbax.checkpoint as ocp
 
+from jaxrl_llm.checkpoint._verify import has_marker, verify_step
+
+log = logging.getLogger(__name__)
+
 _STATE_ITEM = "state"
+SET_ASIDE_DIR = "set_aside"  # <root>/../set_aside/<time>/<step>: steps moved out of the way
 
 
 def _is_complete_step_dir(path: Path) -> bool:
     return (path.is_dir() and path.name.isdigit() and (path / _STATE_ITEM).is_dir()
-            and ocp.step.is_checkpoint_finalized(path))
+            and ocp.step.is_checkpoint_finalized(path) and has_marker(path))
+
+
+def _step_of(name: str) -> int | None:
+    """The step of a step directory (`30`) or of orbax's temporary one (`30.orbax-checkpoint-tmp-*`)."""
+    head = name.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def newest_valid_step(directory: str | Path) -> int | None:
+    """Newest step under `directory` whose files pass `verify_step`; logs each newer one skipped."""
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    steps = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir()), reverse=True)
+    for step in steps:
+        reason = verify_step(root / str(step))
+        if reason is None:
+            return step
+        log.warning("resume: skipping checkpoint step %d in %s: %s; trying the next older step",
+                    step, root, reason)
+    return None
 
 
 def finalized_steps(directory: str | Path) -> list[int]:
@@ -43,9 +77,35 @@ def resolve_resume(resume_mode: str, directory: str | Path) -> tuple[Path, int] 
     if resume_mode == "disable":
         return None
     if resume_mode == "auto":
-        steps = finalized_steps(directory)
-        return (Path(directory).absolute(), steps[-1]) if steps else None
+        step = newest_valid_step(directory)
+        return (Path(directory).absolute(), step) if step is not None else None
     return _resolve_path(Path(resume_mode).absolute())
+
+
+def set_aside_steps(directory: str | Path, keep_up_to: int) -> list[Path]:
+    """Moves every step directory of `directory` newer than `keep_up_to`, and every incomplete or
+    damaged one, to `<directory>/../set_aside/<time>/` (nothing is deleted), so a run resumed
+    from `keep_up_to` saves its next steps without colliding with them. Returns the new paths."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    moved = []
+    dest = root.parent / SET_ASIDE_DIR / time.strftime("%Y%m%d-%H%M%S")
+    for path in sorted(root.iterdir()):
+        step = _step_of(path.name)
+        if step is None:
+            continue
+        reason = ("newer than the resumed step" if step > keep_up_to
+                  else None if path.name.isdigit() and _is_complete_step_dir(path)
+                  else "incomplete")
+        if reason is None:
+            continue
+        dest.mkdir(parents=True, exist_ok=True)
+        target = dest / path.name
+        os.replace(path, target)
+        log.warning("checkpoint %s (%s) moved aside to %s", path, reason, target)
+        moved.append(target)
+    return moved
 
 
 def _resolve_path(path: Path) -> tuple[Path, int]:
@@ -54,15 +114,16 @@ def _resolve_path(path: Path) -> tuple[Path, int]:
             f"resume path {path} does not exist; pass a checkpoint root or a step directory "
             "such as <root>/30, or use resume_mode='auto' / 'disable'.")
     if path.name.isdigit() and (path / _STATE_ITEM).exists():
-        if not _is_complete_step_dir(path):
+        reason = verify_step(path)
+        if reason is not None:
             raise FileNotFoundError(
-                f"resume path {path} is an incomplete (unfinalised) checkpoint step; pick "
-                "another step or the checkpoint root to use its latest complete step.")
+                f"resume path {path} is not a usable checkpoint step ({reason}); pick another "
+                "step or the checkpoint root to use its newest intact step.")
         return path.parent, int(path.name)
-    steps = finalized_steps(path)
-    if not steps:
+    step = newest_valid_step(path)
+    if step is None:
         raise FileNotFoundError(
             f"resume path {path} holds no complete checkpoint (looked for step directories "
-            f"<step>/{_STATE_ITEM} finalised by orbax); pass a checkpoint root or a step "
-            "directory.")
-    return path, steps[-1]
+            f"<step>/{_STATE_ITEM} finalised by orbax and marked complete); pass a checkpoint "
+            "root or a step directory.")
+    return path, step

@@ -2,6 +2,6 @@
 from ._defaults import base_config
 from ._load import ConfigError, load_config, load_config_dict, to_run_config, validate
 from ._schema import (ActorConfig, AlgorithmConfig, CriticConfig, DataConfig, KLControlConfig,
-                      MeshSection, ModelInitConfig, PlacementConfig, RewardModelConfig, ModelSection, OptimConfig, RewardConfig,
+                      MeshSection, ModelInitConfig, MultiTurnConfig, PlacementConfig, RewardModelConfig, ModelSection, OptimConfig, RewardConfig,
                       RolloutConfig, RolloutCorrectionConfig, RunConfig, SamplingConfig, SFTConfig,
                       TrainerConfig)

@@ -36,7 +36,13 @@ def base_config() -> ConfigDict:
     c.rollout = dict(
         n=8, temperature=1.0, top_k=-1, top_p=1.0, max_concurrent_decodes=256,
         steps_per_sync=16, dtype="", use_rollout_log_probs=False,
-        val=dict(temperature=0.0, top_k=-1, top_p=1.0, n=1))
+        val=dict(temperature=0.0, top_k=-1, top_p=1.0, n=1),
+        multi_turn=dict(
+            enable=False, default_agent_loop="single_turn_agent", max_assistant_turns=0,
+            max_user_turns=0, max_parallel_calls=1, max_tool_response_length=256,
+            tool_response_truncate_side="middle", tool_timeout_s=10.0, tool_config_path="",
+            function_tool_path="", interaction_config_path="", format="hermes",
+            tokenization_sanity_check_mode="strict"))
     c.algorithm = dict(
         adv_estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
         use_kl_in_reward=False, kl_penalty="kl",
@@ -45,7 +51,7 @@ def base_config() -> ConfigDict:
             rollout_is="", rollout_is_threshold=2.0, rollout_is_batch_normalize=False,
             rollout_rs="", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.0,
             rollout_token_veto_threshold=0.0))
-    c.reward = dict(num_workers=2, timeout_s=10.0,
+    c.reward = dict(num_workers=2, timeout_s=10.0, max_error_fraction=0.5,
                     custom_reward_function=dict(path="", name="compute_score"),
                     model=dict(path="", micro_batch_size_per_device=8))
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
@@ -53,10 +59,11 @@ def base_config() -> ConfigDict:
                        one_step_off_policy=False)
     c.sft = dict(steps=0, batch_size=32, lr=1e-4, warmup_steps=0, max_length=512, train_files=(),
                  messages_key="messages", builtin_size=2000, builtin_off_by_one=0.0,
-                 builtin_trailing_junk=0.0)
+                 builtin_trailing_junk=0.0, builtin_no_tool=0.0)
     c.trainer = dict(
         backend="ray", total_training_steps=100, save_freq=0, test_freq=0, val_before_train=True,
-        default_local_dir="runs/default", resume_mode="auto", max_to_keep=2, async_save=True,
+        default_local_dir="runs/default", resume_mode="auto", max_to_keep=2, max_nonfinite_steps=3,
+        async_save=True,
         export_hf=True, logger=("console", "jsonl", "tensorboard"), project_name="jaxrl_llm",
         experiment_name="default", seed=0, progress_bar=True, plot=True)
     return c

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -26,6 +27,8 @@ KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
                 "kl+", "k1+", "abs+", "low_var_kl+", "k3+")  # "+": k2's gradient (straight-through)
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 ROLLOUT_RS_LEVELS = ("token", "sequence", "geometric")
+TOOL_CALL_FORMATS = ("hermes", "llama3_json")
+BUILTIN_TASKS = ("", "arithmetic", "arithmetic_tools", "countdown")
 
 
 class ConfigError(ValueError):
@@ -108,6 +111,8 @@ def _convert(tp, value, path: str):
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{path} must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -173,7 +178,7 @@ def validate(c: RunConfig) -> None:
     _choice(c.actor.kl_loss_type, KL_PENALTIES, "actor.kl_loss_type")
     _choice(c.algorithm.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
     _choice(c.data.truncation, ("error", "left", "right"), "data.truncation")
-    _choice(c.data.builtin_task, ("", "arithmetic", "countdown"), "data.builtin_task")
+    _choice(c.data.builtin_task, BUILTIN_TASKS, "data.builtin_task")
     _choice(c.actor.optim.lr_schedule, ("constant", "cosine"), "actor.optim.lr_schedule")
     _choice(c.critic.optim.lr_schedule, ("constant", "cosine"), "critic.optim.lr_schedule")
     _choice(c.model.dtype, ("float32", "bfloat16"), "model.dtype")
@@ -209,6 +214,7 @@ def validate(c: RunConfig) -> None:
             f"algorithm.adv_estimator={c.algorithm.adv_estimator!r} compares samples of a prompt "
             f"and needs rollout.n >= 2 (got {c.rollout.n})")
     _check_rollout_correction(c)
+    _check_multi_turn(c)
     if not c.data.train_files and not c.data.builtin_task:
         raise ConfigError("data.train_files is empty and data.builtin_task is not set: give parquet/jsonl "
                           "files or a built-in task ('arithmetic' or 'countdown')")
@@ -219,6 +225,35 @@ def validate(c: RunConfig) -> None:
         raise ConfigError("model.init.num_attention_heads must be a multiple of model.init.num_key_value_heads")
     if c.trainer.max_to_keep < 1:
         raise ConfigError(f"trainer.max_to_keep must be >= 1, got {c.trainer.max_to_keep}")
+    _positive(c.trainer.max_nonfinite_steps, "trainer.max_nonfinite_steps")
+    if not 0 <= c.reward.max_error_fraction <= 1:
+        raise ConfigError(f"reward.max_error_fraction must be in [0, 1] (1 = never stop), got "
+                          f"{c.reward.max_error_fraction}")
+    _positive(c.actor.ppo_micro_batch_size_per_device, "actor.ppo_micro_batch_size_per_device")
+    if c.use_critic:
+        _positive(c.critic.ppo_micro_batch_size_per_device, "critic.ppo_micro_batch_size_per_device")
+    if c.sft.steps > 0:
+        _positive(c.sft.batch_size, "sft.batch_size")
+
+
+def _check_multi_turn(c: RunConfig) -> None:
+    mt, where = c.rollout.multi_turn, "rollout.multi_turn"
+    _choice(mt.format, TOOL_CALL_FORMATS, f"{where}.format")
+    _choice(mt.tool_response_truncate_side, ("left", "middle", "right"),
+            f"{where}.tool_response_truncate_side")
+    _choice(mt.tokenization_sanity_check_mode, ("strict", "ignore_strippable", "disable"),
+            f"{where}.tokenization_sanity_check_mode")
+    for name in ("max_assistant_turns", "max_user_turns"):
+        _positive(getattr(mt, name), f"{where}.{name}", allow_zero=True)
+    _positive(mt.max_parallel_calls, f"{where}.max_parallel_calls")
+    _positive(mt.max_tool_response_length, f"{where}.max_tool_response_length")
+    _positive(mt.tool_timeout_s, f"{where}.tool_timeout_s")
+    if not mt.default_agent_loop:
+        raise ConfigError(f"{where}.default_agent_loop must name an agent loop, e.g. "
+                          "'single_turn_agent' or 'tool_agent'")
+    if mt.enable and c.placement.one_step_off_policy:
+        raise ConfigError(f"{where}.enable and placement.one_step_off_policy cannot be combined yet: "
+                          "agent rollouts run on the request-level server between training phases")
 
 
 def _check_rollout_correction(c: RunConfig) -> None:

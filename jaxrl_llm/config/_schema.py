@@ -14,7 +14,7 @@ from typing import Any
 class DataConfig:
     train_files: tuple[str, ...]
     val_files: tuple[str, ...]
-    builtin_task: str  # "", "arithmetic" or "countdown": write the files above before training
+    builtin_task: str  # "", "arithmetic", "arithmetic_tools" or "countdown": write the files above before training
     builtin_train_size: int
     builtin_val_size: int
     builtin_max_operand: int  # arithmetic task: operands in [0, builtin_max_operand]
@@ -107,6 +107,27 @@ class SamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MultiTurnConfig:
+    """verl's `rollout.multi_turn`: agent rollouts (tools, simulated users) instead of one
+    completion per prompt. Turn limits of 0 mean unlimited (verl's null); the whole response,
+    all turns together, is capped at `data.max_response_length`."""
+
+    enable: bool  # rollouts through agent loops on the request-level server
+    default_agent_loop: str  # for rows without an `agent_name` column
+    max_assistant_turns: int  # model turns per trajectory; 0 = unlimited
+    max_user_turns: int  # simulated-user (interaction) turns; 0 = unlimited
+    max_parallel_calls: int  # tool calls executed per assistant turn
+    max_tool_response_length: int  # characters of one tool response kept
+    tool_response_truncate_side: str  # left | middle | right
+    tool_timeout_s: float  # one tool call's wall-clock limit
+    tool_config_path: str  # verl tool config (yaml/json): tools by class name
+    function_tool_path: str  # a Python file whose @function_tool functions become tools
+    interaction_config_path: str  # verl interaction config (simulated users)
+    format: str  # tool-call format: hermes | llama3_json
+    tokenization_sanity_check_mode: str  # strict | ignore_strippable | disable
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     n: int
     temperature: float
@@ -117,6 +138,7 @@ class RolloutConfig:
     dtype: str  # "" = same as the actor's compute dtype
     use_rollout_log_probs: bool  # reuse the engine's log-probs as old_log_probs
     val: SamplingConfig
+    multi_turn: MultiTurnConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +199,7 @@ class RewardModelConfig:
 class RewardConfig:
     num_workers: int  # 0 = score in-process (no timeout protection)
     timeout_s: float
+    max_error_fraction: float  # stop when more of a batch's scores fail (error/timeout/non-finite)
     custom_reward_function: CustomRewardConfig
     model: RewardModelConfig
 
@@ -216,6 +239,7 @@ class SFTConfig:
     builtin_size: int
     builtin_off_by_one: float  # arithmetic demos: fraction whose answer is off by one (imperfect data)
     builtin_trailing_junk: float  # arithmetic demos: fraction whose answer ends with a stray "."
+    builtin_no_tool: float  # arithmetic_tools demos: fraction answered directly, without the calculator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +252,7 @@ class TrainerConfig:
     default_local_dir: str
     resume_mode: str  # auto | disable | <checkpoint path>
     max_to_keep: int
+    max_nonfinite_steps: int  # stop after this many consecutive steps with a skipped NaN/inf update
     async_save: bool
     export_hf: bool  # save the actor as a Hugging Face folder at the end
     logger: tuple[str, ...]

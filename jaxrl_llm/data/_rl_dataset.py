@@ -37,6 +37,7 @@ class PromptExample:
     extra_info: dict
     ability: str
     index: int
+    agent_name: str = ""  # verl's `agent_name` column: which agent loop runs this row ("" = default)
 
 
 def _normalize_truth(truth: Any) -> Any:
@@ -45,6 +46,14 @@ def _normalize_truth(truth: Any) -> Any:
     if isinstance(truth, (int, float)):
         return str(truth)
     return truth
+
+
+def _agent_name(row: dict, index: int) -> str:
+    name = row.get("agent_name") or ""
+    if not isinstance(name, str):
+        raise DataError(f"row {index}: agent_name must be a string naming an agent loop, got "
+                        f"{type(name).__name__} {name!r}")
+    return name
 
 
 class RLDataset(Sequence):
@@ -115,6 +124,7 @@ class RLDataset(Sequence):
             extra_info=dict(row.get("extra_info") or {}),
             ability=row.get("ability") or "",
             index=index,
+            agent_name=_agent_name(row, index),
         )
 
     def __len__(self) -> int:

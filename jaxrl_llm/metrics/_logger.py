@@ -70,13 +70,35 @@ class MetricsLogger:
     def jsonl_path(self) -> Path:
         return self.run_dir / "metrics.jsonl"
 
-    def _open(self) -> None:
+    def _open(self, purge_step: int | None = None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if "jsonl" in self.backends:
             self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # append: resumed runs
         if "tensorboard" in self.backends:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(logdir=str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(logdir=str(self.run_dir / "tensorboard"), purge_step=purge_step)
+
+    def rewind(self, step: int) -> None:
+        """Forgets every record after `step`, as a run resumed from step `step` must: rows of
+        metrics.jsonl with a larger step (and a torn last line) are dropped, and TensorBoard is
+        told to discard events from `step + 1` on (`purge_step`). The resumed run's files then
+        equal an uninterrupted run's. `step=-1` empties them (a run that starts from scratch)."""
+        if not self.enable:
+            return
+        self.close()
+        if "jsonl" in self.backends and self.jsonl_path.is_file():
+            kept = []
+            with open(self.jsonl_path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        if int(json.loads(line)[STEP_KEY]) <= step:
+                            kept.append(line if line.endswith("\n") else line + "\n")
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a line cut short by a kill
+            tmp = self.jsonl_path.with_name(self.jsonl_path.name + ".tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            tmp.replace(self.jsonl_path)
+        self._open(purge_step=step + 1)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Record `metrics` (numeric scalars keyed by verl-style names) at `step`."""

@@ -188,33 +188,39 @@ class HFTokenizer:
 
 CHAR_SPECIAL_TOKENS = ("<pad>", "<eos>", "<user>", "<assistant>", "<system>")
 CHAR_ALPHABET = string.digits + string.ascii_letters + string.punctuation + " " + "\n"
+CHAR_LATE_SPECIAL_TOKENS = ("<tool>",)  # added after the alphabet (ids stay stable)
+_CHAR_ROLES = ("system", "user", "assistant", "tool")
 
 
 class CharTokenizer:
     """A fixed character vocabulary for the embedded default task (no files needed).
 
     Ids: `<pad>`=0, `<eos>`=1, `<user>`=2, `<assistant>`=3, `<system>`=4, then `0-9` (5-14),
-    `a-z` (15-40), `A-Z` (41-66), `string.punctuation` in Python's order (67-98), space (99) and
-    newline (100); vocab_size 101. A character outside this set is an error. Chat template: each
-    message is its role token followed by its content, an assistant message is followed by
-    `<eos>`, and `add_generation_prompt` appends `<assistant>`.
+    `a-z` (15-40), `A-Z` (41-66), `string.punctuation` in Python's order (67-98), space (99),
+    newline (100), and `<tool>` (101, the tool-response role of agent rollouts; appended last so
+    the earlier ids never changed); vocab_size 102. A character outside this set is an error.
+    Chat template: each message is its role token followed by its content, an assistant message
+    is followed by `<eos>`, and `add_generation_prompt` appends `<assistant>`. `tools=` is
+    accepted and not rendered (a tiny model learns its tools from demonstrations).
     """
 
     def __init__(self):
-        self.tokens: tuple[str, ...] = CHAR_SPECIAL_TOKENS + tuple(CHAR_ALPHABET)
+        self.tokens: tuple[str, ...] = (CHAR_SPECIAL_TOKENS + tuple(CHAR_ALPHABET)
+                                         + CHAR_LATE_SPECIAL_TOKENS)
         self._ids = {t: i for i, t in enumerate(self.tokens)}
         self.pad_token_id, self.eos_token_id = 0, 1
         self.eos_token_ids = (1,)
         self.bos_token_id = None
         self.vocab_size = len(self.tokens)
-        self.num_special = len(CHAR_SPECIAL_TOKENS)
+        self._specials = CHAR_SPECIAL_TOKENS + CHAR_LATE_SPECIAL_TOKENS
+        self.special_ids = frozenset(self._ids[t] for t in self._specials)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         del add_special_tokens  # nothing is ever added
         ids, i = [], 0
         while i < len(text):
             if text[i] == "<":
-                special = next((t for t in CHAR_SPECIAL_TOKENS if text.startswith(t, i)), None)
+                special = next((t for t in self._specials if text.startswith(t, i)), None)
                 if special:
                     ids.append(self._ids[special])
                     i += len(special)
@@ -234,7 +240,7 @@ class CharTokenizer:
                 continue  # a model's padded vocabulary rows (unused ids), as HF tokenizers skip them
             if not 0 <= i < self.vocab_size:
                 raise ValueError(f"CharTokenizer: id {i} is outside the vocabulary (size {self.vocab_size})")
-            if skip_special_tokens and i < self.num_special:
+            if skip_special_tokens and i in self.special_ids:
                 continue
             out.append(self.tokens[i])
         return "".join(out)
@@ -245,8 +251,8 @@ class CharTokenizer:
         parts = []
         for m in messages:
             role = m["role"]
-            if role not in ("system", "user", "assistant"):
-                raise ValueError(f"CharTokenizer: unknown chat role {role!r}")
+            if role not in _CHAR_ROLES:
+                raise ValueError(f"CharTokenizer: unknown chat role {role!r}; it knows {_CHAR_ROLES}")
             parts.append(f"<{role}>{m['content']}" + ("<eos>" if role == "assistant" else ""))
         if add_generation_prompt:
             parts.append("<assistant>")
@@ -270,7 +276,8 @@ def load_tokenizer(path: str) -> HFTokenizer | CharTokenizer:
     if os.path.exists(marker):
         saved = _read_json(marker)
         tok = CharTokenizer()
-        if tuple(saved.get("tokens", ())) != tok.tokens:
+        saved_tokens = tuple(saved.get("tokens", ()))
+        if not saved_tokens or saved_tokens != tok.tokens[:len(saved_tokens)]:
             raise ValueError(f"{marker}: vocabulary differs from this version's CharTokenizer")
         return tok
     if path == "char" and not os.path.isdir(path):

@@ -5,6 +5,7 @@ from jaxrl_llm.rewards._arithmetic import arithmetic_score
 from jaxrl_llm.rewards._countdown import countdown_score, extract_countdown_equation
 from jaxrl_llm.rewards._custom import CustomRewardFn, load_custom_reward_fn
 from jaxrl_llm.rewards._gsm8k import extract_gsm8k_answer, gsm8k_score
+from jaxrl_llm.rewards._loop import RewardLoop, RowScore
 from jaxrl_llm.rewards._manager import RewardManager
 from jaxrl_llm.rewards._math import (
     last_boxed_only_string,
@@ -23,7 +24,9 @@ from jaxrl_llm.rewards._registry import (
 __all__ = [
     "SCORERS",
     "CustomRewardFn",
+    "RewardLoop",
     "RewardManager",
+    "RowScore",
     "arithmetic_score",
     "countdown_score",
     "default_compute_score",

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm import algos, data, metrics as M, models, rewards
-from jaxrl_llm.checkpoint import resolve_resume
+from jaxrl_llm.checkpoint import resolve_resume, set_aside_steps
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.workers import HostWorker
 
@@ -26,6 +26,10 @@ from ._backend import WorkerError, make_group
 from ._sft_data import sft_batches, sft_dataset
 
 log = logging.getLogger(__name__)
+
+
+class NonFiniteError(FloatingPointError):
+    """The run stopped: too many consecutive steps had NaN/inf updates (all of them skipped)."""
 
 
 @contextmanager
@@ -109,6 +113,8 @@ class RLTrainer:
         self.logger_enabled = c.trainer.backend == "ray" or jax.process_index() == 0
         self.logger = M.MetricsLogger(self.run_dir, backends=tuple(c.trainer.logger), enable=self.logger_enabled)
         self.global_step = 0
+        self.nonfinite_steps = 0  # steps with a skipped (NaN/inf) optimizer update, in all
+        self.nonfinite_streak = 0  # ... in a row, up to now
 
     def call0(self, method: str, *args, **kwargs):
         """Calls every host; hosts return identical (replicated) results, keep host 0's."""
@@ -118,7 +124,7 @@ class RLTrainer:
     def fit(self) -> dict:
         c = self.config
         try:
-            resume = resolve_resume(c.trainer.resume_mode, f"{self.run_dir}/checkpoints")
+            resume = self._prepare_resume()
             if resume is None and c.sft.steps > 0:
                 self.run_sft()
             self.call0("start_rl", c.trainer.total_training_steps)
@@ -132,15 +138,18 @@ class RLTrainer:
             while self.global_step < c.trainer.total_training_steps:
                 step_metrics = self.train_step()
                 self.global_step += 1
+                self._count_nonfinite(step_metrics)
                 is_last = self.global_step == c.trainer.total_training_steps
                 if self.val_set is not None and (is_last or (c.trainer.test_freq > 0
                                                              and self.global_step % c.trainer.test_freq == 0)):
                     self._settle()  # the engine must be idle and hold the newest weights
                     last_val = self.validate()
                     step_metrics.update(last_val)
+                # the row goes in before the checkpoint: a resume rewinds the files to the
+                # checkpoint's step, so the row of a saved step is never lost or doubled
+                self.logger.log(step_metrics, step=self.global_step)
                 if is_last or (c.trainer.save_freq > 0 and self.global_step % c.trainer.save_freq == 0):
                     self.save_checkpoint()
-                self.logger.log(step_metrics, step=self.global_step)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(score=f"{step_metrics.get('critic/score/mean', 0):.3f}")
@@ -156,6 +165,41 @@ class RLTrainer:
             raise
         finally:
             self.close()
+
+    def _prepare_resume(self):
+        """Where to resume (`resolve_resume`), with the run's files rewound to that step: newer
+        or broken step directories are moved aside (so saves do not collide with them) and the
+        metric logs drop the rows after it."""
+        c = self.config
+        root = f"{self.run_dir}/checkpoints"
+        resume = resolve_resume(c.trainer.resume_mode, root)
+        step = -1 if resume is None else resume[1]
+        if self.logger_enabled:  # one process moves files
+            if set_aside_steps(root, keep_up_to=max(step, 0)):
+                self.group.call("reload_checkpoints")
+            self.logger.rewind(step)
+        return resume
+
+    def _count_nonfinite(self, metrics: dict) -> None:
+        """Counts a step whose actor or critic update skipped a non-finite optimizer step, and
+        stops the run after `trainer.max_nonfinite_steps` such steps in a row."""
+        skipped = metrics.get("actor/nonfinite_updates", 0.0) + metrics.get("critic/nonfinite_updates", 0.0)
+        self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
+        self.nonfinite_steps += bool(skipped)
+        metrics["training/nonfinite_steps"] = float(self.nonfinite_steps)
+        limit = self.config.trainer.max_nonfinite_steps
+        if self.nonfinite_streak >= limit:
+            self.logger.log(metrics, step=self.global_step)
+            raise NonFiniteError(
+                f"stopping at step {self.global_step}: the last {self.nonfinite_streak} steps "
+                f"(trainer.max_nonfinite_steps={limit}) each had a NaN/inf loss, gradient norm or "
+                "update, so their optimizer steps were skipped and the weights did not change. "
+                "Nothing non-finite was saved; the newest checkpoint holds the last good weights. "
+                "Lower actor.optim.lr / critic.optim.lr, check the rewards, or raise "
+                "trainer.max_nonfinite_steps.")
+        if skipped:
+            log.warning("step %d: %d non-finite optimizer step(s) skipped (%d steps in a row)",
+                        self.global_step, int(skipped), self.nonfinite_streak)
 
     def _finish(self):
         c = self.config
@@ -194,6 +238,7 @@ class RLTrainer:
         bar = _progress(self.config, 0, total=self.config.sft.steps, desc="SFT")
         with M.MetricsLogger(f"{self.run_dir}/sft", backends=("jsonl", "tensorboard"),
                              enable=self.logger_enabled) as sft_log:
+            sft_log.rewind(-1)  # SFT runs whole or not at all: a restarted one starts the file anew
             for step, batch in enumerate(sft_batches(self.config, sft_set, self.pad_id)):
                 m = self.call0("sft_step", batch)
                 sft_log.log(m, step=step + 1)
@@ -375,7 +420,8 @@ class RLTrainer:
         # draws them again (and generates them with the restored, newer weights)
         data_state = self._pending[2] if self._pending is not None else self.loader.get_state()
         return {"global_step": self.global_step, "data": data_state,
-                "kl_coef": float(np.asarray(self.kl_ctrl.value)), "config": self.config.to_dict()}
+                "kl_coef": float(np.asarray(self.kl_ctrl.value)), "config": self.config.to_dict(),
+                "nonfinite_steps": self.nonfinite_steps, "nonfinite_streak": self.nonfinite_streak}
 
     def save_checkpoint(self) -> None:
         self.group.call("save_checkpoint", self.global_step, self._meta())
@@ -385,6 +431,9 @@ class RLTrainer:
         self.global_step = int(meta["global_step"])
         self.loader.set_state(meta["data"])
         self.kl_ctrl = dataclasses.replace(self.kl_ctrl, value=np.float32(meta["kl_coef"]))
+        # checkpoints from before these counters existed had none: 0
+        self.nonfinite_steps = int(meta.get("nonfinite_steps", 0))
+        self.nonfinite_streak = int(meta.get("nonfinite_streak", 0))
         log.info("resumed from %s at step %d", directory, self.global_step)
 
 

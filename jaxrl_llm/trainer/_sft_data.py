@@ -15,6 +15,10 @@ def sft_dataset(run: RunConfig, tokenizer) -> data.SFTDataset:
     if s.train_files:
         files = s.train_files[0] if len(s.train_files) == 1 else list(s.train_files)
         return data.SFTDataset(files, tokenizer, max_length=s.max_length, messages_key=s.messages_key)
+    if d.builtin_task == "arithmetic_tools":
+        rows = data.tasks.make_tool_arithmetic_sft_rows(
+            s.builtin_size, d.seed + 7, max_operand=d.builtin_max_operand, no_tool=s.builtin_no_tool)
+        return data.SFTDataset(rows, tokenizer, max_length=s.max_length)
     rows = data.tasks.make_arithmetic_sft_rows(
         s.builtin_size, d.seed + 7, max_operand=d.builtin_max_operand,
         off_by_one=s.builtin_off_by_one, trailing_junk=s.builtin_trailing_junk)

@@ -11,6 +11,7 @@ import logging
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -156,7 +157,9 @@ class HostWorker:
         return state
 
     def save_checkpoint(self, step: int, meta: dict) -> bool:
-        return self.checkpointer.save(step, self._ckpt_state(), meta, force=True)
+        state = self._ckpt_state()
+        _check_finite(state, f"checkpoint step {step}")
+        return self.checkpointer.save(step, state, meta, force=True)
 
     def restore_checkpoint(self, directory: str, step: int) -> dict:
         ckpt = self.checkpointer
@@ -174,8 +177,13 @@ class HostWorker:
     def wait_checkpoints(self) -> None:
         self.checkpointer.wait()
 
+    def reload_checkpoints(self) -> None:
+        """The controller moved step directories aside: forget them."""
+        self.checkpointer.reload()
+
     def export_hf(self, path: str, tokenizer=None) -> str:
         # every process takes part (the gathers are collective); save_pretrained writes on process 0
+        _check_finite({"actor": self.actor.params}, f"Hugging Face export to {path}")
         models.save_pretrained(self.actor.model(), path, tokenizer=tokenizer)
         return path
 
@@ -216,6 +224,23 @@ def _meshes(c: RunConfig):
                          "leave some for training (placement.mode='separate')")
     train = sharding.make_mesh(train_cfg, devices=devices[:-k])
     return train, sharding.make_mesh(sharding.MeshConfig(r.data, r.fsdp, r.tensor), devices=devices[-k:])
+
+
+@jax.jit
+def _nonfinite_leaves(tree) -> jax.Array:
+    """How many floating-point leaves of `tree` hold a NaN or inf (one device reduction)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return sum((~jnp.isfinite(x).all()).astype(jnp.int32) for x in leaves) + jnp.int32(0)
+
+
+def _check_finite(tree, what: str) -> None:
+    """Raises FloatingPointError rather than write a NaN/inf state to disk."""
+    if int(_nonfinite_leaves(tree)):
+        bad = [path for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+               if jnp.issubdtype(x.dtype, jnp.floating) and not bool(jnp.isfinite(x).all())]
+        raise FloatingPointError(
+            f"refusing to write {what}: {len(bad)} arrays hold NaN/inf (first: "
+            f"{jax.tree_util.keystr(bad[0])}); the last finite checkpoint is kept")
 
 
 def ckpt_dir(config: RunConfig) -> str:

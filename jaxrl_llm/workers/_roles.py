@@ -78,8 +78,10 @@ class _Trained:
             micro = micro_size_for(mini_rows, self.micro_per_device, data_parallel_size(self.mesh))
             self.state, m = self._update(self.state, micro_batches(self.mesh, mb, micro))
             metrics.append(m)
-        stacked = jax.device_get(metrics)
-        return {k: float(np.mean([m[k] for m in stacked])) for k in stacked[0]}
+        stacked = jax.device_get(metrics)  # the one host sync of the update
+        # skipped (non-finite) optimizer steps add up; everything else is a mean over them
+        return {k: float((np.sum if k == "nonfinite_updates" else np.mean)([m[k] for m in stacked]))
+                for k in stacked[0]}
 
 
 class ActorWorker(_Trained):

@@ -32,7 +32,11 @@ def denominators(mask: jax.Array) -> dict[str, jax.Array]:
 
 def make_update_step(graphdef, tx: optax.GradientTransformation, schedule, loss_fn: Callable,
                      mesh, mask_key: str, state: TrainState):
-    """jit(state, micro_batches [n_micro, micro, ...]) -> (state, metrics); state donated."""
+    """jit(state, micro_batches [n_micro, micro, ...]) -> (state, metrics); state donated.
+
+    A step whose loss, gradient norm or parameter update is not finite is skipped on device:
+    the returned state equals the input and `metrics["nonfinite_updates"]` is 1 (else 0), so
+    the caller counts skips from the metrics it fetches anyway (no extra host sync)."""
 
     def step(state: TrainState, mb: dict[str, jax.Array]):
         with sharding.use_rules(mesh, sharding.TRAIN_RULES):
@@ -52,11 +56,21 @@ def make_update_step(graphdef, tx: optax.GradientTransformation, schedule, loss_
             grad_norm = optax.global_norm(grads)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
+            loss = losses.sum()
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.global_norm(updates))
+            new_state = skip_unless(finite, TrainState(params, opt_state, state.step + 1), state)
             metrics = {k: v.sum() if k in SUMMED_METRICS else v.mean() for k, v in metrics.items()}
-            metrics.update(loss=losses.sum(), grad_norm=grad_norm, lr=schedule(state.step))
-            return TrainState(params, opt_state, state.step + 1), metrics
+            metrics.update(loss=loss, grad_norm=grad_norm, lr=schedule(state.step),
+                           nonfinite_updates=1.0 - finite.astype(jnp.float32))
+            return new_state, metrics
 
     return jax.jit(step, donate_argnums=(0,), out_shardings=(shardings_of(state), None))
+
+
+def skip_unless(ok: jax.Array, new, old):
+    """`new` where the scalar `ok` holds, else `old`, leaf by leaf (a select on device: no host
+    sync). A non-finite step leaves params, optimizer state and step count as they were."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 def micro_batches(mesh, arrays: dict[str, np.ndarray], micro_size: int) -> dict[str, jax.Array]:

@@ -1,8 +1,12 @@
-"""resolve_resume and interrupted-save handling."""
+"""resolve_resume, interrupted-save handling, verification of a step's files and rollback."""
+import logging
+
 import jax.numpy as jnp
 import pytest
 
-from jaxrl_llm.checkpoint import Checkpointer, finalized_steps, resolve_resume
+from jaxrl_llm.checkpoint import (COMPLETE_MARKER, Checkpointer, finalized_steps, resolve_resume,
+                                  set_aside_steps, verify_step)
+from jaxrl_llm.checkpoint._resume import SET_ASIDE_DIR
 
 
 def _save_steps(root, steps):
@@ -64,3 +68,65 @@ def test_interrupted_save_is_never_latest(tmp_path):
     assert float(state["x"][0]) == 20.0
     with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
         resolve_resume(str(tmp), tmp_path)
+
+
+def _largest_file(step_dir):
+    return max((p for p in step_dir.rglob("*") if p.is_file() and p.name != COMPLETE_MARKER),
+               key=lambda p: p.stat().st_size)
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, min(len(data), len(data) // 2 + 64)):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip])
+def test_resume_auto_skips_a_damaged_newest_step_and_says_why(tmp_path, caplog, damage):
+    _save_steps(tmp_path, [10, 20])
+    damage(_largest_file(tmp_path / "20"))
+    with caplog.at_level(logging.WARNING):
+        assert resolve_resume("auto", tmp_path) == (tmp_path.absolute(), 10)
+    assert "skipping checkpoint step 20" in caplog.text
+    assert ("bytes" in caplog.text) if damage is _truncate else ("CRC-32" in caplog.text)
+    state, meta = Checkpointer(tmp_path).restore(10)
+    assert meta == {"step": 10} and float(state["x"][0]) == 10.0
+    with pytest.raises(FileNotFoundError, match="not a usable checkpoint step"):
+        resolve_resume(str(tmp_path / "20"), tmp_path)
+
+
+def test_resume_auto_never_picks_an_empty_or_unmarked_step_dir(tmp_path, caplog):
+    _save_steps(tmp_path, [10, 20])
+    (tmp_path / "30").mkdir()  # a crash's empty leftover
+    (tmp_path / "20" / COMPLETE_MARKER).unlink()  # finalised by orbax, marker never written
+    with caplog.at_level(logging.WARNING):
+        assert resolve_resume("auto", tmp_path) == (tmp_path.absolute(), 10)
+    assert "skipping checkpoint step 30" in caplog.text and "skipping checkpoint step 20" in caplog.text
+    assert finalized_steps(tmp_path) == [10]
+
+
+def test_set_aside_moves_newer_and_broken_steps_so_saving_works_again(tmp_path):
+    root = tmp_path / "checkpoints"
+    _save_steps(root, [1, 2, 3])
+    (root / "5").mkdir()
+    _fake_interrupted_save(root, 4)
+    moved = set_aside_steps(root, keep_up_to=1)
+    assert sorted(p.name for p in moved)[:3] == ["2", "3", "4.orbax-checkpoint-tmp-1712345678901234"]
+    assert sorted(p.name for p in root.iterdir()) == ["1"]
+    assert all(p.exists() and SET_ASIDE_DIR in str(p) for p in moved)  # moved, not deleted
+    with Checkpointer(root, async_save=False, max_to_keep=None) as ckpt:  # saves 2 again
+        assert ckpt.save(2, {"x": jnp.zeros((2,))}, {"step": 2})
+    assert resolve_resume("auto", root) == (root.absolute(), 2)
+
+
+def test_async_save_is_marked_complete_only_after_it_finished(tmp_path):
+    ckpt = Checkpointer(tmp_path, async_save=True, max_to_keep=None)
+    ckpt.save(1, {"x": jnp.ones((2,))}, {"step": 1})
+    ckpt.wait()
+    assert verify_step(tmp_path / "1") is None
+    ckpt.close()

@@ -48,7 +48,18 @@ def test_bad_value_type_is_reported():
         load_config(os.path.join(ROOT, "configs/quickstart.py"), ["actor.optim.lr=fast"])
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("field", ["actor.optim.lr", "actor.optim.clip_grad", "reward.timeout_s"])
+def test_non_finite_numbers_are_rejected(field, value):
+    with pytest.raises(ConfigError, match=rf"{field.replace('.', '[.]')} must be a finite number"):
+        load_config(os.path.join(ROOT, "configs/quickstart.py"), [f"{field}={value}"])
+
+
 @pytest.mark.parametrize("overrides, field", [
+    (["actor.ppo_micro_batch_size_per_device=0"], "actor.ppo_micro_batch_size_per_device"),
+    (["sft.batch_size=0"], "sft.batch_size"),
+    (["trainer.max_nonfinite_steps=0"], "trainer.max_nonfinite_steps"),
+    (["reward.max_error_fraction=1.5"], "reward.max_error_fraction"),
     (["data.train_batch_size=30"], "actor.ppo_mini_batch_size"),
     (["rollout.n=1"], "rollout.n"),
     (["algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator"),

@@ -80,7 +80,7 @@ def test_char_tokenizer_fixed_ids_and_chat_template():
     tok = models.CharTokenizer()
     assert [tok.encode(s)[0] for s in ("<pad>", "<eos>", "<user>", "<assistant>", "<system>")] == [0, 1, 2, 3, 4]
     assert tok.encode("09azAZ! \n") == [5, 14, 15, 40, 41, 66, 67, 99, 100]
-    assert tok.vocab_size == 101 and tok.pad_token_id == 0 and tok.eos_token_ids == (1,)
+    assert tok.vocab_size == 102 and tok.pad_token_id == 0 and tok.eos_token_ids == (1,)
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "2+2?"},
                 {"role": "assistant", "content": "4"}, {"role": "user", "content": "<x>"}]
     text = tok.apply_chat_template(messages)

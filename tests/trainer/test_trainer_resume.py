@@ -50,7 +50,7 @@ def test_resume_after_kill_continues_exactly(tmp_path):
     with pytest.raises(_Killed):
         _KilledAfter(_config(cut_dir)).fit()
     assert resolve_resume("auto", cut_dir / "checkpoints")[1] == 2
-    assert max(_steps(cut_dir)) == 1  # step 2's metrics line was never written: it died first
+    assert max(_steps(cut_dir)) == 2  # step 2's row goes in before its checkpoint
 
     RLTrainer(_config(cut_dir)).fit()  # resume_mode=auto picks up step 2
     full, resumed = _steps(full_dir), _steps(cut_dir)

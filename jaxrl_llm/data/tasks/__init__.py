@@ -5,6 +5,12 @@ from jaxrl_llm.data.tasks._arithmetic import (
     make_arithmetic_sft_rows,
     render_arithmetic_answer,
 )
+from jaxrl_llm.data.tasks._arithmetic_tools import (
+    make_tool_arithmetic_dataset,
+    make_tool_arithmetic_rows,
+    make_tool_arithmetic_sft_rows,
+    tool_call_text,
+)
 from jaxrl_llm.data.tasks._countdown import make_countdown_dataset, make_countdown_rows
 from jaxrl_llm.data.tasks._gsm8k import gsm8k_rows
 
@@ -14,6 +20,10 @@ __all__ = [
     "make_arithmetic_rows",
     "make_arithmetic_sft_rows",
     "make_countdown_dataset",
+    "make_tool_arithmetic_dataset",
+    "make_tool_arithmetic_rows",
+    "make_tool_arithmetic_sft_rows",
+    "tool_call_text",
     "make_countdown_rows",
     "render_arithmetic_answer",
 ]

@@ -1,0 +1,41 @@
+"""Agent rollouts: multi-turn agent loops (verl's AgentLoop) over the request-level rollout server.
+
+An agent loop turns one data row into one trajectory by talking to `rollout.RolloutServer` in
+token ids: generate, parse tool calls, run tools / a simulated user, append their tokens with
+`response_mask = 0`, generate again. This package never touches device arrays or model code.
+"""
+from jaxrl_llm.agent._loop import (
+    AGENT_LOOPS,
+    TURN_ROW_STRIDE,
+    AgentContext,
+    AgentLoopBase,
+    AgentLoopOutput,
+    AgentSample,
+    SingleTurnAgentLoop,
+    ToolAgentLoop,
+    get_agent_loop,
+    register_agent_loop,
+    truncate_text,
+)
+from jaxrl_llm.agent._parsers import ToolCall, format_tool_call, get_tool_parser
+from jaxrl_llm.agent._runner import AgentRunner, agent_metrics, load_agent_resources
+
+__all__ = [
+    "AGENT_LOOPS",
+    "TURN_ROW_STRIDE",
+    "AgentContext",
+    "AgentLoopBase",
+    "AgentLoopOutput",
+    "AgentRunner",
+    "AgentSample",
+    "SingleTurnAgentLoop",
+    "ToolAgentLoop",
+    "ToolCall",
+    "agent_metrics",
+    "format_tool_call",
+    "get_agent_loop",
+    "get_tool_parser",
+    "load_agent_resources",
+    "register_agent_loop",
+    "truncate_text",
+]

@@ -1,0 +1,366 @@
+"""Agent loops (verl's AgentLoop): one data row -> one trajectory, in token ids.
+
+A loop sends token-level requests to the rollout server (`server.agenerate`, one per assistant
+turn, all turns of a trajectory in one session so the server reuses their KV), parses tool calls
+from what the model wrote, runs tools or a simulated user (interaction), and appends their
+messages' tokens to the response with `response_mask = 0`. The model's tokens carry mask 1 and
+their log-probs; everything else carries log-prob 0.
+
+Registry: `@register_agent_loop("name")` on an `AgentLoopBase` subclass; rows pick a loop by
+their `agent_name` column (`AGENT_LOOPS` holds `single_turn_agent` and `tool_agent`).
+
+Tokens of non-model turns are rendered with the model's own chat template: a fixed two-message
+conversation is rendered with and without the new messages and the difference is tokenized
+(verl's method), plus whatever the template writes after an assistant's end-of-turn token
+that the model itself never generates (Qwen's "\\n" after `<|im_end|>`). Scoring, batching and
+devices are other modules' business.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from typing import Any
+
+from jaxrl_llm.agent._parsers import ToolCall, get_tool_parser
+from jaxrl_llm.agent.tools import BaseTool, ToolResponse, run_tool_call
+
+log = logging.getLogger(__name__)
+
+# Requests of turn k of a trajectory use row `row + k * TURN_ROW_STRIDE` of the server's PRNG
+# streams, so turns never repeat each other's randomness (rows of one batch stay below it).
+TURN_ROW_STRIDE = 1 << 20
+_MARK = "END_OF_ASSISTANT_CONTENT"  # a stand-in assistant message when rendering turn deltas
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSample:
+    """One trajectory to run: a data row (verl schema fields) and which of its `n` samples."""
+
+    raw_prompt: list[dict]
+    data_source: str
+    ground_truth: Any
+    extra_info: dict
+    agent_name: str
+    row: int  # this trajectory's row in the batch (prompt i's samples are rows i*n .. i*n+n-1)
+
+
+@dataclasses.dataclass
+class AgentLoopOutput:
+    """verl's fields. response_mask: 1 = model token, 0 = tool / user / template token;
+    response_logprobs: the engine's log-prob of each model token, 0.0 elsewhere."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float]
+    num_turns: int  # messages appended after the prompt: assistant, tool and user turns
+    metrics: dict[str, float]
+    extra_fields: dict[str, Any]
+
+
+@dataclasses.dataclass
+class AgentContext:
+    """What every loop of a run shares. `server` has `agenerate(...)` and `release_session(id)`
+    (a `rollout.RolloutServer`); `multi_turn` is the run's `MultiTurnConfig`."""
+
+    server: Any
+    tokenizer: Any
+    multi_turn: Any
+    max_prompt_length: int
+    max_response_length: int
+    sampling: Any
+    seed: int
+    tools: dict[str, BaseTool] = dataclasses.field(default_factory=dict)
+    interactions: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+AGENT_LOOPS: dict[str, type["AgentLoopBase"]] = {}
+
+
+def register_agent_loop(name: str):
+    """Class decorator: rows with `agent_name == name` run this loop."""
+    def wrap(cls):
+        if name in AGENT_LOOPS and AGENT_LOOPS[name] is not cls:
+            raise ValueError(f"agent loop {name!r} is already registered ({AGENT_LOOPS[name]})")
+        AGENT_LOOPS[name] = cls
+        cls.agent_name = name
+        return cls
+    return wrap
+
+
+def get_agent_loop(name: str) -> type["AgentLoopBase"]:
+    if name not in AGENT_LOOPS:
+        raise ValueError(f"unknown agent loop {name!r} (the row's agent_name or "
+                         f"rollout.multi_turn.default_agent_loop); registered: {sorted(AGENT_LOOPS)}")
+    return AGENT_LOOPS[name]
+
+
+class AgentLoopBase:
+    """Subclass, implement `run`, decorate with `@register_agent_loop(name)`."""
+
+    agent_name = ""
+
+    def __init__(self, ctx: AgentContext):
+        self.ctx = ctx
+        self.tokenizer = ctx.tokenizer
+
+    async def run(self, sample: AgentSample) -> AgentLoopOutput:
+        raise NotImplementedError
+
+    # -- helpers for subclasses ---------------------------------------------------------------
+    def tool_schemas(self) -> list[dict] | None:
+        return [t.get_openai_tool_schema().to_dict() for t in self.ctx.tools.values()] or None
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
+        kwargs = {"tools": self.tool_schemas()} if self.ctx.tools else {}
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  **kwargs)
+
+    def encode_prompt(self, messages: list[dict]) -> list[int]:
+        ids = list(self.tokenizer.encode(self.render(messages, add_generation_prompt=True)))
+        if len(ids) > self.ctx.max_prompt_length:
+            raise ValueError(f"agent prompt has {len(ids)} tokens (chat template with the tool "
+                             f"schemas), more than data.max_prompt_length="
+                             f"{self.ctx.max_prompt_length}; raise data.max_prompt_length")
+        return ids
+
+    async def generate(self, session: str, prompt_ids: list[int], sample: AgentSample, turn: int,
+                       max_new_tokens: int):
+        return await self.ctx.server.agenerate(
+            f"{session}-{turn}", prompt_ids, sampling=self.ctx.sampling,
+            max_new_tokens=max_new_tokens, session_id=session, seed=self.ctx.seed,
+            row=sample.row + turn * TURN_ROW_STRIDE)
+
+
+@register_agent_loop("single_turn_agent")
+class SingleTurnAgentLoop(AgentLoopBase):
+    """One completion of the prompt (the batch driver's job, as a request)."""
+
+    async def run(self, sample: AgentSample) -> AgentLoopOutput:
+        t0 = time.perf_counter()
+        prompt_ids = self.encode_prompt(sample.raw_prompt)
+        session = uuid.uuid4().hex
+        try:
+            out = await self.generate(session, prompt_ids, sample, 0, self.ctx.max_response_length)
+        finally:
+            self.ctx.server.release_session(session)
+        n = len(out.token_ids)
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids, response_ids=list(out.token_ids), response_mask=[1] * n,
+            response_logprobs=[float(x) for x in out.log_probs], num_turns=1,
+            metrics={"generate_s": time.perf_counter() - t0, "num_tool_calls": 0.0,
+                     "num_tool_errors": 0.0},
+            extra_fields={"finish_reason": out.finish_reason, "turn_texts": [
+                self.tokenizer.decode(out.token_ids)]})
+
+
+def truncate_text(text: str, limit: int, side: str) -> str:
+    """verl's tool-response truncation: keep `limit` characters from the left, the right, or
+    both ends (middle), marking the cut."""
+    if len(text) <= limit:
+        return text
+    if side == "left":
+        return text[:limit] + "...(truncated)"
+    if side == "right":
+        return "(truncated)..." + text[-limit:]
+    half = limit // 2
+    return text[:half] + "\n...(truncated)...\n" + text[len(text) - (limit - half):]
+
+
+@dataclasses.dataclass
+class _Trajectory:
+    prompt_ids: list[int]
+    messages: list[dict]
+    ids: list[int] = dataclasses.field(default_factory=list)
+    mask: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    turn_texts: list[str] = dataclasses.field(default_factory=list)
+
+    def add(self, ids, mask_value: int, logprobs=None):
+        self.ids += list(ids)
+        self.mask += [mask_value] * len(ids)
+        self.logprobs += [float(x) for x in logprobs] if logprobs is not None else [0.0] * len(ids)
+
+
+@register_agent_loop("tool_agent")
+class ToolAgentLoop(AgentLoopBase):
+    """Multi-turn: generate; run the tool calls it wrote (tools' messages appended, mask 0);
+    with no tool call, let the row's interaction (simulated user) answer, if it has one; stop
+    when neither applies, a turn limit or the response budget is reached."""
+
+    async def run(self, sample: AgentSample) -> AgentLoopOutput:
+        mt, t_start = self.ctx.multi_turn, time.perf_counter()
+        parser = get_tool_parser(mt.format)
+        traj = _Trajectory(self.encode_prompt(sample.raw_prompt), [dict(m) for m in sample.raw_prompt])
+        session = uuid.uuid4().hex
+        m = {"generate_s": 0.0, "tool_calls_s": 0.0, "num_tool_calls": 0.0, "num_tool_errors": 0.0,
+             "interaction_s": 0.0}
+        instances: dict[str, str] = {}
+        tools_kwargs = dict(sample.extra_info.get("tools_kwargs") or {})
+        interaction, iid = await self._start_interaction(sample)
+        assistant_turns = user_turns = tool_turns = 0
+        finish_reason, tool_rewards = "stop", {}
+        try:
+            while True:
+                budget = self.ctx.max_response_length - len(traj.ids)
+                if budget <= 0:
+                    finish_reason = "length"
+                    break
+                t0 = time.perf_counter()
+                out = await self.generate(session, traj.prompt_ids + traj.ids, sample,
+                                          assistant_turns + user_turns + tool_turns, budget)
+                m["generate_s"] += time.perf_counter() - t0
+                traj.add(out.token_ids, 1, out.log_probs)
+                assistant_turns += 1
+                text = self.tokenizer.decode(out.token_ids)
+                traj.turn_texts.append(text)
+                traj.messages.append({"role": "assistant", "content": text})
+                if out.finish_reason != "stop":
+                    finish_reason = out.finish_reason
+                    break
+                if mt.max_assistant_turns and assistant_turns >= mt.max_assistant_turns:
+                    break
+                _, calls = parser.parse(text)
+                if calls:
+                    t0 = time.perf_counter()
+                    replies = await self._run_calls(calls, instances, tools_kwargs, m)
+                    m["tool_calls_s"] += time.perf_counter() - t0
+                    new = [{"role": "tool", "content": r} for r in replies]
+                    tool_turns += len(new)
+                elif interaction is not None and not (mt.max_user_turns and user_turns >= mt.max_user_turns):
+                    t0 = time.perf_counter()
+                    done, reply, _, _ = await interaction.generate_response(iid, traj.messages)
+                    m["interaction_s"] += time.perf_counter() - t0
+                    if done:
+                        break
+                    new = [{"role": "user", "content": reply}]
+                    user_turns += 1
+                else:
+                    break
+                delta = self.turn_delta_ids(new, ended_with_stop=True)
+                if len(traj.ids) + len(delta) >= self.ctx.max_response_length:
+                    finish_reason = "length"  # no room left to answer after these messages
+                    break
+                traj.add(delta, 0)
+                traj.messages += new
+            tool_rewards = await self._finish_tools(instances, tools_kwargs)
+        finally:
+            self.ctx.server.release_session(session)
+        extra = {"finish_reason": finish_reason, "tool_rewards": tool_rewards,
+                 "turn_texts": traj.turn_texts, "messages": traj.messages}
+        if interaction is not None:
+            extra["interaction_score"] = float(await interaction.calculate_score(iid))
+            await interaction.finalize_interaction(iid)
+        m["tokenization_mismatch"] = float(not self.sanity_check(traj))
+        m.update(num_assistant_turns=float(assistant_turns), num_user_turns=float(user_turns),
+                 total_s=time.perf_counter() - t_start)
+        return AgentLoopOutput(
+            prompt_ids=traj.prompt_ids, response_ids=traj.ids, response_mask=traj.mask,
+            response_logprobs=traj.logprobs,
+            num_turns=assistant_turns + user_turns + tool_turns, metrics=m, extra_fields=extra)
+
+    # -- tools ----------------------------------------------------------------------------------
+    async def _run_calls(self, calls: list[ToolCall], instances: dict, tools_kwargs: dict,
+                         m: dict) -> list[str]:
+        calls = calls[:self.ctx.multi_turn.max_parallel_calls]
+        results = await asyncio.gather(*(self._run_call(c, instances, tools_kwargs) for c in calls))
+        m["num_tool_calls"] += len(calls)
+        m["num_tool_errors"] += sum(err for _, err in results)
+        mt = self.ctx.multi_turn
+        return [truncate_text(text, mt.max_tool_response_length, mt.tool_response_truncate_side)
+                for text, _ in results]
+
+    async def _run_call(self, call: ToolCall, instances: dict, tools_kwargs: dict) -> tuple[str, bool]:
+        """(the tool message's text, whether the call failed). Never raises."""
+        if call.error is not None:
+            return f"Error: could not parse the tool call: {call.error}", True
+        tool = self.ctx.tools.get(call.name)
+        if tool is None:
+            return (f"Error: unknown tool {call.name!r}; available tools: "
+                    f"{sorted(self.ctx.tools)}"), True
+        kwargs = dict(tools_kwargs.get(call.name) or {})
+        try:
+            if call.name not in instances:
+                instances[call.name], _ = await tool.create(**dict(kwargs.get("create_kwargs") or {}))
+        except Exception as e:  # noqa: BLE001 - a tool never crashes a rollout
+            return f"Error: tool {call.name!r} could not start: {type(e).__name__}: {e}", True
+        response, _, metrics = await run_tool_call(
+            tool, instances[call.name], call.arguments, timeout_s=self.ctx.multi_turn.tool_timeout_s,
+            **dict(kwargs.get("execute_kwargs") or {}))
+        return (response.text if isinstance(response, ToolResponse) else str(response),
+                "error" in (metrics or {}))
+
+    async def _finish_tools(self, instances: dict, tools_kwargs: dict) -> dict[str, float]:
+        rewards = {}
+        for name, iid in instances.items():
+            tool, kwargs = self.ctx.tools[name], dict(tools_kwargs.get(name) or {})
+            try:
+                rewards[name] = float(await tool.calc_reward(iid, **dict(kwargs.get("calc_reward_kwargs") or {})))
+            except Exception as e:  # noqa: BLE001
+                log.warning("tool %r calc_reward failed: %s", name, e)
+                rewards[name] = 0.0
+            try:
+                await tool.release(iid, **dict(kwargs.get("release_kwargs") or {}))
+            except Exception as e:  # noqa: BLE001
+                log.warning("tool %r release failed: %s", name, e)
+        return rewards
+
+    # -- interaction ------------------------------------------------------------------------------
+    async def _start_interaction(self, sample: AgentSample):
+        kwargs = dict(sample.extra_info.get("interaction_kwargs") or {})
+        if not kwargs:
+            return None, None
+        name = kwargs.get("name")
+        if name not in self.ctx.interactions:
+            raise ValueError(f"row asks for interaction {name!r} (extra_info.interaction_kwargs.name) "
+                             f"but rollout.multi_turn.interaction_config_path defines "
+                             f"{sorted(self.ctx.interactions)}")
+        kwargs.setdefault("ground_truth", sample.ground_truth)
+        interaction = self.ctx.interactions[name]
+        iid = await interaction.start_interaction(**kwargs)
+        return interaction, iid
+
+    # -- tokenization ---------------------------------------------------------------------------
+    def turn_delta_ids(self, new_messages: list[dict], *, ended_with_stop: bool) -> list[int]:
+        """Token ids that follow a finished assistant turn: `new_messages` (tool / user) in the
+        chat template, then the generation prompt of the next assistant turn."""
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
+        before = self.render(base, add_generation_prompt=False)
+        after = self.render(base + new_messages, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError("the chat template is not incremental: rendering a conversation with "
+                             "more messages does not extend rendering it with fewer")
+        return list(self.tokenizer.encode(self._end_of_turn_rest(before) * ended_with_stop
+                                          + after[len(before):]))
+
+    def _end_of_turn_rest(self, rendered: str) -> str:
+        """What the template writes after an assistant's stop token (e.g. "\\n"): the model
+        stops at the token, so the rest must be added with the next turn's tokens."""
+        tail = rendered[rendered.rindex(_MARK) + len(_MARK):]
+        for stop in getattr(self.tokenizer, "eos_token_ids", (self.tokenizer.eos_token_id,)):
+            text = self.tokenizer.decode([stop], skip_special_tokens=False)
+            if text and tail.startswith(text):
+                return tail[len(text):]
+        return ""
+
+    def sanity_check(self, traj: _Trajectory) -> bool:
+        """Turn-by-turn ids vs tokenizing the whole conversation (verl's
+        tokenization_sanity_check_mode). True when they agree (or the check is disabled)."""
+        mode = self.ctx.multi_turn.tokenization_sanity_check_mode
+        if mode == "disable":
+            return True
+        gen_prompt = traj.messages[-1]["role"] != "assistant"
+        whole = list(self.tokenizer.encode(self.render(traj.messages, add_generation_prompt=gen_prompt)))
+        ours = traj.prompt_ids + traj.ids
+        if mode == "strict":
+            ok = whole[:len(ours)] == ours
+        else:  # ignore_strippable: the same text up to whitespace
+            squash = lambda ids: "".join(self.tokenizer.decode(ids, skip_special_tokens=False).split())  # noqa: E731
+            ok = squash(whole).startswith(squash(ours))
+        if not ok:
+            log.warning("agent loop: turn-by-turn token ids differ from tokenizing the whole "
+                        "conversation (tokenization_sanity_check_mode=%s)", mode)
+        return ok

@@ -1,0 +1,152 @@
+"""Runs a batch of agent loops concurrently and collates their trajectories into verl's fields.
+
+Every trajectory is a coroutine: its agent loop talks to the rollout server (whose scheduler
+batches all their requests together), and the moment it finishes it is scored by the streaming
+`RewardLoop` while the others still generate. The result is host numpy in the trainer's layout
+(rows in the order of `samples`, responses right-padded to `max_response_length`).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl_llm.agent._loop import AgentContext, AgentLoopOutput, AgentSample, get_agent_loop
+
+
+def load_agent_resources(multi_turn) -> tuple[dict, dict]:
+    """(tools by name, interactions by name) from `rollout.multi_turn`'s config paths."""
+    from jaxrl_llm.agent.interactions import load_interactions
+    from jaxrl_llm.agent.tools import load_function_tools, load_tools
+
+    tools: dict = {}
+    sources = ((multi_turn.tool_config_path, load_tools),
+               (multi_turn.function_tool_path, load_function_tools))
+    for path, loader in sources:
+        if path:
+            for name, tool in loader(path).items():
+                if name in tools:
+                    raise ValueError(f"tool {name!r} is defined twice (tool_config_path and "
+                                     f"function_tool_path); tool names must be unique")
+                tools[name] = tool
+    interactions = load_interactions(multi_turn.interaction_config_path) if (
+        multi_turn.interaction_config_path) else {}
+    return tools, interactions
+
+
+class AgentRunner:
+    """`runner.run(samples, sampling=..., seed=...)` -> dict of host arrays (see `collate`).
+
+    server: a `rollout.RolloutServer` (or anything with `agenerate` and `release_session`);
+    reward_loop: a `rewards.RewardLoop`, or None to leave `scores` at 0.
+    """
+
+    def __init__(self, server, tokenizer, multi_turn, *, max_prompt_length: int,
+                 max_response_length: int, pad_token_id: int, reward_loop=None,
+                 tools: dict | None = None, interactions: dict | None = None):
+        self.server, self.tokenizer, self.multi_turn = server, tokenizer, multi_turn
+        self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
+        self.pad_token_id, self.reward_loop = pad_token_id, reward_loop
+        if tools is None and interactions is None:
+            tools, interactions = load_agent_resources(multi_turn)
+        self.tools, self.interactions = dict(tools or {}), dict(interactions or {})
+
+    def run(self, samples: Sequence[AgentSample], *, sampling, seed: int) -> dict[str, Any]:
+        return asyncio.run(self.arun(samples, sampling=sampling, seed=seed))
+
+    async def arun(self, samples: Sequence[AgentSample], *, sampling, seed: int) -> dict[str, Any]:
+        ctx = AgentContext(server=self.server, tokenizer=self.tokenizer, multi_turn=self.multi_turn,
+                           max_prompt_length=self.max_prompt_length,
+                           max_response_length=self.max_response_length, sampling=sampling,
+                           seed=int(seed), tools=self.tools, interactions=self.interactions)
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(self._one(ctx, s, t0) for s in samples))
+        return self.collate(samples, results)
+
+    async def _one(self, ctx: AgentContext, sample: AgentSample, t0: float):
+        name = sample.agent_name or self.multi_turn.default_agent_loop
+        out = await get_agent_loop(name)(ctx).run(sample)
+        finished = time.perf_counter() - t0
+        score = None
+        if self.reward_loop is not None:
+            texts = out.extra_fields.get("turn_texts") or [""]
+            info = {**sample.extra_info, "num_turns": out.num_turns,
+                    "tool_rewards": out.extra_fields.get("tool_rewards", {}),
+                    "response_text": self.tokenizer.decode(out.response_ids)}
+            if "interaction_score" in out.extra_fields:
+                info["interaction_score"] = out.extra_fields["interaction_score"]
+            score = await self.reward_loop.score(sample.data_source, texts[-1], sample.ground_truth, info)
+        return name, out, finished, score, (score.scored_at - t0 if score is not None else 0.0)
+
+    def collate(self, samples, results) -> dict[str, Any]:
+        """responses / response_mask / response_attention_mask int32[b, t], rollout_log_probs
+        f32[b, t], prompt_ids (lists), scores f32[b], reward_extra {key: f32[b]}, num_turns
+        int32[b], finished_s / scored_s f32[b] (seconds from the batch start), metrics."""
+        b, t = len(results), self.max_response_length
+        responses = np.full((b, t), self.pad_token_id, np.int32)
+        mask, attn = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
+        logp = np.zeros((b, t), np.float32)
+        scores, finished, scored = np.zeros(b, np.float32), np.zeros(b, np.float32), np.zeros(b, np.float32)
+        extra: dict[str, np.ndarray] = {}
+        reward_fail = {"reward/num_errors": 0.0, "reward/num_timeouts": 0.0}
+        for i, (_, out, fin, score, scored_s) in enumerate(results):
+            _check_output(out, t)
+            n = len(out.response_ids)
+            responses[i, :n], mask[i, :n], attn[i, :n] = out.response_ids, out.response_mask, 1
+            logp[i, :n] = out.response_logprobs
+            finished[i] = fin
+            if score is not None:
+                scores[i], scored[i] = score.score, scored_s
+                reward_fail["reward/num_errors"] += score.num_errors
+                reward_fail["reward/num_timeouts"] += score.num_timeouts
+                for k, v in score.extra.items():
+                    extra.setdefault(k, np.zeros(b, np.float32))[i] = v
+        outs = [r[1] for r in results]
+        metrics = {**agent_metrics(results), **reward_fail,
+                   **{f"reward_extra/{k}/mean": float(v.mean()) for k, v in extra.items()}}
+        return {"prompt_ids": [o.prompt_ids for o in outs], "responses": responses,
+                "response_mask": mask, "response_attention_mask": attn, "rollout_log_probs": logp,
+                "scores": scores, "reward_extra": extra,
+                "num_turns": np.asarray([o.num_turns for o in outs], np.int32),
+                "finish_reasons": [o.extra_fields.get("finish_reason", "stop") for o in outs],
+                "finished_s": finished, "scored_s": scored, "metrics": metrics,
+                "turn_texts": [o.extra_fields.get("turn_texts", []) for o in outs]}
+
+
+def _check_output(out: AgentLoopOutput, t: int) -> None:
+    n = len(out.response_ids)
+    if not (len(out.response_mask) == len(out.response_logprobs) == n):
+        raise ValueError(f"agent loop output has {n} response ids but {len(out.response_mask)} mask "
+                         f"values and {len(out.response_logprobs)} log-probs")
+    if n > t:
+        raise ValueError(f"agent loop returned {n} response tokens, more than "
+                         f"data.max_response_length={t}")
+
+
+def _stats(name: str, x) -> dict[str, float]:
+    x = np.asarray(x, np.float64)
+    return {f"{name}/mean": float(x.mean()), f"{name}/max": float(x.max()), f"{name}/min": float(x.min())}
+
+
+def agent_metrics(results) -> dict[str, float]:
+    """num_turns/*, tool_calls/*, tool_errors/*, per-agent timing and the tokenization check."""
+    outs = [r[1] for r in results]
+    m = {**_stats("num_turns", [o.num_turns for o in outs]),
+         **_stats("tool_calls", [o.metrics.get("num_tool_calls", 0.0) for o in outs]),
+         **_stats("tool_errors", [o.metrics.get("num_tool_errors", 0.0) for o in outs])}
+    m["tool_errors/total"] = float(sum(o.metrics.get("num_tool_errors", 0.0) for o in outs))
+    m["agent/tokenization_mismatch/mean"] = float(np.mean(
+        [o.metrics.get("tokenization_mismatch", 0.0) for o in outs]))
+    by_agent: dict[str, list] = {}
+    for name, out, *_ in results:
+        by_agent.setdefault(name, []).append(out)
+    for name, group in by_agent.items():
+        m[f"agent/{name}/count"] = float(len(group))
+        for key in ("generate_s", "tool_calls_s", "interaction_s", "total_s"):
+            vals = [o.metrics[key] for o in group if key in o.metrics]
+            if vals:
+                m[f"agent/{name}/{key}/mean"] = float(np.mean(vals))
+    return m

@@ -1,0 +1,97 @@
+"""Faults a run must survive or stop on cleanly: NaN/inf updates, hostile rewards, damaged or
+newer checkpoint steps, and metric files after a kill + resume."""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_llm.checkpoint import COMPLETE_MARKER, Checkpointer, resolve_resume
+from jaxrl_llm.config import load_config
+from jaxrl_llm.trainer import NonFiniteError, RLTrainer
+
+from trainer_helpers import QUICKSTART, tiny_overrides
+
+
+def _config(run_dir, **extra):
+    extra = {"trainer.total_training_steps": 3, "trainer.save_freq": 1, "trainer.test_freq": 0,
+             "trainer.val_before_train": False, "trainer.export_hf": False, "sft.steps": 0, **extra}
+    return load_config(f"{QUICKSTART}:tiny,local", tiny_overrides(run_dir, **extra))
+
+
+def _rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_nan_updates_are_skipped_counted_and_stop_the_run_without_saving_nan(tmp_path):
+    run_dir = tmp_path / "nan"
+    cfg = _config(run_dir, **{"actor.optim.lr": 1e9, "trainer.total_training_steps": 6,
+                              "trainer.max_nonfinite_steps": 2, "trainer.export_hf": True})
+    with pytest.raises(NonFiniteError, match="trainer.max_nonfinite_steps=2"):
+        RLTrainer(cfg).fit()
+    rows = _rows(run_dir)
+    last = rows[-1]
+    assert last["training/nonfinite_steps"] == 2 and last["actor/nonfinite_updates"] >= 1
+    assert last["training/global_step"] < 6
+    assert not (run_dir / "hf_actor").exists()  # no export of a stopped run
+    root = run_dir / "checkpoints"
+    step = resolve_resume("auto", root)[1]
+    assert step < last["training/global_step"]  # the stopping step was not checkpointed
+    state, _ = Checkpointer(root).restore(step)
+    for leaf in jax.tree.leaves(state):
+        if np.issubdtype(np.asarray(leaf).dtype, np.floating):
+            assert np.isfinite(np.asarray(leaf)).all()
+
+
+_NONDETERMINISTIC = ("timing_s/", "timing_per_token_ms/", "perf/", "rollout/sync_time_s")
+
+
+def _comparable(run_dir):
+    return [{k: v for k, v in r.items() if not k.startswith(_NONDETERMINISTIC)} for r in _rows(run_dir)]
+
+
+class _Killed(RuntimeError):
+    pass
+
+
+class _KilledAfterStep3(RLTrainer):
+    def save_checkpoint(self):
+        super().save_checkpoint()
+        if self.global_step == 3:
+            raise _Killed("simulated preemption")
+
+
+def _assert_same_rows(got, want):
+    assert [r["training/global_step"] for r in got] == [r["training/global_step"] for r in want]
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for key, value in w.items():
+            assert g[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (w["training/global_step"], key)
+
+
+def test_resume_skips_damaged_step_rolls_back_and_leaves_metrics_like_an_uninterrupted_run(
+        tmp_path, caplog):
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    cfg = dict(**{"trainer.total_training_steps": 4, "trainer.max_to_keep": 3})
+    RLTrainer(_config(full_dir, **cfg)).fit()
+    with pytest.raises(_Killed):
+        _KilledAfterStep3(_config(cut_dir, **cfg)).fit()
+    root = cut_dir / "checkpoints"
+    # damage the newest step, and leave an empty step directory as a crash can
+    data = max((p for p in (root / "3").rglob("*") if p.is_file() and p.name != COMPLETE_MARKER),
+               key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    (root / "7").mkdir()
+
+    with caplog.at_level("WARNING"):
+        RLTrainer(_config(cut_dir, **cfg)).fit()  # auto: falls back to step 2
+    assert "skipping checkpoint step 3" in caplog.text and "truncated" in caplog.text
+    assert sorted(p.name for p in root.iterdir()) == ["2", "3", "4"]
+    _assert_same_rows(_comparable(cut_dir), _comparable(full_dir))  # rows 1-4, each once
+
+    # rollback: resume explicitly from step 2 while steps 3 and 4 exist
+    RLTrainer(_config(cut_dir, **cfg, **{"trainer.resume_mode": str(root / "2")})).fit()
+    assert resolve_resume("auto", root)[1] == 4
+    _assert_same_rows(_comparable(cut_dir), _comparable(full_dir))
