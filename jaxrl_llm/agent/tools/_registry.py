@@ -1,0 +1,86 @@
+"""Finding tools: built-ins by name, tool config files in verl's format, and files of
+`@function_tool` functions.
+
+A tool config (YAML or JSON):
+
+    tools:
+      - class_name: calculator                  # a built-in name, or "package.module.Class"
+        config: {max_exponent: 100}             # passed to the class (optional)
+      - class_name: my_pkg.tools.SearchTool
+        config: {type: native}
+        tool_schema: {type: function, function: {name: search, description: ..., parameters: ...}}
+"""
+from __future__ import annotations
+
+import os
+
+from jaxrl_llm.agent.tools._base import BaseTool
+from jaxrl_llm.agent.tools._calculator import CalculatorTool
+from jaxrl_llm.agent.tools._files import (
+    config_entries,
+    import_file,
+    import_object,
+    read_config_file,
+)
+from jaxrl_llm.agent.tools._function import FunctionTool
+from jaxrl_llm.agent.tools._python import PythonTool
+from jaxrl_llm.agent.tools._schema import OpenAIFunctionToolSchema
+
+BUILTIN_TOOLS: dict[str, type[BaseTool]] = {"calculator": CalculatorTool, "python": PythonTool}
+_ENTRY_KEYS = {"class_name", "config", "tool_schema"}
+
+
+def get_tool_class(name: str) -> type[BaseTool]:
+    """A built-in tool class by name, or a BaseTool subclass by "module.Class" path."""
+    if name in BUILTIN_TOOLS:
+        return BUILTIN_TOOLS[name]
+    if "." not in name:
+        raise ValueError(f"unknown tool {name!r}; built-ins: {sorted(BUILTIN_TOOLS)}, or give "
+                         f"a 'module.Class' path")
+    cls = import_object(name, "tool class_name")
+    if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
+        raise TypeError(f"tool class_name {name!r} is not a subclass of "
+                        f"jaxrl_llm.agent.tools.BaseTool")
+    return cls
+
+
+def _add(tools: dict[str, BaseTool], tool: BaseTool, source: str) -> None:
+    if tool.name in tools:
+        raise ValueError(f"{source}: two tools are named {tool.name!r}; tool names must be "
+                         f"unique (the model calls tools by name)")
+    tools[tool.name] = tool
+
+
+def _build(entry: dict, where: str) -> BaseTool:
+    unknown = set(entry) - _ENTRY_KEYS
+    if unknown or "class_name" not in entry:
+        raise ValueError(f"{where}: each tool needs 'class_name' and may have 'config' and "
+                         f"'tool_schema'; got keys {sorted(entry)}")
+    schema = entry.get("tool_schema")
+    if schema is not None:
+        schema = OpenAIFunctionToolSchema.from_dict(schema)
+    return get_tool_class(entry["class_name"])(config=entry.get("config") or {},
+                                               tool_schema=schema)
+
+
+def load_tools(tool_config_path: str | os.PathLike) -> dict[str, BaseTool]:
+    """{tool name: tool} from a tool config file (format above), in file order."""
+    entries = config_entries(read_config_file(tool_config_path), "tools", tool_config_path)
+    tools: dict[str, BaseTool] = {}
+    for i, entry in enumerate(entries):
+        _add(tools, _build(entry, f"{os.fspath(tool_config_path)}: tools[{i}]"),
+             os.fspath(tool_config_path))
+    return tools
+
+
+def load_function_tools(function_tool_path: str | os.PathLike) -> dict[str, FunctionTool]:
+    """{tool name: tool} for every `@function_tool` object at the top level of a .py file."""
+    module = import_file(function_tool_path, "jaxrl_llm_function_tools")
+    tools: dict[str, BaseTool] = {}
+    for value in vars(module).values():
+        if isinstance(value, FunctionTool):
+            _add(tools, value, os.fspath(function_tool_path))
+    if not tools:
+        raise ValueError(f"{os.fspath(function_tool_path)} defines no @function_tool "
+                         f"functions (decorate them with jaxrl_llm.agent.tools.function_tool)")
+    return tools
