@@ -7,6 +7,10 @@
   colocated trainer's buffers).
 - `RolloutDriver`: prompts x n samples -> `RolloutBatch` (responses, response_mask,
   rollout_log_probs, ...), continuous batching with an on-device multi-step decode loop.
+- `RolloutServer`: request-level, in-process serving over an engine (submit / generate /
+  agenerate from many threads or coroutines; per-request sampling, budget and seed; session KV
+  reuse across turns; abort; weight sync holding or finishing in-flight requests) returning
+  `GenerateOutput` (tokens, log-probs, finish reason, policy version per token).
 - `SamplingParams`, `sample`: greedy / temperature / top-k / top-p with log-probs.
 - `rollout.jetstream_adapter` (imports jetstream lazily; the `jetstream` extra) and
   `python -m rollout.serve` (gRPC server) serve an engine through JetStream.
@@ -16,7 +20,9 @@ This package does not import optax or trainer code.
 from ._driver import RolloutBatch, RolloutDriver
 from ._engine import PREFILL_BUCKETS, Engine
 from ._sampling import SamplingParams, sample
+from ._server import GenerateOutput, RolloutServer
 from ._state import DecodeState, Prefix, ResultTokens, SlotData
 
-__all__ = ["Engine", "RolloutDriver", "RolloutBatch", "SamplingParams", "sample", "DecodeState",
-           "Prefix", "ResultTokens", "SlotData", "PREFILL_BUCKETS"]
+__all__ = ["Engine", "RolloutDriver", "RolloutBatch", "RolloutServer", "GenerateOutput",
+           "SamplingParams", "sample", "DecodeState", "Prefix", "ResultTokens", "SlotData",
+           "PREFILL_BUCKETS"]
