@@ -123,7 +123,7 @@ DESCRIPTIONS = {
     "RolloutCorrectionConfig.rollout_rs_threshold": "Rejection: upper bound of the ratio.",
     "RolloutCorrectionConfig.rollout_rs_threshold_lower": "Rejection: lower bound of the ratio; 0 = `1 / rollout_rs_threshold`.",
     "RolloutCorrectionConfig.rollout_token_veto_threshold": "Drop a whole row when any token's ratio is below this; 0 = off.",
-    "RewardConfig.num_workers": "Reward scoring processes (with per-call timeouts); 0 = score in-process.",
+    "RewardConfig.num_workers": "Reward scoring processes (with per-call timeouts); 0 = built-in scorers in-process (a custom reward function still gets one isolated process).",
     "RewardConfig.timeout_s": "Seconds one scoring call may take before it scores 0.",
     "RewardConfig.custom_reward_function": "Your own scorer: a Python file and function name (verl's signature).",
     "CustomRewardConfig.path": "Python file defining the scorer; `\"\"` = built-in scorers by `data_source`.",

@@ -52,6 +52,7 @@ def base_config() -> ConfigDict:
             rollout_rs="", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.0,
             rollout_token_veto_threshold=0.0))
     c.reward = dict(num_workers=2, timeout_s=10.0, max_error_fraction=0.5,
+                    max_consecutive_timeouts=8, memory_limit_gb=8.0,
                     custom_reward_function=dict(path="", name="compute_score"),
                     model=dict(path="", micro_batch_size_per_device=8))
     c.mesh = dict(data=1, fsdp=-1, tensor=1)

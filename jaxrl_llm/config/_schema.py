@@ -200,6 +200,8 @@ class RewardConfig:
     num_workers: int  # 0 = score in-process (no timeout protection)
     timeout_s: float
     max_error_fraction: float  # stop when more of a batch's scores fail (error/timeout/non-finite)
+    max_consecutive_timeouts: int  # stop after this many scoring calls in a row time out; 0 = never
+    memory_limit_gb: float  # address-space limit of each scoring process; 0 = none
     custom_reward_function: CustomRewardConfig
     model: RewardModelConfig
 

@@ -6,7 +6,7 @@ from jaxrl_llm.rewards._countdown import countdown_score, extract_countdown_equa
 from jaxrl_llm.rewards._custom import CustomRewardFn, load_custom_reward_fn
 from jaxrl_llm.rewards._gsm8k import extract_gsm8k_answer, gsm8k_score
 from jaxrl_llm.rewards._loop import RewardLoop, RowScore
-from jaxrl_llm.rewards._manager import RewardManager
+from jaxrl_llm.rewards._manager import RewardFunctionError, RewardManager
 from jaxrl_llm.rewards._math import (
     last_boxed_only_string,
     math_equal,
@@ -25,6 +25,7 @@ __all__ = [
     "SCORERS",
     "CustomRewardFn",
     "RewardLoop",
+    "RewardFunctionError",
     "RewardManager",
     "RowScore",
     "arithmetic_score",

@@ -1,8 +1,12 @@
 """Scores a batch of responses, isolating scorer failures so the run goes on.
 
-A scorer that raises, returns something that is not a number / {"score": ...} dict, hangs past
-`timeout_s`, or kills its process gives reward 0 and is counted in `reward/num_errors` or
-`reward/num_timeouts`. Turning scores into token-level rewards is the trainer's job.
+A scorer that raises, returns something that is not a number finite in float32 / a
+{"score": ...} dict, hangs past `timeout_s`, runs out of its memory limit, or kills its process
+gives reward 0 and is counted in `reward/num_errors` or `reward/num_timeouts`. Two circuit
+breakers stop the run instead (`RewardFunctionError`, naming the reward function and the first
+failure): more than `max_error_fraction` of a batch failed, or `max_consecutive_timeouts`
+calls in a row timed out. Custom reward functions always run in the process pool, even with
+`num_workers=0` (then one worker). Turning scores into token-level rewards is the trainer's job.
 """
 from __future__ import annotations
 
@@ -12,33 +16,52 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.rewards._pool import WorkerPool
+from jaxrl_llm.rewards._pool import ConsecutiveTimeouts, WorkerPool
 from jaxrl_llm.rewards._registry import get_scorer, score_one
 
 logger = logging.getLogger(__name__)
+
+
+class RewardFunctionError(RuntimeError):
+    """The reward function fails too often for its scores to mean anything: the run stops."""
 
 
 class RewardManager:
     """Scores batches with the built-in scorers by `data_source`, or `custom_fn` for every row.
 
     num_workers > 0: a pool of processes (created on the first batch, reused, a hung or dead
-    worker replaced) with a per-call timeout of `timeout_s` seconds. num_workers == 0: scoring
-    in this process with NO timeout protection (a hanging scorer hangs the run) — for quick
-    demos only; exceptions are still caught and counted. `custom_fn` must be picklable for a
-    pool (use `load_custom_reward_fn`, or a module-level function). Not thread-safe.
+    worker replaced) with a per-call timeout of `timeout_s` seconds and an address-space limit
+    of `memory_limit_gb` per worker (0 = none). num_workers == 0: the built-in scorers run in
+    this process (no timeout: they are ours and fast); a `custom_fn` still gets a pool of one
+    worker, so user code can never hang, kill or exhaust the trainer. `custom_fn` must be
+    picklable (use `load_custom_reward_fn`, or a module-level function). `max_error_fraction`
+    (1 = off) and `max_consecutive_timeouts` (0 = off) are the circuit breakers. Not thread-safe.
     """
 
     def __init__(self, *, num_workers: int = 4, timeout_s: float = 10.0,
-                 custom_fn: Callable[..., Any] | None = None, start_method: str = "forkserver"):
+                 custom_fn: Callable[..., Any] | None = None, start_method: str = "forkserver",
+                 max_error_fraction: float = 1.0, max_consecutive_timeouts: int = 0,
+                 memory_limit_gb: float = 0.0):
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self.num_workers = num_workers
+        if not 0 <= max_error_fraction <= 1:
+            raise ValueError(f"max_error_fraction must be in [0, 1], got {max_error_fraction}")
+        self.num_workers = num_workers if custom_fn is None else max(num_workers, 1)
         self.timeout_s = timeout_s
         self.custom_fn = custom_fn
+        self.max_error_fraction = max_error_fraction
+        self.max_consecutive_timeouts = max_consecutive_timeouts
+        self.memory_limit_gb = memory_limit_gb
         self._start_method = start_method
         self._pool: WorkerPool | None = None
+
+    def describe(self) -> str:
+        """The reward function, as an error message names it."""
+        if self.custom_fn is not None:
+            return f"custom reward function {self.custom_fn!r}"
+        return "built-in scorer"
 
     def score_batch(self, data_sources: Sequence[str], solution_strs: Sequence[str],
                     ground_truths: Sequence[Any], extra_infos: Sequence[dict | None] | None = None,
@@ -58,11 +81,30 @@ class RewardManager:
             for source in set(data_sources):
                 get_scorer(source)  # an unknown data_source is a config error: raise now
         tasks = list(zip(data_sources, solution_strs, ground_truths, extra_infos))
-        outcomes = self._run(tasks)
-        return self._assemble(outcomes)
+        try:
+            outcomes = self._run(tasks)
+        except ConsecutiveTimeouts as e:
+            raise RewardFunctionError(
+                f"{self.describe()} timed out {e.count} times in a row (reward.timeout_s="
+                f"{self.timeout_s}, reward.max_consecutive_timeouts={self.max_consecutive_timeouts}); "
+                "stopping instead of waiting out every row. Make it faster or raise the "
+                "timeout.") from None
+        scores, extra, metrics = self._assemble(outcomes)
+        self._check_failures(outcomes, data_sources)
+        return scores, extra, metrics
+
+    def _check_failures(self, outcomes: list[tuple], data_sources: Sequence[str]) -> None:
+        failed = [i for i, (status, _, _) in enumerate(outcomes) if status != "ok"]
+        if len(failed) > self.max_error_fraction * len(outcomes):
+            i = failed[0]
+            raise RewardFunctionError(
+                f"{len(failed)} of {len(outcomes)} scores of the batch failed, more than "
+                f"reward.max_error_fraction={self.max_error_fraction}: {self.describe()} "
+                f"(data_source {data_sources[i]!r}) is broken; first failure, row {i}: "
+                f"{outcomes[i][1]}")
 
     def _run(self, tasks: list[tuple]) -> list[tuple]:
-        if self.num_workers == 0:
+        if self.num_workers == 0:  # built-in scorers only (a custom_fn always gets a pool)
             outcomes = []
             for task in tasks:
                 try:
@@ -71,7 +113,9 @@ class RewardManager:
                     outcomes.append(("error", f"{type(e).__name__}: {e}", None))
             return outcomes
         if self._pool is None:
-            self._pool = WorkerPool(self.num_workers, self.custom_fn, self._start_method)
+            self._pool = WorkerPool(self.num_workers, self.custom_fn, self._start_method,
+                                    memory_limit_gb=self.memory_limit_gb,
+                                    max_consecutive_timeouts=self.max_consecutive_timeouts)
         return self._pool.run(tasks, self.timeout_s)
 
     @staticmethod

@@ -5,12 +5,16 @@ pipe: the parent hands out one task at a time, and a worker that overruns `timeo
 task (or dies) is killed and replaced while the others keep going. Workers start with a
 "forkserver" (default) or "spawn" context, never "fork": the parent runs JAX's threads.
 Workers are daemon processes, so a scorer may not start `multiprocessing` children of its own.
+Each worker may get an address-space limit (`memory_limit_gb`): a scorer that allocates past
+it gets a MemoryError (a counted failure) instead of taking the trainer's memory. After
+`max_consecutive_timeouts` timeouts in a row (across calls) `run` gives up: `ConsecutiveTimeouts`.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import multiprocessing as mp
+import resource
 import signal
 import time
 from multiprocessing import connection
@@ -22,8 +26,19 @@ _READY = "ready"
 _STARTUP_TIMEOUT_S = 120.0
 
 
-def _worker_main(conn, custom_fn) -> None:
+class ConsecutiveTimeouts(RuntimeError):
+    """Too many scoring calls in a row ran past the timeout."""
+
+    def __init__(self, count: int):
+        super().__init__(f"{count} scoring calls in a row timed out")
+        self.count = count
+
+
+def _worker_main(conn, custom_fn, memory_limit_gb: float = 0.0) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if memory_limit_gb > 0:
+        limit = int(memory_limit_gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     conn.send(_READY)
     while True:
         try:
@@ -50,7 +65,8 @@ class _Worker:
 class WorkerPool:
     """`num_workers` scoring processes, started lazily and replaced when killed."""
 
-    def __init__(self, num_workers: int, custom_fn=None, start_method: str = "forkserver"):
+    def __init__(self, num_workers: int, custom_fn=None, start_method: str = "forkserver", *,
+                 memory_limit_gb: float = 0.0, max_consecutive_timeouts: int = 0):
         if start_method not in mp.get_all_start_methods() or start_method == "fork":
             raise ValueError(f"start_method must be 'forkserver' or 'spawn' (available: "
                              f"{mp.get_all_start_methods()}), got {start_method!r}")
@@ -58,11 +74,15 @@ class WorkerPool:
         self._custom_fn = custom_fn
         self._workers: list[_Worker | None] = [None] * num_workers
         self.num_started = 0
+        self._memory_limit_gb = memory_limit_gb
+        self._max_timeouts = max_consecutive_timeouts
+        self.consecutive_timeouts = 0
 
     def _start(self, slots: list[int]) -> None:
         for slot in slots:
             parent, child = self._ctx.Pipe()
-            process = self._ctx.Process(target=_worker_main, args=(child, self._custom_fn),
+            process = self._ctx.Process(target=_worker_main,
+                                        args=(child, self._custom_fn, self._memory_limit_gb),
                                         daemon=True, name=f"reward-worker-{slot}")
             process.start()
             child.close()
@@ -116,18 +136,27 @@ class WorkerPool:
             for conn in connection.wait(list(conns), max(0.0, deadline - time.monotonic())):
                 slot = conns[conn]
                 i, _ = busy.pop(slot)
+                self.consecutive_timeouts = 0
                 try:
                     _, status, value, extras = conn.recv()
                     results[i] = (status, value, extras)
                 except (EOFError, OSError):
-                    results[i] = ("error", "reward worker died while scoring", None)
+                    process = self._workers[slot].process
+                    process.join(timeout=1)
+                    code = process.exitcode
                     self._kill(slot)
+                    results[i] = ("error", f"reward worker died while scoring (exit code {code})", None)
             now = time.monotonic()
             for slot, (i, start) in list(busy.items()):
                 if now - start >= timeout_s:
                     busy.pop(slot)
                     results[i] = ("timeout", f"scoring took over {timeout_s}s", None)
                     self._kill(slot)
+                    self.consecutive_timeouts += 1
+            if self._max_timeouts and self.consecutive_timeouts >= self._max_timeouts:
+                for slot in list(busy):
+                    self._kill(slot)
+                raise ConsecutiveTimeouts(self.consecutive_timeouts)
         return results
 
     def close(self) -> None:

@@ -49,22 +49,30 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (bool, int, float, np.number)) and not isinstance(value, complex)
 
 
+def _finite32(value: float, what: str) -> float:
+    """`value` if it is finite as the float32 the batch stores (|x| < 3.4e38), else ValueError."""
+    with np.errstate(over="ignore"):
+        finite = math.isfinite(value) and bool(np.isfinite(np.float32(value)))
+    if not finite:
+        raise ValueError(f"scorer returned a non-finite {what} {value!r} (rewards are float32: "
+                         "finite and below 3.4e38 in magnitude)")
+    return value
+
+
 def normalize_result(result: Any) -> tuple[float, dict[str, float]]:
     """float | {"score": float, other numeric keys} -> (score, extras); TypeError/ValueError
-    if the result is not a finite number or such a dict."""
+    if the result is not a number finite in float32, or such a dict."""
     if isinstance(result, Mapping):
         if "score" not in result:
             raise TypeError(f"scorer returned a dict without 'score': keys {sorted(result)}")
-        extras = {str(k): float(v) for k, v in result.items() if k != "score" and _is_number(v)}
+        extras = {str(k): _finite32(float(v), f"value for {k!r}")
+                  for k, v in result.items() if k != "score" and _is_number(v)}
         score = result["score"]
     else:
         extras, score = {}, result
     if not _is_number(score):
         raise TypeError(f"scorer returned {type(score).__name__}, expected a number")
-    score = float(score)
-    if not math.isfinite(score):
-        raise ValueError(f"scorer returned a non-finite score {score}")
-    return score, extras
+    return _finite32(float(score), "score"), extras
 
 
 def score_one(custom_fn: Scorer | None, data_source: str, solution_str: str, ground_truth,

@@ -97,7 +97,9 @@ class RLTrainer:
         custom = c.reward.custom_reward_function
         custom_fn = rewards.load_custom_reward_fn(custom.path, custom.name) if custom.path else None
         self.reward = rewards.RewardManager(num_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s,
-                                            custom_fn=custom_fn)
+                                            custom_fn=custom_fn, max_error_fraction=c.reward.max_error_fraction,
+                                            max_consecutive_timeouts=c.reward.max_consecutive_timeouts,
+                                            memory_limit_gb=c.reward.memory_limit_gb)
         kl = c.algorithm.kl_ctrl
         self.kl_ctrl = algos.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.pad_id = self.tokenizer.pad_token_id

@@ -5,7 +5,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from jaxrl_llm.rewards import RewardManager, load_custom_reward_fn
+from jaxrl_llm.rewards import RewardFunctionError, RewardManager, load_custom_reward_fn
 
 CUSTOM = textwrap.dedent('''
     import os
@@ -88,3 +88,58 @@ def test_config_errors_raise_before_scoring(tmp_path, custom_fn):
         load_custom_reward_fn(tmp_path / "missing.py", "compute_score")
     with pytest.raises(AttributeError, match="no function 'other'"):
         load_custom_reward_fn(custom_fn.path, "other")
+
+
+HOSTILE = textwrap.dedent('''
+    import os
+    import time
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "huge":
+            return 1e39  # finite in float64, inf in the float32 batch
+        if solution_str == "hang":
+            time.sleep(600)
+        if solution_str == "exit":
+            os._exit(1)
+        if solution_str == "alloc":
+            return float(len(bytearray(20 * 2**30)))
+        return 1.0
+''')
+
+
+@pytest.fixture
+def hostile_fn(tmp_path):
+    path = tmp_path / "hostile.py"
+    path.write_text(HOSTILE)
+    return load_custom_reward_fn(path, "compute_score")
+
+
+def test_a_score_that_overflows_float32_is_a_scorer_error(hostile_fn):
+    with RewardManager(num_workers=0, custom_fn=hostile_fn) as manager:
+        scores, _, metrics = manager.score_batch(["s"] * 2, ["huge", "ok"], ["", ""])
+    assert np.isfinite(scores).all() and scores.tolist() == [0.0, 1.0]
+    assert metrics["reward/num_errors"] == 1.0
+
+
+def test_custom_fn_is_isolated_even_with_num_workers_0(hostile_fn):
+    """Under the quickstart's num_workers=0 a custom scorer that hangs, exits or allocates 20 GB
+    costs its row, not the trainer."""
+    with RewardManager(num_workers=0, timeout_s=2.0, custom_fn=hostile_fn,
+                       memory_limit_gb=2.0) as manager:
+        scores, _, metrics = manager.score_batch(["s"] * 4, ["hang", "exit", "alloc", "ok"], [""] * 4)
+    assert scores.tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert metrics == {"reward/num_errors": 2.0, "reward/num_timeouts": 1.0}
+
+
+def test_circuit_breaker_names_the_function_and_first_error(hostile_fn):
+    with RewardManager(num_workers=0, custom_fn=hostile_fn, max_error_fraction=0.5) as manager:
+        manager.score_batch(["s"] * 2, ["huge", "ok"], ["", ""])  # 1 of 2: not more than half
+        with pytest.raises(RewardFunctionError, match=r"3 of 4 .*hostile\.py.*compute_score.*row 0.*1e\+39"):
+            manager.score_batch(["s"] * 4, ["huge", "huge", "ok", "huge"], [""] * 4)
+
+
+def test_consecutive_timeouts_fail_fast(hostile_fn):
+    with RewardManager(num_workers=2, timeout_s=0.5, custom_fn=hostile_fn,
+                       max_consecutive_timeouts=2) as manager:
+        with pytest.raises(RewardFunctionError, match="timed out 2 times in a row"):
+            manager.score_batch(["s"] * 40, ["hang"] * 40, [""] * 40)

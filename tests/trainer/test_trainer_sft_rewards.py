@@ -1,11 +1,14 @@
 """SFT on its own (`python -m jaxrl_llm.sft`'s code path) and reward functions that fail."""
 import json
 import os
+import re
 
 import numpy as np
+import pytest
 
 from jaxrl_llm import models
 from jaxrl_llm.config import load_config
+from jaxrl_llm.rewards import RewardFunctionError
 from jaxrl_llm.sft import run_sft
 from jaxrl_llm.trainer import RLTrainer
 
@@ -23,14 +26,17 @@ def test_sft_trains_on_assistant_tokens_and_exports_a_loadable_model(tmp_path):
     assert model(ids).shape == (1, ids.shape[1], model.config.vocab_size)
 
 
-def test_reward_function_that_raises_scores_zero_and_the_run_goes_on(tmp_path):
+@pytest.mark.parametrize("name, first_error", [("broken", "this scorer always fails"),
+                                                ("overflow", "non-finite score 1e+39")])
+def test_reward_function_that_always_fails_stops_the_run_naming_it(tmp_path, name, first_error):
+    """A scorer that raises, or returns 1e39 (inf once cast to float32), fails every row: the
+    circuit breaker (reward.max_error_fraction) stops the run before anything is trained on."""
     run = load_config(f"{QUICKSTART}:tiny,local", tiny_overrides(
-        tmp_path / "r", **{"reward.custom_reward_function.name": "broken", "trainer.total_training_steps": 1,
-                           "trainer.val_before_train": False, "trainer.export_hf": False}))
-    RLTrainer(run).fit()
-    rec = [json.loads(x) for x in open(tmp_path / "r" / "metrics.jsonl")][-1]
-    assert rec["reward/num_errors"] == run.data.train_batch_size * run.rollout.n
-    assert rec["critic/score/mean"] == 0.0
+        tmp_path / "r", **{"reward.custom_reward_function.name": name, "trainer.total_training_steps": 1,
+                           "trainer.val_before_train": False, "trainer.export_hf": False, "sft.steps": 0}))
+    with pytest.raises(RewardFunctionError, match=rf"16 of 16 .*length_parity\.py.*{name}.*{re.escape(first_error)}"):
+        RLTrainer(run).fit()
+    assert not (tmp_path / "r" / "checkpoints").exists() or not os.listdir(tmp_path / "r" / "checkpoints")
 
 
 def test_reward_function_that_hangs_times_out_and_the_run_goes_on(tmp_path):
@@ -40,6 +46,7 @@ def test_reward_function_that_hangs_times_out_and_the_run_goes_on(tmp_path):
     run = load_config(f"{QUICKSTART}:tiny,local", tiny_overrides(
         tmp_path / "h", **{"reward.custom_reward_function.path": hang, "reward.num_workers": 2,
                            "reward.timeout_s": 1.0, "trainer.total_training_steps": 1,
+                           "reward.max_error_fraction": 1.0, "reward.max_consecutive_timeouts": 0,
                            "trainer.val_before_train": False, "trainer.export_hf": False}))
     RLTrainer(run).fit()
     rec = [json.loads(x) for x in open(tmp_path / "h" / "metrics.jsonl")][-1]
