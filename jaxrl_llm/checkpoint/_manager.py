@@ -90,6 +90,14 @@ class Checkpointer:
             if path.is_dir():  # max_to_keep may already have removed it
                 write_marker(path)
 
+    def check_errors(self) -> None:
+        """Raises now if a background save has failed (instead of at the next save)."""
+        try:
+            self._manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001 - re-raised with the directory named
+            raise RuntimeError(f"a background checkpoint save under {self.directory} failed: "
+                               f"{type(e).__name__}: {e}") from e
+
     def reload(self) -> None:
         """Re-reads the step directories from disk (after they were moved aside)."""
         self._manager.reload()
@@ -103,6 +111,17 @@ class Checkpointer:
         needs the same device set as at save time.
         """
         step = self._resolve_step(step)
+        try:
+            return self._restore(step, target)
+        except (ValueError, OSError) as e:
+            if isinstance(e, _tree.StructureMismatch):
+                raise
+            raise ValueError(
+                f"Checkpointer.restore: cannot read step {self.directory}/{step} "
+                f"({type(e).__name__}: {str(e)[:500]}); it is damaged: resume from an older step "
+                "(resume_mode='auto' skips steps that fail verification)") from e
+
+    def _restore(self, step: int, target: Any) -> tuple[Any, dict]:
         impls = self._manager.restore(step, args=ocp.args.Composite(
             **{_IMPLS: ocp.args.JsonRestore()}))[_IMPLS] or {}
         state_args = ocp.args.StandardRestore()

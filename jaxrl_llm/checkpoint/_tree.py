@@ -73,6 +73,10 @@ def abstract_target(target: PyTree) -> PyTree:
     return jax.tree.map(convert, target)
 
 
+class StructureMismatch(ValueError):
+    """The restore target does not match the saved tree (a config change, not a damaged file)."""
+
+
 def check_matches_saved(target: PyTree, saved: PyTree, *, where: str) -> None:
     """Raise ValueError naming the first key path where `target` and the saved tree differ."""
     want = {path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(target)[0]}
@@ -80,14 +84,14 @@ def check_matches_saved(target: PyTree, saved: PyTree, *, where: str) -> None:
     fix = "restore with a target built from the same model/optimizer config as the saved run"
     for key in want:
         if key not in have:
-            raise ValueError(f"{where}: target key '{key}' is not in the checkpoint; {fix}.")
+            raise StructureMismatch(f"{where}: target key '{key}' is not in the checkpoint; {fix}.")
     for key in have:
         if key not in want:
-            raise ValueError(f"{where}: checkpoint key '{key}' is missing from the target; {fix}.")
+            raise StructureMismatch(f"{where}: checkpoint key '{key}' is missing from the target; {fix}.")
     for key, leaf in want.items():
         saved_shape = tuple(getattr(have[key], "shape", ()) or ())
         if tuple(np.shape(leaf)) != saved_shape:
-            raise ValueError(
+            raise StructureMismatch(
                 f"{where}: shape mismatch at '{key}': checkpoint has {saved_shape}, target has "
                 f"{tuple(np.shape(leaf))} (did the model size change?); {fix}."
             )

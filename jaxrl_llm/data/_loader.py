@@ -30,7 +30,8 @@ class PromptLoader:
             raise ValueError("PromptLoader needs a non-empty dataset")
         if drop_last and n < batch_size:
             raise ValueError(f"dataset has {n} examples, fewer than batch_size={batch_size}; "
-                             "lower the batch size or set drop_last=False")
+                             "lower the batch size (data.train_batch_size / data.val_batch_size) "
+                             "or add rows")
         self._dataset = dataset
         self._batch_size = batch_size
         self._seed = int(getattr(dataset, "seed", 0) if seed is None else seed)

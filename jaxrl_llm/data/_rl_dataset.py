@@ -85,7 +85,12 @@ class RLDataset(Sequence):
         self.examples: list[PromptExample] = []
         for path in paths:
             for row_index, row in enumerate(read_rows(path, prompt_key=prompt_key)):
-                example = self._make_example(row, tokenizer, prompt_key, self.num_rows)
+                try:
+                    example = self._make_example(row, tokenizer, prompt_key, self.num_rows)
+                except DataError:
+                    raise
+                except ValueError as e:  # e.g. a character the tokenizer does not know
+                    raise DataError(f"{os.fspath(path)} row {row_index}: {e}") from e
                 ids = example.prompt_ids
                 if len(ids) > max_prompt_length:
                     if filter_overlong_prompts:

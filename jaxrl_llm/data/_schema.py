@@ -107,8 +107,14 @@ def read_raw_rows(path: PathLike) -> list[dict]:
 
 
 def _read_json_rows(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise DataError(f"{path} line {line} (byte {e.start}): not UTF-8 text ({e.reason}); "
+                        "re-encode the file as UTF-8") from None
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)

@@ -152,6 +152,8 @@ class RLTrainer:
                 self.logger.log(step_metrics, step=self.global_step)
                 if is_last or (c.trainer.save_freq > 0 and self.global_step % c.trainer.save_freq == 0):
                     self.save_checkpoint()
+                elif c.trainer.async_save:  # a failed background save stops the run at the next step
+                    self.group.call("check_checkpoints")
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(score=f"{step_metrics.get('critic/score/mean', 0):.3f}")

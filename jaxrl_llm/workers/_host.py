@@ -177,6 +177,10 @@ class HostWorker:
     def wait_checkpoints(self) -> None:
         self.checkpointer.wait()
 
+    def check_checkpoints(self) -> None:
+        """Raises if a background (async) save failed since the last call."""
+        self.checkpointer.check_errors()
+
     def reload_checkpoints(self) -> None:
         """The controller moved step directories aside: forget them."""
         self.checkpointer.reload()

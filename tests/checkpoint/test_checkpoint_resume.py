@@ -130,3 +130,11 @@ def test_async_save_is_marked_complete_only_after_it_finished(tmp_path):
     ckpt.wait()
     assert verify_step(tmp_path / "1") is None
     ckpt.close()
+
+
+def test_restoring_a_damaged_meta_file_names_the_step(tmp_path):
+    _save_steps(tmp_path, [10])
+    meta = next(p for p in (tmp_path / "10" / "meta").rglob("*") if p.is_file())
+    meta.write_text(meta.read_text()[:5])
+    with pytest.raises(ValueError, match=rf"cannot read step {tmp_path.absolute()}/10 .*older step"):
+        Checkpointer(tmp_path).restore(10)
