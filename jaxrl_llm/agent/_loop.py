@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 # streams, so turns never repeat each other's randomness (rows of one batch stay below it).
 TURN_ROW_STRIDE = 1 << 20
 _MARK = "END_OF_ASSISTANT_CONTENT"  # a stand-in assistant message when rendering turn deltas
+_WARNED_MISMATCH = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +362,10 @@ class ToolAgentLoop(AgentLoopBase):
             squash = lambda ids: "".join(self.tokenizer.decode(ids, skip_special_tokens=False).split())  # noqa: E731
             ok = squash(whole).startswith(squash(ours))
         if not ok:
-            log.warning("agent loop: turn-by-turn token ids differ from tokenizing the whole "
-                        "conversation (tokenization_sanity_check_mode=%s)", mode)
+            global _WARNED_MISMATCH
+            (log.debug if _WARNED_MISMATCH else log.warning)(
+                "agent loop: turn-by-turn token ids differ from tokenizing the whole conversation "
+                "(tokenization_sanity_check_mode=%s; counted in agent/tokenization_mismatch, "
+                "warned once)", mode)
+            _WARNED_MISMATCH = True
         return ok

@@ -3,6 +3,8 @@ advantages. Pure numpy / jitted `algos` calls; no worker state.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -12,13 +14,23 @@ from jaxrl_llm.data import collate_prompts
 
 
 def rollout_batch(examples, gen: dict, *, n: int, pad_token_id: int, max_prompt_length: int) -> dict:
-    """verl's fields for b*n sequences: prompts left-padded [b*n, p], responses [b*n, t]."""
-    prompts = collate_prompts(examples, pad_token_id, max_prompt_length)
-    rep = lambda x: np.repeat(x, n, axis=0)  # noqa: E731 - prompt i's samples are rows i*n..i*n+n-1
-    prompt_ids, prompt_mask = rep(prompts["input_ids"]), rep(prompts["attention_mask"])
+    """verl's fields for b*n sequences: prompts left-padded [b*n, p], responses [b*n, t].
+
+    Agent rollouts (`gen` has per-row `prompt_ids` and `response_attention_mask`): each row keeps
+    its own prompt (e.g. rendered with tool schemas); `response_mask` has holes where tool or user
+    tokens sit, while the attention mask covers the whole response (one contiguous run)."""
+    if "prompt_ids" in gen:
+        rows = [_Prompt(list(ids), i) for i, ids in enumerate(gen["prompt_ids"])]
+        prompts = collate_prompts(rows, pad_token_id, max_prompt_length)
+        prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
+    else:
+        prompts = collate_prompts(examples, pad_token_id, max_prompt_length)
+        rep = lambda x: np.repeat(x, n, axis=0)  # noqa: E731 - prompt i's samples are rows i*n..i*n+n-1
+        prompt_ids, prompt_mask = rep(prompts["input_ids"]), rep(prompts["attention_mask"])
     responses = gen["responses"].astype(np.int32)
     response_mask = gen["response_mask"].astype(np.int32)
-    attention_mask = np.concatenate([prompt_mask, response_mask], axis=1).astype(np.int32)
+    response_attention = np.asarray(gen.get("response_attention_mask", response_mask), np.int32)
+    attention_mask = np.concatenate([prompt_mask, response_attention], axis=1).astype(np.int32)
     position_ids = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0).astype(np.int32)
     return {
         "prompts": prompt_ids.astype(np.int32), "responses": responses, "response_mask": response_mask,
@@ -29,12 +41,25 @@ def rollout_batch(examples, gen: dict, *, n: int, pad_token_id: int, max_prompt_
     }
 
 
+class _Prompt(NamedTuple):
+    prompt_ids: list
+    index: int
+
+
+def last_valid_index(response_mask: np.ndarray) -> np.ndarray:
+    """int[b]: each row's last token with mask 1 (-1 for a row without one). Unlike
+    `mask.sum() - 1` this is right when the mask has holes (agent rollouts' tool tokens)."""
+    t = response_mask.shape[-1]
+    flipped = np.argmax(response_mask[:, ::-1] > 0, axis=-1)
+    return np.where(response_mask.any(-1), t - 1 - flipped, -1)
+
+
 def token_level_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
-    """The sequence score on each response's last valid token (verl's placement). [b, t]."""
+    """The sequence score on each response's last valid (model) token (verl's placement). [b, t]."""
     out = np.zeros(response_mask.shape, np.float32)
-    lengths = response_mask.sum(-1)
-    rows = np.nonzero(lengths > 0)[0]
-    out[rows, lengths[rows] - 1] = scores[rows]
+    last = last_valid_index(np.asarray(response_mask))
+    rows = np.nonzero(last >= 0)[0]
+    out[rows, last[rows]] = scores[rows]
     return out
 
 

@@ -53,6 +53,8 @@ def prepare_builtin_data(config: RunConfig) -> None:
         return
     makers = {"arithmetic": lambda p, n, seed, split: data.tasks.make_arithmetic_dataset(
                   p, n, seed=seed, split=split, max_operand=d.builtin_max_operand),
+              "arithmetic_tools": lambda p, n, seed, split: data.tasks.make_tool_arithmetic_dataset(
+                  p, n, seed=seed, split=split, max_operand=d.builtin_max_operand),
               "countdown": lambda p, n, seed, split: data.tasks.make_countdown_dataset(p, n, seed=seed)}
     for paths, n, split, seed in ((d.train_files, d.builtin_train_size, "train", d.seed),
                                   (d.val_files, d.builtin_val_size, "test", d.seed + 1)):
@@ -280,6 +282,11 @@ class RLTrainer:
             self._pending = None
             timing["gen_async"] = gen.pop("time_s", 0.0)  # its full duration, mostly hidden
             metrics["rollout/off_policy_steps"] = 1.0
+        elif self.config.rollout.multi_turn.enable:
+            examples = next(self.loader)
+            with _timer(timing, "gen"):
+                gen = self._agent_generate(examples, self.config.rollout, seed=self._seed(1))
+            gen.pop("time_s", None)
         else:
             examples = next(self.loader)
             with _timer(timing, "gen"):
@@ -294,6 +301,16 @@ class RLTrainer:
             handle = self.group.call_async("generate", **self._generate_kwargs(nxt, self.global_step + 1))
             self._pending = (handle, nxt, state)
         return examples, gen
+
+    def _agent_generate(self, examples, sampling, *, seed: int) -> dict:
+        """Agent rollouts (`rollout.multi_turn`): `sampling.n` trajectories per example, rows
+        in the batch driver's order, already scored (streaming reward loop on the worker)."""
+        n = sampling.n
+        samples = [dict(raw_prompt=e.raw_prompt, data_source=e.data_source, ground_truth=e.ground_truth,
+                        extra_info=e.extra_info, agent_name=e.agent_name, row=i * n + j)
+                   for i, e in enumerate(examples) for j in range(n)]
+        return self.call0("agent_generate", samples, seed=seed, sampling=dict(
+            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p))
 
     def _sync(self, metrics: dict) -> None:
         sync = self.call0("sync_weights")
@@ -319,9 +336,13 @@ class RLTrainer:
         with _timer(timing, "reward"):
             if c.reward.model.path:  # a learned reward model replaces the rule-based scorers
                 batch["token_level_scores"] = self.call0("compute_rm_score", B.worker_view(batch))["rm_scores"]
+            elif "scores" in gen:  # agent rollouts: scored on the worker as each one finished
+                metrics.update(gen["metrics"])
+                batch["token_level_scores"] = B.token_level_scores(gen["scores"], batch["response_mask"])
             else:
-                scores, _, rmetrics = self._score(examples, batch, c.rollout.n)
+                scores, extra, rmetrics = self._score(examples, batch, c.rollout.n)
                 metrics.update(rmetrics)
+                metrics.update({f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extra.items()})
                 batch["token_level_scores"] = B.token_level_scores(scores, batch["response_mask"])
         with _timer(timing, "old_log_prob"):
             if c.rollout.use_rollout_log_probs:
@@ -407,13 +428,16 @@ class RLTrainer:
         scores_by_source: dict[str, list[float]] = {}
         for start in range(0, len(examples), c.data.val_batch_size):
             chunk = examples[start:start + c.data.val_batch_size]
-            gen = self.call0("generate", [e.prompt_ids for e in chunk], n=v.n,
-                             max_new_tokens=c.data.max_response_length,
-                             sampling=dict(temperature=v.temperature, top_k=v.top_k, top_p=v.top_p),
-                             seed=self._seed(4) + start)
-            batch = B.rollout_batch(chunk, gen, n=v.n, pad_token_id=self.pad_id,
-                                    max_prompt_length=c.data.max_prompt_length)
-            scores, _, _ = self._score(chunk, batch, v.n)
+            if c.rollout.multi_turn.enable:  # the same agent loops as training
+                scores = self._agent_generate(chunk, v, seed=self._seed(4) + start)["scores"]
+            else:
+                gen = self.call0("generate", [e.prompt_ids for e in chunk], n=v.n,
+                                 max_new_tokens=c.data.max_response_length,
+                                 sampling=dict(temperature=v.temperature, top_k=v.top_k, top_p=v.top_p),
+                                 seed=self._seed(4) + start)
+                batch = B.rollout_batch(chunk, gen, n=v.n, pad_token_id=self.pad_id,
+                                        max_prompt_length=c.data.max_prompt_length)
+                scores, _, _ = self._score(chunk, batch, v.n)
             for i, e in enumerate(chunk):
                 scores_by_source.setdefault(e.data_source, []).append(float(np.mean(scores[i * v.n:(i + 1) * v.n])))
         return {f"val-core/{ds}/reward/mean@{v.n}": float(np.mean(s)) for ds, s in scores_by_source.items()}

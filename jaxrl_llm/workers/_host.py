@@ -17,7 +17,7 @@ from flax import nnx
 
 import rollout
 import sharding
-from jaxrl_llm import models
+from jaxrl_llm import agent, models, rewards
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.config import RunConfig
 
@@ -40,6 +40,7 @@ class HostWorker:
         self._model = build_model(c.model, vocab_size=vocab_size, mesh=self.mesh)
         self._sft = None
         self.actor = self.ref = self.critic = self.engine = self.driver = self.reward_model = None
+        self.server = self._agents = None  # the request-level server and agent loops (multi-turn)
         self.checkpointer = Checkpointer(
             f"{c.trainer.default_local_dir}/checkpoints", max_to_keep=c.trainer.max_to_keep,
             async_save=c.trainer.async_save, enable=True)
@@ -74,6 +75,10 @@ class HostWorker:
     def start_rl(self, total_steps: int) -> dict:
         """Builds actor (from the SFT result if any), reference, critic and the rollout engine."""
         c = self.config
+        multi_turn = c.rollout.multi_turn.enable
+        if multi_turn and jax.process_count() > 1:
+            raise ValueError("rollout.multi_turn runs on one host only for now (its server schedules "
+                             f"requests as they come); this run has {jax.process_count()} processes")
         if c.placement.one_step_off_policy and jax.process_count() > 1:
             raise ValueError("placement.one_step_off_policy runs on one host only; this run has "
                              f"{jax.process_count()} processes")
@@ -95,15 +100,19 @@ class HostWorker:
             self.reward_model = RewardModelWorker(rm, mesh=self.mesh,
                                                   micro_per_device=c.reward.model.micro_batch_size_per_device)
         self._model = None
+        # agent rollouts prefill whole conversations (prompt + every turn so far) and then
+        # generate what is left of the response budget
+        prefill = _bucket(c.data.max_prompt_length + (c.data.max_response_length if multi_turn else 0))
         self.engine = rollout.Engine.from_model(
             (self.actor.graphdef, self.actor.params), mesh=self.rollout_mesh,
             max_concurrent_decodes=c.rollout.max_concurrent_decodes,
-            max_prefill_length=_bucket(c.data.max_prompt_length),
-            max_target_length=_bucket(c.data.max_prompt_length) + c.data.max_response_length,
+            max_prefill_length=prefill, max_target_length=prefill + c.data.max_response_length,
             dtype=c.rollout.dtype or c.model.dtype, temperature=c.rollout.temperature,
             top_k=c.rollout.top_k, top_p=c.rollout.top_p, seed=c.trainer.seed,
             stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id)
         self.driver = rollout.RolloutDriver(self.engine, steps_per_sync=c.rollout.steps_per_sync)
+        if multi_turn:
+            self.server = rollout.RolloutServer(self.engine, steps_per_sync=c.rollout.steps_per_sync)
         return self.sync_weights()
 
     # -- the RL step's calls -------------------------------------------------------------------------
@@ -116,6 +125,29 @@ class HostWorker:
                 "rollout_log_probs": out.rollout_log_probs, "response_lengths": out.response_lengths,
                 "finish_reasons": list(out.finish_reasons), "prompt_index": out.prompt_index,
                 "time_s": time.perf_counter() - t0}
+
+    def agent_generate(self, samples: list[dict], *, sampling: dict, seed: int) -> dict:
+        """Agent rollouts of `samples` (`agent.AgentSample` fields) on the request-level server,
+        each trajectory scored as it finishes; see `agent.AgentRunner.collate` for the fields."""
+        t0 = time.perf_counter()
+        out = self._agent_runner().run([agent.AgentSample(**s) for s in samples],
+                                       sampling=rollout.SamplingParams(**sampling), seed=seed)
+        out["time_s"] = time.perf_counter() - t0
+        return out
+
+    def _agent_runner(self) -> "agent.AgentRunner":
+        if self._agents is None:
+            c = self.config
+            custom = c.reward.custom_reward_function
+            custom_fn = rewards.load_custom_reward_fn(custom.path, custom.name) if custom.path else None
+            manager = rewards.RewardManager(num_workers=c.reward.num_workers,
+                                            timeout_s=c.reward.timeout_s, custom_fn=custom_fn)
+            self._agents = agent.AgentRunner(
+                self.server, models.load_tokenizer(c.model.tokenizer or c.model.path),
+                c.rollout.multi_turn, max_prompt_length=c.data.max_prompt_length,
+                max_response_length=c.data.max_response_length, pad_token_id=self.pad_token_id,
+                reward_loop=rewards.RewardLoop(manager))
+        return self._agents
 
     def compute_old_log_prob(self, batch):
         return self.actor.compute_log_prob(batch)
@@ -137,7 +169,10 @@ class HostWorker:
 
     def sync_weights(self) -> dict:
         t0 = time.perf_counter()
-        stats = self.engine.update_params(self.actor.params)
+        # through the server when there is one: it pauses its scheduler and drops the sessions'
+        # KV (computed with the old weights)
+        target = self.server if self.server is not None else self.engine
+        stats = target.update_params(self.actor.params)
         stats = {k: v for k, v in stats.items() if isinstance(v, (int, float, bool))}
         stats.setdefault("time_s", time.perf_counter() - t0)
         return stats
@@ -196,6 +231,11 @@ class HostWorker:
         return path
 
     def close(self) -> None:
+        if self._agents is not None and self._agents.reward_loop is not None:
+            self._agents.reward_loop.close()
+            self._agents.reward_loop.manager.close()
+        if self.server is not None:
+            self.server.close()
         self.checkpointer.wait()
         self.checkpointer.close()
 

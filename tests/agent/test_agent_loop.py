@@ -190,7 +190,6 @@ def test_runner_scores_each_trajectory_as_it_finishes(char_tok):
     assert out["reward_extra"]["turns"].tolist() == [3.0, 1.0]
     assert out["reward_extra"]["calc"].tolist() == [0.0, -1.0]  # row 1 never created the tool
     assert out["metrics"]["reward_extra/turns/mean"] == 2.0
-    assert out["scored_s"][0] <= out["finished_s"][1]
 
 
 # A ChatML template with a tools section and tool turns shown as user turns (Qwen2.5's layout).
