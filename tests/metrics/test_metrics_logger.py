@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.metrics import MetricsLogger, plot_curves, read_jsonl
+from jaxrl_llm.metrics._logger import STEP_KEY
 
 
 def test_logger_jsonl_has_step_values_and_nonfinite_strings(tmp_path):
@@ -95,3 +96,27 @@ def test_plot_curves_single_point_and_missing_keys(tmp_path):
     assert _is_png(plot_curves(tmp_path / "one", tmp_path / "b.png"))
     with pytest.raises(FileNotFoundError, match="missing"):
         plot_curves(tmp_path / "missing", tmp_path / "c.png")
+
+
+def test_rewind_drops_rows_after_the_step_and_purges_tensorboard(tmp_path, monkeypatch):
+    import tensorboardX
+
+    purges = []
+    real = tensorboardX.SummaryWriter.__init__
+
+    def spy(self, *args, purge_step=None, **kwargs):
+        purges.append(purge_step)
+        real(self, *args, purge_step=purge_step, **kwargs)
+
+    monkeypatch.setattr(tensorboardX.SummaryWriter, "__init__", spy)
+    with MetricsLogger(tmp_path, backends=("jsonl", "tensorboard")) as logger:
+        for step in (1, 2, 3):
+            logger.log({"a": float(step)}, step=step)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"training/global_step": 4, "a": ')  # a row cut short by a kill
+    with MetricsLogger(tmp_path, backends=("jsonl", "tensorboard")) as logger:
+        logger.rewind(2)
+        logger.log({"a": 30.0}, step=3)
+    assert [(r[STEP_KEY], r["a"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [
+        (1, 1.0), (2, 2.0), (3, 30.0)]
+    assert purges[-1] == 3
