@@ -46,10 +46,12 @@ class AgentRunner:
 
     def __init__(self, server, tokenizer, multi_turn, *, max_prompt_length: int,
                  max_response_length: int, pad_token_id: int, reward_loop=None,
-                 tools: dict | None = None, interactions: dict | None = None):
+                 tools: dict | None = None, interactions: dict | None = None,
+                 max_error_fraction: float = 1.0):
         self.server, self.tokenizer, self.multi_turn = server, tokenizer, multi_turn
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
         self.pad_token_id, self.reward_loop = pad_token_id, reward_loop
+        self.max_error_fraction = max_error_fraction
         if tools is None and interactions is None:
             tools, interactions = load_agent_resources(multi_turn)
         self.tools, self.interactions = dict(tools or {}), dict(interactions or {})
@@ -104,6 +106,7 @@ class AgentRunner:
                 reward_fail["reward/num_timeouts"] += score.num_timeouts
                 for k, v in score.extra.items():
                     extra.setdefault(k, np.zeros(b, np.float32))[i] = v
+        self._check_reward_failures(samples, results)
         outs = [r[1] for r in results]
         metrics = {**agent_metrics(results), **reward_fail,
                    **{f"reward_extra/{k}/mean": float(v.mean()) for k, v in extra.items()}}
@@ -114,6 +117,21 @@ class AgentRunner:
                 "finish_reasons": [o.extra_fields.get("finish_reason", "stop") for o in outs],
                 "finished_s": finished, "scored_s": scored, "metrics": metrics,
                 "turn_texts": [o.extra_fields.get("turn_texts", []) for o in outs]}
+
+
+    def _check_reward_failures(self, samples, results) -> None:
+        """reward.max_error_fraction over the batch (each row was scored alone)."""
+        from jaxrl_llm.rewards import RewardFunctionError
+
+        failed = [i for i, r in enumerate(results)
+                  if r[3] is not None and (r[3].num_errors or r[3].num_timeouts)]
+        if len(failed) > self.max_error_fraction * len(results):
+            i = failed[0]
+            raise RewardFunctionError(
+                f"{len(failed)} of {len(results)} agent trajectories failed to score, more than "
+                f"reward.max_error_fraction={self.max_error_fraction}: "
+                f"{self.reward_loop.manager.describe()} (data_source {samples[i].data_source!r}) "
+                f"is broken; see the reward warnings in the log for the first failure")
 
 
 def _check_output(out: AgentLoopOutput, t: int) -> None:

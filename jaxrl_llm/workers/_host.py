@@ -140,13 +140,17 @@ class HostWorker:
             c = self.config
             custom = c.reward.custom_reward_function
             custom_fn = rewards.load_custom_reward_fn(custom.path, custom.name) if custom.path else None
-            manager = rewards.RewardManager(num_workers=c.reward.num_workers,
-                                            timeout_s=c.reward.timeout_s, custom_fn=custom_fn)
+            r = c.reward
+            # one row per call: the error-fraction breaker is the runner's, over the whole batch
+            manager = rewards.RewardManager(num_workers=r.num_workers, timeout_s=r.timeout_s,
+                                            custom_fn=custom_fn, max_error_fraction=1.0,
+                                            max_consecutive_timeouts=r.max_consecutive_timeouts,
+                                            memory_limit_gb=r.memory_limit_gb)
             self._agents = agent.AgentRunner(
                 self.server, models.load_tokenizer(c.model.tokenizer or c.model.path),
                 c.rollout.multi_turn, max_prompt_length=c.data.max_prompt_length,
                 max_response_length=c.data.max_response_length, pad_token_id=self.pad_token_id,
-                reward_loop=rewards.RewardLoop(manager))
+                reward_loop=rewards.RewardLoop(manager), max_error_fraction=r.max_error_fraction)
         return self._agents
 
     def compute_old_log_prob(self, batch):

@@ -152,44 +152,68 @@ def test_truncate_text_sides():
     assert agent.truncate_text("abc", 4, "middle") == "abc"
 
 
-def _scorer_factory(events):
-    def score(data_source, solution_str, ground_truth, extra_info=None):
-        events.append((extra_info["row"], solution_str))
-        if extra_info["row"] == 0:
-            scored_first.set()
-        return {"score": float(solution_str == ground_truth), "turns": extra_info["num_turns"],
-                "calc": extra_info["tool_rewards"].get("calculator", -1.0)}
-    return score
+class RecordingManager:
+    """A RewardManager stand-in (same `score_batch`) that records the order rows are scored in
+    and signals when row 0 is done: RewardLoop's behaviour does not depend on where the scorer
+    runs (the real manager is tested in tests/rewards)."""
+
+    def __init__(self):
+        self.events, self.row0_scored = [], threading.Event()
+
+    def describe(self):
+        return "recording scorer"
+
+    def score_batch(self, data_sources, solution_strs, ground_truths, extra_infos):
+        info, solution, truth = extra_infos[0], solution_strs[0], ground_truths[0]
+        self.events.append(info["row"])
+        if info["row"] == 0:
+            self.row0_scored.set()
+        if info["row"] == 2:
+            return np.zeros(1, np.float32), {}, {"reward/num_errors": 1.0, "reward/num_timeouts": 0.0}
+        extra = {"turns": np.asarray([info["num_turns"]], np.float32),
+                 "calc": np.asarray([info["tool_rewards"].get("calculator", -1.0)], np.float32)}
+        return (np.asarray([float(solution == truth)], np.float32), extra,
+                {"reward/num_errors": 0.0, "reward/num_timeouts": 0.0})
 
 
-scored_first = threading.Event()
+def _runner_with_recorder(char_tok, replies, **kw):
+    server = ScriptedServer(char_tok, replies)
+    manager = RecordingManager()
+    runner = agent.AgentRunner(server, char_tok, multi_turn(), max_prompt_length=16,
+                               max_response_length=128, pad_token_id=0,
+                               reward_loop=rewards.RewardLoop(manager),
+                               tools={"calculator": CalculatorTool()}, interactions={}, **kw)
+    samples = [agent.AgentSample([{"role": "user", "content": "37*48="}], "arithmetic", "1776",
+                                 {"row": r}, "", r) for r in sorted(replies)]
+    return server, manager, runner, samples
 
 
 def test_runner_scores_each_trajectory_as_it_finishes(char_tok):
     """Row 1 cannot start generating until row 0 has been scored: scoring is streamed, not
     done after the batch. Reward extras (dict results) and tool rewards reach the metrics."""
-    scored_first.clear()
-    events = []
-    server = ScriptedServer(char_tok, {0: [CALL, "1776"], 1: ["99"]})
+    server, manager, runner, samples = _runner_with_recorder(char_tok, {0: [CALL, "1776"], 1: ["99"]})
 
     async def wait_for_row0_score():
-        ok = await asyncio.get_running_loop().run_in_executor(None, scored_first.wait, 30)
+        ok = await asyncio.get_running_loop().run_in_executor(None, manager.row0_scored.wait, 30)
         assert ok, "row 0 was never scored while row 1 waited"
     server.hooks[1] = wait_for_row0_score
-    manager = rewards.RewardManager(num_workers=0, custom_fn=_scorer_factory(events))
-    loop = rewards.RewardLoop(manager)
-    runner = agent.AgentRunner(server, char_tok, multi_turn(), max_prompt_length=16,
-                               max_response_length=128, pad_token_id=0, reward_loop=loop,
-                               tools={"calculator": CalculatorTool()}, interactions={})
-    samples = [agent.AgentSample([{"role": "user", "content": "37*48="}], "arithmetic", "1776",
-                                 {"row": r}, "", r) for r in (0, 1)]
     out = runner.run(samples, sampling=SamplingParams(temperature=0.0), seed=0)
-    loop.close()
-    assert [e[0] for e in events] == [0, 1]
+    runner.reward_loop.close()
+    assert manager.events == [0, 1]
     assert out["scores"].tolist() == [1.0, 0.0]
     assert out["reward_extra"]["turns"].tolist() == [3.0, 1.0]
     assert out["reward_extra"]["calc"].tolist() == [0.0, -1.0]  # row 1 never created the tool
     assert out["metrics"]["reward_extra/turns/mean"] == 2.0
+
+
+def test_reward_failures_over_the_batch_trip_the_breaker(char_tok):
+    replies = {0: ["1776"], 1: ["1"], 2: ["2"]}
+    *_, runner, samples = _runner_with_recorder(char_tok, replies, max_error_fraction=0.5)
+    out = runner.run(samples, sampling=SamplingParams(temperature=0.0), seed=0)
+    assert out["metrics"]["reward/num_errors"] == 1.0  # 1 of 3 failed: under the limit
+    *_, runner, samples = _runner_with_recorder(char_tok, replies, max_error_fraction=0.2)
+    with pytest.raises(rewards.RewardFunctionError, match="1 of 3 agent trajectories failed"):
+        runner.run(samples, sampling=SamplingParams(temperature=0.0), seed=0)
 
 
 # A ChatML template with a tools section and tool turns shown as user turns (Qwen2.5's layout).
