@@ -2,10 +2,12 @@
 
 The model (the quickstart's size, character tokenizer) cannot multiply two-digit numbers in its
 head. Its SFT warm start sees calculator traces (`<tool_call>{"name":"calculator",...}</tool_call>`,
-the tool's result, then the answer) and, for `sft.builtin_no_tool` of the problems, a direct
-answer with no tool. Imitation learns to skip the tool about that often (and then guesses wrong);
-GRPO over agent rollouts (`rollout.multi_turn`, the `tool_agent` loop, the built-in calculator)
-learns that calling the tool pays, and held-out accuracy rises.
+the tool's result, then the answer) with two bad habits, as the quickstart's demonstrations
+have one: for `sft.builtin_no_tool` of the problems a direct answer with no tool (imitation then
+guesses, wrongly), and `sft.builtin_trailing_junk` of the final answers end with a stray "."
+that the exact-match scorer rejects. GRPO over agent rollouts (`rollout.multi_turn`, the
+`tool_agent` loop, the built-in calculator) unlearns both: held-out greedy accuracy rises and
+`tool_calls/mean` with it.
 
 Launch (minutes on 2 CPU cores):
   python -m jaxrl_llm.train --config=configs/quickstart_tools.py
@@ -28,7 +30,7 @@ def get_config(arg: str | None = None):
     c.data.builtin_val_size = 64
     c.data.max_prompt_length = 16
     c.data.max_response_length = 96  # all turns: the call, the tool's reply, the answer
-    c.data.train_batch_size = 32
+    c.data.train_batch_size = 16
     c.data.val_batch_size = 64
     c.model.tokenizer = "char"
     c.model.dtype = "float32"
@@ -54,7 +56,8 @@ def get_config(arg: str | None = None):
     c.rollout.multi_turn.format = "hermes"
     c.reward.num_workers = 0
     c.sft.steps = 300
-    c.sft.builtin_no_tool = 0.6
+    c.sft.builtin_no_tool = 0.3
+    c.sft.builtin_trailing_junk = 0.7
     c.sft.batch_size = 64
     c.sft.lr = 2e-3
     c.sft.warmup_steps = 10

@@ -17,7 +17,8 @@ def sft_dataset(run: RunConfig, tokenizer) -> data.SFTDataset:
         return data.SFTDataset(files, tokenizer, max_length=s.max_length, messages_key=s.messages_key)
     if d.builtin_task == "arithmetic_tools":
         rows = data.tasks.make_tool_arithmetic_sft_rows(
-            s.builtin_size, d.seed + 7, max_operand=d.builtin_max_operand, no_tool=s.builtin_no_tool)
+            s.builtin_size, d.seed + 7, max_operand=d.builtin_max_operand, no_tool=s.builtin_no_tool,
+            trailing_junk=s.builtin_trailing_junk)
         return data.SFTDataset(rows, tokenizer, max_length=s.max_length)
     rows = data.tasks.make_arithmetic_sft_rows(
         s.builtin_size, d.seed + 7, max_operand=d.builtin_max_operand,

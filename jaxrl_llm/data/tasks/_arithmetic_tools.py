@@ -8,9 +8,10 @@ match) reads the model's last message. The train/test split is the arithmetic ta
 the problem text), so held-out accuracy measures generalisation.
 
 `make_tool_arithmetic_sft_rows` writes demonstrations: tool-call traces
-[user, assistant call, tool result, assistant answer], and a fraction `no_tool` of direct
-answers (the true product without the tool: imitation learns to guess sometimes; GRPO learns
-that calling the calculator pays).
+[user, assistant call, tool result, assistant answer], a fraction `no_tool` of direct answers
+(the true product without the tool: imitation learns to guess sometimes; GRPO learns that
+calling the calculator pays), and a fraction `trailing_junk` of final answers that end with a
+stray "." (as in the quickstart: the exact-match scorer rejects it, GRPO unlearns it).
 """
 from __future__ import annotations
 
@@ -63,19 +64,22 @@ def make_tool_arithmetic_dataset(path: PathLike, n: int, *, seed: int, split: st
 
 
 def make_tool_arithmetic_sft_rows(n: int, seed: int, *, max_operand: int = 99,
-                                  no_tool: float = 0.0) -> list[dict]:
+                                  no_tool: float = 0.0, trailing_junk: float = 0.0) -> list[dict]:
     """Rows with `messages` for the SFT warm start (train split only); see the module docstring."""
-    if not 0.0 <= no_tool <= 1.0:
-        raise ValueError(f"no_tool must be in [0, 1], got {no_tool}")
+    for name, frac in (("no_tool", no_tool), ("trailing_junk", trailing_junk)):
+        if not 0.0 <= frac <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {frac}")
     rows = make_tool_arithmetic_rows(n, seed=seed, split="train", max_operand=max_operand)
-    direct = np.random.default_rng(seed + 1).random(len(rows)) < no_tool
+    rng = np.random.default_rng(seed + 1)
+    direct, junk = rng.random(len(rows)) < no_tool, rng.random(len(rows)) < trailing_junk
     out = []
-    for row, d in zip(rows, direct):
+    for row, d, j in zip(rows, direct, junk):
         a, b = row["extra_info"]["a"], row["extra_info"]["b"]
-        answer = row["reward_model"]["ground_truth"]
+        result = row["reward_model"]["ground_truth"]
+        answer = result + ("." if j else "")
         turns = [{"role": "assistant", "content": answer}] if d else [
             {"role": "assistant", "content": tool_call_text(f"{a}*{b}")},
-            {"role": "tool", "content": answer},
+            {"role": "tool", "content": result},
             {"role": "assistant", "content": answer}]
         out.append({**row, "messages": [*row["prompt"], *turns]})
     return out
