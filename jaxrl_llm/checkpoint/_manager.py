@@ -66,6 +66,9 @@ class Checkpointer:
         meta = {} if meta is None else meta
         _check_json(meta)
         self.wait()  # orbax waits for the previous save anyway; then its marker goes in
+        # the step list from disk: on a multi-host run another process's controller may have
+        # moved steps aside (`set_aside_steps`) after this manager listed them
+        self._manager.reload()
         raw_state, impls = _tree.split_keys(state)
         args = ocp.args.Composite(**{
             _STATE: ocp.args.StandardSave(raw_state),

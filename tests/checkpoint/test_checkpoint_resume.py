@@ -138,3 +138,14 @@ def test_restoring_a_damaged_meta_file_names_the_step(tmp_path):
     meta.write_text(meta.read_text()[:5])
     with pytest.raises(ValueError, match=rf"cannot read step {tmp_path.absolute()}/10 .*older step"):
         Checkpointer(tmp_path).restore(10)
+
+
+def test_a_checkpointer_opened_before_steps_were_set_aside_still_saves(tmp_path):
+    """Multi-host: another process's controller moves steps aside after this one listed them."""
+    _save_steps(tmp_path, [1, 2, 3])
+    ckpt = Checkpointer(tmp_path, async_save=False, max_to_keep=None)
+    assert ckpt.all_steps() == [1, 2, 3]
+    set_aside_steps(tmp_path, keep_up_to=1)
+    assert ckpt.save(2, {"x": jnp.zeros((2,))}, {"step": 2})
+    ckpt.close()
+    assert resolve_resume("auto", tmp_path) == (tmp_path.absolute(), 2)
