@@ -8,6 +8,8 @@ or reads a config object. See ``docs/algorithms.md`` for the formulas.
 """
 from jaxrl_llm.algos._advantages import (
     ADV_ESTIMATORS,
+    ADV_INPUTS,
+    compute_advantage,
     gae,
     get_adv_estimator,
     gpg,
@@ -66,9 +68,10 @@ from jaxrl_llm.algos._rollout_correction import (
 from jaxrl_llm.algos._value_loss import value_loss
 
 __all__ = [
-    "ACTOR_HYPER_NAMES", "ADV_ESTIMATORS", "AdaptiveKLController", "FixedKLController",
+    "ACTOR_HYPER_NAMES", "ADV_ESTIMATORS", "ADV_INPUTS", "AdaptiveKLController", "FixedKLController",
     "KL_PENALTIES", "LOSS_AGG_MODES", "POLICY_LOSSES", "UnknownNameError", "agg_loss",
-    "agg_loss_denominator", "agg_loss_terms", "apply_kl_penalty", "dynamic_sampling_keep_mask",
+    "agg_loss_denominator", "agg_loss_terms", "apply_kl_penalty", "compute_advantage",
+    "dynamic_sampling_keep_mask",
     "entropy_from_logits", "gae", "get_adv_estimator", "get_kl_controller", "get_policy_loss",
     "gpg", "group_index", "grpo", "grpo_passk", "kl_penalty", "masked_mean", "masked_sum",
     "masked_var", "masked_whiten", "opo", "overlong_penalty", "reinforce_plus_plus",

@@ -4,11 +4,17 @@ Every estimator returns ``(advantages, returns)``, both ``[b, t]``. Argument nam
 verl, except verl's ``index`` (uid strings) is ``group_ids: int[b]`` here: arbitrary integer
 labels, not necessarily contiguous, sorted or small. Grouping uses segment ops, so there is
 no Python loop over rows. verl's quirks are kept on purpose (see each docstring): same names,
-same numbers. Calling an estimator with the right arguments for its name is the trainer's job.
+same numbers.
+
+Callers that pick an estimator by name use ``compute_advantage(name, **inputs)``: one keyword
+signature (``ADV_INPUTS``) for every estimator, each taking the inputs it declares. Registering
+an estimator with a required argument outside ``ADV_INPUTS`` fails at import, so no registered
+estimator can lack a way to be called.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable
 
 import jax
@@ -19,11 +25,48 @@ from jaxrl_llm.algos import _masked as M
 from jaxrl_llm.algos._registry import lookup, register
 
 ADV_ESTIMATORS: dict[str, Callable] = {}
+# What a caller may hand ``compute_advantage``: batch fields ([b, t] or [b]) and scalars.
+ADV_INPUTS = ("token_level_rewards", "response_mask", "group_ids", "values", "reward_baselines",
+              "gamma", "lam", "epsilon", "norm_adv_by_std_in_grpo")
 
 
 def get_adv_estimator(name: str) -> Callable:
     """The estimator registered as ``name`` (raises listing valid names when unknown)."""
     return lookup(ADV_ESTIMATORS, name, "advantage estimator")
+
+
+def _required(fn: Callable) -> list[str]:
+    return [p.name for p in inspect.signature(fn).parameters.values()
+            if p.default is inspect.Parameter.empty]
+
+
+def _estimator(name: str):
+    """Registers an estimator after checking that ``compute_advantage`` can call it."""
+
+    def deco(fn):
+        missing = [p for p in _required(fn) if p not in ADV_INPUTS]
+        if missing:
+            raise TypeError(f"advantage estimator {name!r} requires {missing}, which are not among "
+                            f"ADV_INPUTS {ADV_INPUTS}: give them defaults or add them there")
+        return register(ADV_ESTIMATORS, name)(fn)
+
+    return deco
+
+
+def compute_advantage(name: str, **inputs) -> tuple[jax.Array, jax.Array]:
+    """``(advantages, returns)`` of estimator ``name``: each argument it declares is taken from
+    ``inputs`` by name (``ADV_INPUTS``; ``None`` = absent). A required one that is absent raises
+    naming it (e.g. ``remax`` without ``reward_baselines``); optional ones keep their defaults."""
+    unknown = sorted(set(inputs) - set(ADV_INPUTS))
+    if unknown:
+        raise TypeError(f"compute_advantage got unknown input(s) {unknown}; valid: {ADV_INPUTS}")
+    fn = get_adv_estimator(name)
+    params = inspect.signature(fn).parameters
+    kwargs = {k: inputs[k] for k in params if inputs.get(k) is not None}
+    missing = [k for k in _required(fn) if k not in kwargs]
+    if missing:
+        raise ValueError(f"advantage estimator {name!r} needs {missing}, which the batch lacks")
+    return fn(**kwargs)
 
 
 def _outcome(scalars: jax.Array, response_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -32,7 +75,7 @@ def _outcome(scalars: jax.Array, response_mask: jax.Array) -> tuple[jax.Array, j
     return adv, adv
 
 
-@register(ADV_ESTIMATORS, "gae")
+@_estimator("gae")
 @jax.jit
 def gae(token_level_rewards, values, response_mask, gamma, lam):
     """GAE, reverse scan over t; masked tokens are skipped (value and TD error carried over).
@@ -60,7 +103,7 @@ def gae(token_level_rewards, values, response_mask, gamma, lam):
     return M.masked_whiten(advantages, mask), returns
 
 
-@register(ADV_ESTIMATORS, "grpo")
+@_estimator("grpo")
 @functools.partial(jax.jit, static_argnames="norm_adv_by_std_in_grpo")
 def grpo(token_level_rewards, response_mask, group_ids, epsilon=1e-6,
          norm_adv_by_std_in_grpo=True):
@@ -80,7 +123,7 @@ def grpo(token_level_rewards, response_mask, group_ids, epsilon=1e-6,
     return _outcome(scalars, response_mask)
 
 
-@register(ADV_ESTIMATORS, "grpo_passk")
+@_estimator("grpo_passk")
 def grpo_passk(token_level_rewards, response_mask, group_ids, epsilon=1e-6,
                norm_adv_by_std_in_grpo=True):
     """Pass@k advantage: only a group's best response gets ``r_max - r_second`` (/ (std + eps)).
@@ -111,7 +154,7 @@ def _grpo_passk(token_level_rewards, response_mask, group_ids, epsilon, norm_adv
     return _outcome(jnp.where(is_max, gap, 0.0), response_mask)
 
 
-@register(ADV_ESTIMATORS, "rloo")
+@_estimator("rloo")
 @jax.jit
 def rloo(token_level_rewards, response_mask, group_ids, epsilon=1e-6):
     """RLOO: ``n/(n-1) * (score - group_mean)`` (= score minus the mean of the others).
@@ -125,7 +168,7 @@ def rloo(token_level_rewards, response_mask, group_ids, epsilon=1e-6):
     return _outcome(jnp.where(n > 1, loo, scores), response_mask)
 
 
-@register(ADV_ESTIMATORS, "opo")
+@_estimator("opo")
 @jax.jit
 def opo(token_level_rewards, response_mask, group_ids, epsilon=1e-6):
     """OPO: score minus the length-weighted group baseline ``sum(len*score) / sum(len)``.
@@ -142,7 +185,7 @@ def opo(token_level_rewards, response_mask, group_ids, epsilon=1e-6):
     return _outcome(scores - baseline, response_mask)
 
 
-@register(ADV_ESTIMATORS, "reinforce_plus_plus")
+@_estimator("reinforce_plus_plus")
 @jax.jit
 def reinforce_plus_plus(token_level_rewards, response_mask, gamma):
     """REINFORCE++: discounted return-to-go (reset after the response ends), batch-whitened.
@@ -163,7 +206,7 @@ def reinforce_plus_plus(token_level_rewards, response_mask, gamma):
     return M.masked_whiten(returns, mask) * mask, returns
 
 
-@register(ADV_ESTIMATORS, "reinforce_plus_plus_baseline")
+@_estimator("reinforce_plus_plus_baseline")
 @jax.jit
 def reinforce_plus_plus_baseline(token_level_rewards, response_mask, group_ids, epsilon=1e-6):
     """REINFORCE++ with a group-mean baseline, then whitened over the batch's tokens.
@@ -180,7 +223,7 @@ def reinforce_plus_plus_baseline(token_level_rewards, response_mask, group_ids, 
     return adv, adv
 
 
-@register(ADV_ESTIMATORS, "remax")
+@_estimator("remax")
 @jax.jit
 def remax(token_level_rewards, reward_baselines, response_mask):
     """ReMax: return-to-go minus the greedy rollout's reward. reward_baselines: [b].
@@ -192,7 +235,7 @@ def remax(token_level_rewards, reward_baselines, response_mask):
     return returns - reward_baselines[:, None] * mask, returns
 
 
-@register(ADV_ESTIMATORS, "gpg")
+@_estimator("gpg")
 @jax.jit
 def gpg(token_level_rewards, response_mask, group_ids, epsilon=1e-6, f_norm=1.0, alpha=1.0):
     """GPG: ``alpha * (score - group_mean) / f_norm`` with ``alpha = b / max(#nonzero scores, 1)``.

@@ -8,6 +8,7 @@ Semantics follow verl's current ``agg_loss`` (the global-batch-aware one):
 | ``seq-mean-token-sum``    | sum over rows of the row's token sum    | number of non-empty rows |
 | ``seq-mean-token-mean``   | sum over rows of the row's token mean   | number of non-empty rows |
 | ``seq-mean-token-sum-norm``| sum over rows of the row's token sum / ``loss_scale_factor`` (default ``t``) | number of non-empty rows |
+| ``token-sum``             | sum of masked token losses              | 1 (no normaliser)        |
 
 Rows whose mask is all zero (empty responses) add nothing to either side (verl excludes
 "fully masked sequences"). An all-empty batch gives loss 0 rather than NaN.
@@ -26,17 +27,20 @@ from jaxrl_llm.algos import _masked as M
 from jaxrl_llm.algos._registry import check_choice
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                  "seq-mean-token-sum-norm")
+                  "seq-mean-token-sum-norm", "token-sum")
 
 
 def agg_loss_denominator(loss_mask: jax.Array, loss_agg_mode: str) -> jax.Array:
     """This batch's normaliser: token count (token-mean) or non-empty row count. mask: [b, t].
 
     Sum it over all micro-batches (and devices) of a mini-batch to get the ``global_*`` value
-    that ``agg_loss``/``agg_loss_terms``/the policy losses accept.
+    that ``agg_loss``/``agg_loss_terms``/the policy losses accept. ``token-sum`` has no
+    normaliser: 1 for the whole mini-batch (add only the numerators of its micro-batches).
     """
     check_choice(loss_agg_mode, LOSS_AGG_MODES, "loss_agg_mode")
     mask = loss_mask.astype(jnp.float32)
+    if loss_agg_mode == "token-sum":
+        return jnp.ones((), jnp.float32)
     if loss_agg_mode == "token-mean":
         return mask.sum()
     return (mask.sum(-1) > 0).astype(jnp.float32).sum()
@@ -44,7 +48,7 @@ def agg_loss_denominator(loss_mask: jax.Array, loss_agg_mode: str) -> jax.Array:
 
 def _numerator(loss_mat, loss_mask, loss_agg_mode, loss_scale_factor):
     mask = loss_mask.astype(loss_mat.dtype)
-    if loss_agg_mode == "token-mean":
+    if loss_agg_mode in ("token-mean", "token-sum"):
         return M.masked_sum(loss_mat, mask)
     row_sum = M.masked_sum(loss_mat, mask, axis=-1)
     if loss_agg_mode == "seq-mean-token-mean":
@@ -83,6 +87,8 @@ def agg_loss_terms(loss_mat, loss_mask, loss_agg_mode, *, global_batch_size=None
 def _agg_terms(loss_mat, loss_mask, loss_agg_mode, global_batch_size, global_token_count,
                loss_scale_factor):
     num = _numerator(loss_mat, loss_mask, loss_agg_mode, loss_scale_factor)
+    if loss_agg_mode == "token-sum":  # no normaliser, whatever the micro-batch split
+        return num, jnp.ones((), num.dtype)
     override = global_token_count if loss_agg_mode == "token-mean" else global_batch_size
     if override is not None:
         return num, jnp.asarray(override, num.dtype)

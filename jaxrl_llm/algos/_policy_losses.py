@@ -4,7 +4,7 @@ Every loss has the signature::
 
     fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", *,
        rollout_is_weights=None, global_batch_size=None, global_token_count=None,
-       loss_scale_factor=None, **hyper) -> (loss, metrics)
+       global_row_count=None, loss_scale_factor=None, **hyper) -> (loss, metrics)
 
 Shapes ``[b, t]``; ``loss`` is a scalar to minimise; ``metrics`` always holds
 ``pg_clipfrac``, ``ppo_kl`` and ``pg_clipfrac_lower`` (0 where a loss has no such notion), so
@@ -12,7 +12,9 @@ every loss returns the same pytree under jit. ``hyper`` uses verl's actor config
 (``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``, ``tau_pos``,
 ``tau_neg``); a loss ignores the names that belong to other losses, and an unknown name is a
 ``TypeError``. ``rollout_is_weights`` (treated as constants) multiply the per-token loss.
-``global_*`` are passed to ``agg_loss`` (see ``agg_loss_terms`` for exact accumulation).
+``global_*`` are passed to ``agg_loss`` (see ``agg_loss_terms`` for exact accumulation);
+``global_row_count`` (all rows of the mini-batch, empty ones included) is for losses that
+average over every row (``geo_mean``); the others ignore it.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ from jaxrl_llm.algos._registry import lookup, register
 POLICY_LOSSES: dict[str, Callable] = {}
 ACTOR_HYPER_NAMES = frozenset(
     {"clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg"})
-_COMMON = ("rollout_is_weights", "global_batch_size", "global_token_count", "loss_scale_factor")
+_COMMON = ("rollout_is_weights", "global_batch_size", "global_token_count", "global_row_count",
+           "loss_scale_factor")
 
 
 def get_policy_loss(name: str) -> Callable:
@@ -190,16 +193,19 @@ def cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="toke
 @_policy_loss("geo_mean")
 def geo_mean(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", *,
              clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, rollout_is_weights=None,
-             global_batch_size=None, global_token_count=None, loss_scale_factor=None):
+             global_batch_size=None, global_token_count=None, global_row_count=None,
+             loss_scale_factor=None):
     """GMPO: geometric-mean ratio per sequence with token-level, sign-aware clipping.
 
     d_t = logp - old, clipped to [-lo, hi] on the side that helps A; ratio_i =
     exp(mean_t d_t); L_i = -mean_t(A) * ratio_i; loss = mean over rows (verl: ``torch.mean``
     over all ``b`` rows, empty rows included; ``loss_agg_mode`` is unused). With
-    ``global_batch_size`` the row sum is divided by it instead, so pass the total row count.
+    ``global_row_count`` (the mini-batch's row count, empty rows included) the row sum is
+    divided by it instead, so micro-batch losses add up to the mini-batch loss.
+    ``global_batch_size`` (non-empty rows) is ignored: it is the wrong count here.
     ``rollout_is_weights`` enter as their per-row geometric mean.
     """
-    del loss_agg_mode, global_token_count, loss_scale_factor
+    del loss_agg_mode, global_batch_size, global_token_count, loss_scale_factor
     low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
     mask = response_mask.astype(log_prob.dtype)
     neg_kl = log_prob - old_log_prob
@@ -213,7 +219,7 @@ def geo_mean(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="t
     if rollout_is_weights is not None:
         log_w = jnp.log(jax.lax.stop_gradient(rollout_is_weights) + 1e-10)
         pg_losses = pg_losses * jnp.exp(M.masked_sum(log_w, mask, axis=-1) / n)
-    den = pg_losses.shape[0] if global_batch_size is None else global_batch_size
+    den = pg_losses.shape[0] if global_row_count is None else global_row_count
     loss = pg_losses.sum() / den
     clipped = neg_kl != neg_kl_clamp
     metrics = {

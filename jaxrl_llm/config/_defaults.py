@@ -9,8 +9,8 @@ from ml_collections import ConfigDict
 
 
 def _optim(lr: float) -> dict:
-    return dict(lr=lr, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8, warmup_steps=0,
-                lr_schedule="constant", min_lr_ratio=0.0, clip_grad=1.0)
+    return dict(lr=lr, weight_decay=0.01, weight_decay_1d=False, betas=(0.9, 0.999), eps=1e-8,
+                warmup_steps=0, lr_schedule="constant", min_lr_ratio=0.0, clip_grad=1.0)
 
 
 def base_config() -> ConfigDict:

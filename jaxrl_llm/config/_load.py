@@ -22,7 +22,8 @@ from ._schema import RunConfig
 ADV_ESTIMATORS = ("gae", "grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus",
                   "reinforce_plus_plus_baseline", "remax", "gpg")
 POLICY_LOSSES = ("vanilla", "gspo", "gpg", "cispo", "geo_mean", "sapo")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                  "token-sum")
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
                 "kl+", "k1+", "abs+", "low_var_kl+", "k3+")  # "+": k2's gradient (straight-through)
 ROLLOUT_IS_LEVELS = ("token", "sequence")

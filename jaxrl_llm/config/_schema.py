@@ -60,6 +60,7 @@ class ModelSection:
 class OptimConfig:
     lr: float
     weight_decay: float
+    weight_decay_1d: bool  # also decay 1-D params (norm scales, biases); False = the usual mask
     betas: tuple[float, float]
     eps: float
     warmup_steps: int

@@ -65,23 +65,14 @@ def token_level_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndar
 
 def compute_advantages(batch: dict, *, estimator: str, gamma: float, lam: float,
                        norm_adv_by_std_in_grpo: bool) -> tuple[np.ndarray, np.ndarray]:
-    """`algos.ADV_ESTIMATORS[estimator]` on the batch's verl fields -> (advantages, returns)."""
-    fn = algos.get_adv_estimator(estimator)
-    r = jnp.asarray(batch["token_level_rewards"])
-    mask = jnp.asarray(batch["response_mask"])
-    g = jnp.asarray(batch["group_ids"])
-    if estimator == "gae":
-        adv, ret = fn(r, jnp.asarray(batch["values"]), mask, gamma, lam)
-    elif estimator in ("grpo", "grpo_passk"):
-        adv, ret = fn(r, mask, g, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
-    elif estimator in ("rloo", "opo", "reinforce_plus_plus_baseline", "gpg"):
-        adv, ret = fn(r, mask, g)
-    elif estimator == "reinforce_plus_plus":
-        adv, ret = fn(r, mask, gamma)
-    elif estimator == "remax":
-        adv, ret = fn(r, jnp.asarray(batch["reward_baselines"]), mask)
-    else:
-        raise ValueError(f"unknown adv_estimator {estimator!r}")
+    """`algos.compute_advantage(estimator, ...)` on the batch's verl fields -> (advantages, returns).
+
+    Every estimator gets the same inputs (the batch fields it may need, numpy: `grpo_passk`
+    checks group sizes eagerly); a field the estimator needs and the batch lacks is an error."""
+    fields = ("token_level_rewards", "response_mask", "group_ids", "values", "reward_baselines")
+    adv, ret = algos.compute_advantage(
+        estimator, **{k: np.asarray(batch[k]) for k in fields if k in batch}, gamma=gamma, lam=lam,
+        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
     adv, ret = jax.device_get((adv, ret))
     return np.asarray(adv, np.float32), np.asarray(ret, np.float32)
 

@@ -62,14 +62,23 @@ def lr_schedule(optim: OptimConfig, total_steps: int) -> optax.Schedule:
         end_value=optim.lr * optim.min_lr_ratio)
 
 
+def decay_mask(params):
+    """True for the parameters weight decay applies to: those with more than one dimension
+    (matrices, embeddings); norm scales and biases (1-D) are left alone, as usual."""
+    return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
 def build_optimizer(optim: OptimConfig, total_steps: int):
-    """AdamW with global-norm clipping. Returns (transformation, schedule)."""
+    """AdamW with global-norm clipping. Returns (transformation, schedule).
+
+    Weight decay skips 1-D parameters unless `optim.weight_decay_1d` is set."""
     schedule = lr_schedule(optim, total_steps)
     parts = []
     if optim.clip_grad > 0:
         parts.append(optax.clip_by_global_norm(optim.clip_grad))
     parts.append(optax.adamw(schedule, b1=optim.betas[0], b2=optim.betas[1], eps=optim.eps,
-                             weight_decay=optim.weight_decay))
+                             weight_decay=optim.weight_decay,
+                             mask=None if optim.weight_decay_1d else decay_mask))
     return optax.chain(*parts), schedule
 
 

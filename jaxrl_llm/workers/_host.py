@@ -65,8 +65,8 @@ class HostWorker:
         if self._sft is None:
             s = self.config.sft
             optim = self.config.actor.optim.__class__(
-                lr=s.lr, weight_decay=0.0, betas=(0.9, 0.98), eps=1e-8, warmup_steps=s.warmup_steps,
-                lr_schedule="cosine", min_lr_ratio=0.1, clip_grad=1.0)
+                lr=s.lr, weight_decay=0.0, weight_decay_1d=False, betas=(0.9, 0.98), eps=1e-8,
+                warmup_steps=s.warmup_steps, lr_schedule="cosine", min_lr_ratio=0.1, clip_grad=1.0)
             self._sft = SFTWorker(self._model, optim, mesh=self.mesh, total_steps=s.steps,
                                   micro_per_device=max(s.batch_size, 1))
         return self._sft.step(batch)

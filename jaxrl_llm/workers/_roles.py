@@ -103,7 +103,8 @@ class ActorWorker(_Trained):
             m["old_log_probs"], log_prob, m["advantages"], mask, c.loss_agg_mode,
             clip_ratio=c.clip_ratio, clip_ratio_low=c.clip_ratio_low,
             clip_ratio_high=c.clip_ratio_high, clip_ratio_c=c.clip_ratio_c,
-            rollout_is_weights=m.get("rollout_is_weights"), **glob)
+            rollout_is_weights=m.get("rollout_is_weights"),
+            global_row_count=denoms["rows"], **glob)  # rows: geo_mean averages over every row
         entropy_loss = algos.agg_loss(entropy, mask, c.loss_agg_mode, **glob)
         loss = pg_loss - c.entropy_coeff * entropy_loss
         metrics = {"pg_loss": pg_loss, "entropy": entropy_loss, **pg_metrics}

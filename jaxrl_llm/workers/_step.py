@@ -25,9 +25,10 @@ SUMMED_METRICS = frozenset({"pg_loss", "entropy", "kl_loss", "vf_loss", "nll"})
 
 
 def denominators(mask: jax.Array) -> dict[str, jax.Array]:
-    """Mini-batch normalisers from a [..., t] mask: tokens and non-empty rows."""
+    """Mini-batch normalisers from a [..., t] mask: tokens, non-empty rows and all rows."""
     m = mask.astype(jnp.float32)
-    return {"tokens": m.sum(), "seqs": (m.sum(-1) > 0).astype(jnp.float32).sum()}
+    return {"tokens": m.sum(), "seqs": (m.sum(-1) > 0).astype(jnp.float32).sum(),
+            "rows": jnp.float32(np.prod(m.shape[:-1]))}
 
 
 def make_update_step(graphdef, tx: optax.GradientTransformation, schedule, loss_fn: Callable,

@@ -239,3 +239,37 @@ def test_estimators_vmap_over_stacked_batches():
     for k in range(3):
         close(out[k], ref_grpo(r[k], MASK, ids[k]))
     assert jnp.all(jnp.isfinite(out))
+
+
+def _all_inputs(b=8, t=4):
+    rng = np.random.default_rng(3)
+    return dict(token_level_rewards=_rewards(), response_mask=MASK, group_ids=IDS,
+                values=rng.normal(size=(b, t)).astype(np.float32),
+                reward_baselines=rng.normal(size=b).astype(np.float32),
+                gamma=1.0, lam=0.95, norm_adv_by_std_in_grpo=True)
+
+
+@pytest.mark.parametrize("name", sorted(algos.ADV_ESTIMATORS))
+def test_every_estimator_runs_through_one_keyword_signature(name):
+    inputs = _all_inputs()
+    if name == "grpo_passk":  # needs groups of 2+
+        inputs["group_ids"] = np.repeat(np.arange(4, dtype=np.int32), 2)
+    adv, ret = algos.compute_advantage(name, **inputs)
+    assert adv.shape == ret.shape == MASK.shape and np.isfinite(np.asarray(adv)).all()
+
+
+def test_compute_advantage_takes_each_estimators_own_inputs():
+    inputs = _all_inputs()
+    adv, _ = algos.compute_advantage("remax", **inputs)
+    close(adv, algos.remax(inputs["token_level_rewards"], inputs["reward_baselines"], MASK)[0])
+    adv, _ = algos.compute_advantage("grpo", **dict(inputs, norm_adv_by_std_in_grpo=False))
+    close(adv, algos.grpo(_rewards(), MASK, IDS, norm_adv_by_std_in_grpo=False)[0])
+
+
+def test_compute_advantage_names_a_missing_input_and_rejects_unknown_ones():
+    inputs = _all_inputs()
+    del inputs["reward_baselines"]
+    with pytest.raises(ValueError, match="remax.*reward_baselines"):
+        algos.compute_advantage("remax", **inputs)
+    with pytest.raises(TypeError, match="index"):
+        algos.compute_advantage("grpo", index=IDS, **inputs)

@@ -19,6 +19,7 @@ LOSS_MASK = np.array([[1, 1, 1], [1, 0, 0], [0, 0, 0]], np.float32)  # row 2 is 
     ("seq-mean-token-sum", 10 / 2),
     ("seq-mean-token-mean", (2 + 4) / 2),
     ("seq-mean-token-sum-norm", 10 / 2 / 3),
+    ("token-sum", 10.0),
 ])
 def test_agg_loss_hand_values_exclude_empty_rows(mode, expected):
     close(algos.agg_loss(LOSS_MAT, LOSS_MASK, mode), expected)
@@ -38,7 +39,7 @@ def test_agg_loss_sum_norm_uses_loss_scale_factor():
 
 def test_agg_loss_unknown_mode_lists_valid_modes():
     with pytest.raises(ValueError, match="seq-mean-token-mean"):
-        algos.agg_loss(LOSS_MAT, LOSS_MASK, "token-sum")
+        algos.agg_loss(LOSS_MAT, LOSS_MASK, "token-median")
 
 
 def _random_batch(seed=0, b=8, t=6):
@@ -59,7 +60,7 @@ def test_micro_batch_sum_and_count_equals_full_batch(mode):
     parts = [algos.agg_loss_terms(new[i:i + 2], mask[i:i + 2], mode) for i in range(0, 8, 2)]
     num = sum(p[0] for p in parts)
     den = sum(p[1] for p in parts)
-    close(num / den, full)
+    close(num if mode == "token-sum" else num / den, full)  # token-sum: no normaliser to add
     # verl's way: divide each micro-batch by the global count, then add.
     g = sum(algos.agg_loss_denominator(mask[i:i + 2], mode) for i in range(0, 8, 2))
     kw = {"global_token_count": g} if mode == "token-mean" else {"global_batch_size": g}
@@ -67,18 +68,26 @@ def test_micro_batch_sum_and_count_equals_full_batch(mode):
     close(shares, full)
 
 
-@pytest.mark.parametrize("name", ["vanilla", "gspo", "cispo", "sapo", "gpg"])
+def test_token_sum_ignores_global_counts():
+    close(algos.agg_loss(LOSS_MAT, LOSS_MASK, "token-sum", global_token_count=7.0,
+                         global_batch_size=3.0), 10.0)
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gspo", "cispo", "sapo", "gpg", "geo_mean"])
 def test_policy_loss_micro_batch_gradients_equal_full_batch(name):
-    old, new, adv, mask = _random_batch(2)
+    old, new, adv, mask = _random_batch(2)  # row 1 is empty
     mode = "seq-mean-token-mean" if name in ("gspo", "sapo") else "token-mean"
     fn = algos.get_policy_loss(name)
     key = "global_token_count" if mode == "token-mean" else "global_batch_size"
+    if name == "geo_mean":  # a mean over all rows, the empty one included (verl)
+        key = "global_row_count"
 
     @jax.jit
     def loss_and_grad(lp, old, adv, mask, den):
         return jax.value_and_grad(lambda x: fn(old, x, adv, mask, mode, **{key: den})[0])(lp)
 
-    full_den = algos.agg_loss_denominator(mask, mode)
+    full_den = (np.float32(mask.shape[0]) if key == "global_row_count"
+                else algos.agg_loss_denominator(mask, mode))
     full_loss, grad_full = loss_and_grad(new, old, adv, mask, full_den)
     close(full_loss, fn(old, new, adv, mask, mode)[0])  # global count = own count
     parts = [loss_and_grad(new[s], old[s], adv[s], mask[s], full_den)
