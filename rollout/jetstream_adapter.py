@@ -7,6 +7,8 @@ applies the two fixes 0.2.2 needs on current JAX:
   die and the process be killed. We replace it with a `jax.tree.map` version.
 - importing the orchestrator sets the root logger to DEBUG and adds a stdout handler: we restore
   the root logger's level and handlers.
+0.2.2 also prepends `bos_id` to every request; for models without a BOS token the patched
+`Driver` prepends nothing, so served prompts are the tokens sent (as the trainer's engine sees them).
 Every driver thread is a `JetThread`, which SIGKILLs the whole process on any exception. Two
 0.2.2 races raise there, and `import_jetstream()` fixes both:
 - after filling slots, the generate thread asserts that some slot is in use, but the detokenize
@@ -112,6 +114,15 @@ def _patch_driver(base):
                     logging.getLogger(__name__).info(
                         "generate thread %d: every slot was freed during a step; restarting", idx)
 
+        def _process_prefill_content(self, request, tokenizer, is_bos, max_prefill_length):
+            # 0.2.2 prepends tokenizer.bos_id to every new request; a model without a BOS token
+            # (Qwen2.5, the char tokenizer) must get its prompt as sent, like the trainer's engine
+            if not getattr(tokenizer, "adds_bos", True):
+                is_bos = False
+                if not isinstance(request.prefill_content, str):  # pad_tokens needs an array then
+                    request.prefill_content = np.asarray(request.prefill_content, np.int32)
+            return super()._process_prefill_content(request, tokenizer, is_bos, max_prefill_length)
+
     return Driver
 
 
@@ -123,6 +134,8 @@ def _make_tokenizer(js, engine: Engine):
         bos = getattr(inner, "bos_token_id", None)
 
     class Tokenizer(js.tokenizer_api.Tokenizer):
+        adds_bos = bos is not None  # read by the patched Driver: no BOS token, nothing prepended
+
         def encode(self, s: str, **kwargs):
             if inner is None:
                 raise ValueError("this engine has no tokenizer: send token_content, not text")
@@ -147,8 +160,8 @@ def _make_tokenizer(js, engine: Engine):
 
         @property
         def bos_id(self) -> int:
-            # JetStream 0.2.2 always prepends bos_id to token_content requests; models without a
-            # BOS token get the pad id there.
+            # JetStream's API needs an int; for a model without a BOS token nothing is prepended
+            # (`adds_bos` False), so the pad id reported here is never sent to the model.
             return engine.pad_token_id if bos is None else int(bos)
 
         @property

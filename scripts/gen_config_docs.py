@@ -151,6 +151,8 @@ DESCRIPTIONS = {
     "TrainerConfig.save_freq": "Checkpoint every this many steps (and always at the end); 0 = only at the end.",
     "TrainerConfig.test_freq": "Validate every this many steps (and at the end); 0 = only at the end.",
     "TrainerConfig.val_before_train": "Validate once before the first step.",
+    "TrainerConfig.val_only": "Validate the current weights (the newest checkpoint if any, else the initial model), log `val-core/*`, `val-aux/*` at that step, and exit without training.",
+    "TrainerConfig.log_val_generations": "Validation responses (prompt, response, score, ground truth) written per validation to `<run>/val_generations.jsonl` and TensorBoard text; the same rows every time; 0 = none.",
     "TrainerConfig.default_local_dir": "Run folder: metrics, TensorBoard logs, checkpoints, HF export, curves.",
     "TrainerConfig.resume_mode": "`auto` (latest checkpoint in the run folder), `disable`, or a checkpoint path.",
     "TrainerConfig.max_to_keep": "Checkpoints kept.",

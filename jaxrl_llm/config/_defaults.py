@@ -63,6 +63,7 @@ def base_config() -> ConfigDict:
                  builtin_trailing_junk=0.0, builtin_no_tool=0.0)
     c.trainer = dict(
         backend="ray", total_training_steps=100, save_freq=0, test_freq=0, val_before_train=True,
+        val_only=False, log_val_generations=10,
         default_local_dir="runs/default", resume_mode="auto", max_to_keep=2, max_nonfinite_steps=3,
         async_save=True,
         export_hf=True, logger=("console", "jsonl", "tensorboard"), project_name="jaxrl_llm",

@@ -194,6 +194,9 @@ def validate(c: RunConfig) -> None:
     _positive(c.actor.ppo_epochs, "actor.ppo_epochs")
     _positive(c.actor.optim.lr, "actor.optim.lr")
     _positive(c.sft.steps, "sft.steps", allow_zero=True)
+    _positive(c.trainer.log_val_generations, "trainer.log_val_generations", allow_zero=True)
+    if c.trainer.val_only and not c.data.val_files:
+        raise ConfigError("trainer.val_only=True needs validation data: set data.val_files")
     if c.rollout.temperature < 0:
         raise ConfigError(f"rollout.temperature must be >= 0, got {c.rollout.temperature}")
     if not 0 < c.rollout.top_p <= 1:

@@ -252,6 +252,8 @@ class TrainerConfig:
     save_freq: int  # 0 = only at the end
     test_freq: int  # 0 = only at the end
     val_before_train: bool
+    val_only: bool  # validate (no training) and exit
+    log_val_generations: int  # validation samples written per validation (0 = none)
     default_local_dir: str
     resume_mode: str  # auto | disable | <checkpoint path>
     max_to_keep: int

@@ -1,7 +1,7 @@
 """Training metrics: verl-named calculators and a console + jsonl + TensorBoard logger.
 
 Calculators are pure functions over host numpy batches (`compute_data_metrics`, timing,
-throughput, MFU); `MetricsLogger` writes what the trainer hands it; `plot_curves` turns a run's
+throughput, MFU); `MetricsLogger` writes what the trainer hands it; `process_validation_metrics` computes verl's val-core/val-aux metrics; `plot_curves` turns a run's
 `metrics.jsonl` into a PNG; `JsonReport` and `perfetto_trace` serve
 the benchmark scripts. Computing the actor/critic loss metrics is left to `algos`/`workers`.
 """
@@ -16,10 +16,12 @@ from jaxrl_llm.metrics._perf import (
 )
 from jaxrl_llm.metrics._plot import plot_curves
 from jaxrl_llm.metrics._report import JsonReport, perfetto_trace
+from jaxrl_llm.metrics._validation import bootstrap_metric, process_validation_metrics
 
 __all__ = [
     "JsonReport",
     "MetricsLogger",
+    "bootstrap_metric",
     "compute_data_metrics",
     "compute_mfu",
     "compute_throughput_metrics",
@@ -28,6 +30,7 @@ __all__ = [
     "peak_flops",
     "perfetto_trace",
     "plot_curves",
+    "process_validation_metrics",
     "read_jsonl",
     "reduce_metrics",
 ]

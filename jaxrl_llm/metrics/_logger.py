@@ -118,6 +118,28 @@ class MetricsLogger:
             write_console(format_table(values, int(step)))
         self._calls += 1
 
+    @property
+    def generations_path(self) -> Path:
+        return self.run_dir / "val_generations.jsonl"
+
+    def log_generations(self, samples: list[Mapping[str, Any]], step: int) -> None:
+        """Validation samples (prompt, response, score, ground truth, ...): one JSON row per
+        sample in `<run_dir>/val_generations.jsonl` and a markdown table as TensorBoard text
+        `val/generations` (verl's `log_val_generations`)."""
+        if not self.enable or not samples:
+            return
+        if "jsonl" in self.backends:
+            with open(self.generations_path, "a", encoding="utf-8") as f:
+                for s in samples:
+                    f.write(json.dumps({STEP_KEY: int(step), **s}, default=str) + "\n")
+        if self._tb is not None:
+            cols = list(samples[0])
+            cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
+            table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            table += ["| " + " | ".join(cell(s.get(c, "")) for c in cols) + " |" for s in samples]
+            self._tb.add_text("val/generations", "\n".join(table), global_step=int(step))
+            self._tb.flush()
+
     def close(self) -> None:
         """Flush and close the files; safe to call twice."""
         if self._jsonl is not None:

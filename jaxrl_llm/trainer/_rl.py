@@ -135,6 +135,10 @@ class RLTrainer:
             if resume is not None:
                 self._restore(*resume)
             last_val = {}
+            if c.trainer.val_only:  # verl's val_only: the current weights' validation, no training
+                last_val = self.validate()
+                self.logger.log(last_val, step=self.global_step)
+                return last_val
             if c.trainer.val_before_train and self.val_set is not None and self.global_step == 0:
                 last_val = self.validate()
                 self.logger.log(last_val, step=0)
@@ -421,15 +425,22 @@ class RLTrainer:
         return out
 
     # -- validation --------------------------------------------------------------------------------
-    def validate(self) -> dict:
+    def validate(self, step: int | None = None) -> dict:
+        """verl's validation metrics (`M.process_validation_metrics`) over `rollout.val.n`
+        responses per validation prompt; writes `trainer.log_val_generations` samples of them
+        for `step` (default: the current step) to `<run>/val_generations.jsonl` and TensorBoard."""
         c = self.config
         v = c.rollout.val
         examples = list(self.val_set)
-        scores_by_source: dict[str, list[float]] = {}
+        rows = dict(data_source=[], prompt=[], response=[], ground_truth=[])
+        infos: dict[str, list[float]] = {"reward": []}
         for start in range(0, len(examples), c.data.val_batch_size):
             chunk = examples[start:start + c.data.val_batch_size]
             if c.rollout.multi_turn.enable:  # the same agent loops as training
-                scores = self._agent_generate(chunk, v, seed=self._seed(4) + start)["scores"]
+                gen = self._agent_generate(chunk, v, seed=self._seed(4) + start)
+                scores, extra = gen["scores"], gen["reward_extra"]
+                prompts = [self.tokenizer.decode(list(ids)) for ids in gen["prompt_ids"]]
+                lengths = np.asarray(gen["response_attention_mask"]).sum(-1)
             else:
                 gen = self.call0("generate", [e.prompt_ids for e in chunk], n=v.n,
                                  max_new_tokens=c.data.max_response_length,
@@ -437,10 +448,36 @@ class RLTrainer:
                                  seed=self._seed(4) + start)
                 batch = B.rollout_batch(chunk, gen, n=v.n, pad_token_id=self.pad_id,
                                         max_prompt_length=c.data.max_prompt_length)
-                scores, _, _ = self._score(chunk, batch, v.n)
-            for i, e in enumerate(chunk):
-                scores_by_source.setdefault(e.data_source, []).append(float(np.mean(scores[i * v.n:(i + 1) * v.n])))
-        return {f"val-core/{ds}/reward/mean@{v.n}": float(np.mean(s)) for ds, s in scores_by_source.items()}
+                scores, extra, _ = self._score(chunk, batch, v.n)
+                prompts = [self.tokenizer.decode(list(e.prompt_ids)) for e in chunk for _ in range(v.n)]
+                lengths = gen["response_mask"].sum(-1)
+            rows["prompt"] += prompts
+            rows["response"] += [self.tokenizer.decode(r[:k].tolist()) for r, k in zip(gen["responses"], lengths)]
+            rows["data_source"] += [e.data_source for e in chunk for _ in range(v.n)]
+            rows["ground_truth"] += [e.ground_truth for e in chunk for _ in range(v.n)]
+            start_row = len(infos["reward"])
+            infos["reward"] += [float(x) for x in scores]
+            for k, vals in extra.items():  # a field some rows lack is 0 there (as in training)
+                col = infos.setdefault(k, [0.0] * start_row)
+                col += [float(x) for x in vals]
+            for col in infos.values():
+                col += [0.0] * (len(infos["reward"]) - len(col))
+        keys = [i // v.n for i in range(len(infos["reward"]))]  # the prompt each response answers
+        out = M.process_validation_metrics(rows["data_source"], keys, infos, seed=c.trainer.seed)
+        self._log_val_generations(rows, infos["reward"], self.global_step if step is None else step)
+        return out
+
+    def _log_val_generations(self, rows: dict, scores: list[float], step: int) -> None:
+        """verl's `log_val_generations`: the same `trainer.log_val_generations` responses
+        (a fixed random choice) at every validation, with prompt, score and ground truth."""
+        k = min(self.config.trainer.log_val_generations, len(scores))
+        if k == 0 or not self.logger_enabled:
+            return
+        pick = sorted(np.random.default_rng(42).permutation(len(scores))[:k].tolist())
+        samples = [{"data_source": rows["data_source"][i], "prompt": rows["prompt"][i],
+                    "response": rows["response"][i], "score": scores[i],
+                    "ground_truth": _jsonable(rows["ground_truth"][i])} for i in pick]
+        self.logger.log_generations(samples, step=step)
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def _meta(self) -> dict:
@@ -463,6 +500,10 @@ class RLTrainer:
         self.nonfinite_steps = int(meta.get("nonfinite_steps", 0))
         self.nonfinite_streak = int(meta.get("nonfinite_streak", 0))
         log.info("resumed from %s at step %d", directory, self.global_step)
+
+
+def _jsonable(x):
+    return x if isinstance(x, (str, int, float, bool, type(None), list, dict)) else str(x)
 
 
 def _use_cpu_for_controller() -> None:

@@ -11,6 +11,7 @@ import sys
 import grpc
 import numpy as np
 import portpicker
+import pytest
 
 import rollout
 from conftest import greedy_reference
@@ -56,14 +57,15 @@ def test_jetstream_driver_returns_the_same_tokens_as_our_driver(tiny_engine, tin
     assert isinstance(jse, js.engine_api.Engine)
     driver = jetstream_adapter.make_driver(tiny_engine)
     orch = js.orchestrator.LLMOrchestrator(driver=driver)
-    bos = jse.build_tokenizer(jse.get_tokenizer()).bos_id  # 0.2.2 prepends it to token requests
+    # the fixture has no BOS token: 0.2.2 would prepend bos_id (the pad id) to every request
+    assert not jse.build_tokenizer(jse.get_tokenizer()).adds_bos
     try:
         async def run_all():  # concurrent requests: several slots, inserted at different steps
             return await asyncio.gather(*[_decode_all(orch, js, p, 8) for p in prompts[:5]])
         served = asyncio.run(run_all())
     finally:
         driver.stop()
-    ours = tiny_driver.generate([[bos] + p for p in prompts[:5]], n=1, max_new_tokens=8,
+    ours = tiny_driver.generate(prompts[:5], n=1, max_new_tokens=8,
                                 sampling=rollout.SamplingParams(0.0))
     for i in range(5):
         n = ours.response_lengths[i]
@@ -74,28 +76,54 @@ def test_jetstream_driver_returns_the_same_tokens_as_our_driver(tiny_engine, tin
         assert len(served[i]) > 0
 
 
-def test_grpc_server_answers_decode_on_loopback():
+def test_served_greedy_outputs_equal_the_in_process_engine():
+    """Served in the checkpoint's dtype (no --dtype) with nothing prepended to BOS-less prompts:
+    the gRPC answers are the trainer-side engine's greedy answers for the same token ids."""
     from rollout import serve
     port = portpicker.pick_unused_port()
     args = serve.parse_args(["--checkpoint", FIXTURE, "--port", str(port), "--slots", "2",
-                             "--max-prefill-length", "16", "--max-target-length", "32",
-                             "--dtype", "float32", "--temperature", "0"])
+                             "--max-prefill-length", "16", "--max-target-length", "32", "--temperature", "0"])
+    prompts = [[5, 17, 42, 8], [9], [30, 31, 32, 33, 34, 35, 36]]
     server = serve.start(args)
     js = jetstream_adapter.import_jetstream()
     try:
         with grpc.secure_channel(f"127.0.0.1:{port}", grpc.local_channel_credentials()) as channel:
             stub = js.jetstream_pb2_grpc.OrchestratorStub(channel)
             assert stub.HealthCheck(js.jetstream_pb2.HealthCheckRequest()).is_live
-            req = js.jetstream_pb2.DecodeRequest(
-                token_content=js.jetstream_pb2.DecodeRequest.TokenContent(token_ids=[5, 17, 42, 8]),
-                max_tokens=5)
-            got = [t for r in stub.Decode(req, timeout=120) for t in r.stream_content.samples[0].token_ids]
+            got = []
+            for ids in prompts:
+                req = js.jetstream_pb2.DecodeRequest(
+                    token_content=js.jetstream_pb2.DecodeRequest.TokenContent(token_ids=ids), max_tokens=5)
+                got.append([t for r in stub.Decode(req, timeout=120) for t in r.stream_content.samples[0].token_ids])
     finally:
         server.stop()
+    engine = rollout.Engine.from_pretrained(FIXTURE, max_concurrent_decodes=2, max_prefill_length=16,
+                                            max_target_length=32, dtype="float32", temperature=0.0)
+    ours = rollout.RolloutDriver(engine).generate(prompts, n=1, max_new_tokens=5,
+                                                  sampling=rollout.SamplingParams(0.0))
     from jaxrl_llm.models import from_pretrained
     model = from_pretrained(FIXTURE)
-    assert got == greedy_reference(model, [0, 5, 17, 42, 8], 5)  # bos (= pad id 0) prepended
-    assert np.asarray(got).size == 5
+    for i, ids in enumerate(prompts):
+        assert got[i] == ours.responses[i, :ours.response_lengths[i]].tolist(), i
+        assert got[i] == greedy_reference(model, ids, 5), i
+
+
+def test_serve_defaults_to_the_checkpoints_dtype_and_positions(tmp_path, capsys):
+    from rollout import serve
+    assert serve.parse_args(["--checkpoint", FIXTURE]).dtype == "checkpoint"
+    assert serve.checkpoint_dtype(FIXTURE) == "float32"
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16", "max_position_embeddings": 256}')
+    assert serve.checkpoint_dtype(str(tmp_path)) == "bfloat16"
+    assert serve.target_length(str(tmp_path), None) == 256
+    assert capsys.readouterr().err == ""
+    assert serve.target_length(str(tmp_path), 1024) == 1024
+    assert "exceeds the model's max_position_embeddings 256" in capsys.readouterr().err
+
+
+def test_serve_names_the_hf_folder_when_given_something_else(tmp_path):
+    from rollout import serve
+    with pytest.raises(FileNotFoundError, match="hf_actor"):
+        serve.checkpoint_dtype(str(tmp_path))
 
 
 _SERVE_MANY = r"""
@@ -133,7 +161,7 @@ def test_server_survives_slots_freed_during_a_generate_step():
     got = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("[")]
     assert len(got) == requests
     from jaxrl_llm.models import from_pretrained
-    full = greedy_reference(from_pretrained(FIXTURE), [0, 5, 17, 42, 8], 5)
+    full = greedy_reference(from_pretrained(FIXTURE), [5, 17, 42, 8], 5)  # no BOS prepended
     for i, tokens in enumerate(got):
         assert tokens == full[:1 + i % 5], i
 

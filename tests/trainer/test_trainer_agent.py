@@ -89,7 +89,7 @@ def test_holes_in_the_loss_mask_change_nothing_and_the_loss_is_the_masked_mean(s
 
 def test_validation_uses_the_agent_loops(started):
     val = started.validate()
-    assert list(val) == ["val-core/arithmetic/reward/mean@1"]
+    assert [k for k in val if k.startswith("val-core/")] == ["val-core/arithmetic/reward/mean@1"]
     assert 0.0 <= val["val-core/arithmetic/reward/mean@1"] <= 1.0
 
 
