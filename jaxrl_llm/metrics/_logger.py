@@ -80,24 +80,16 @@ class MetricsLogger:
 
     def rewind(self, step: int) -> None:
         """Forgets every record after `step`, as a run resumed from step `step` must: rows of
-        metrics.jsonl with a larger step (and a torn last line) are dropped, and TensorBoard is
-        told to discard events from `step + 1` on (`purge_step`). The resumed run's files then
-        equal an uninterrupted run's. `step=-1` empties them (a run that starts from scratch)."""
+        metrics.jsonl and val_generations.jsonl with a larger step (and a torn last line) are
+        dropped, and TensorBoard is told to discard events from `step + 1` on (`purge_step`).
+        The resumed run's files then equal an uninterrupted run's. `step=-1` empties them (a run
+        that starts from scratch)."""
         if not self.enable:
             return
         self.close()
-        if "jsonl" in self.backends and self.jsonl_path.is_file():
-            kept = []
-            with open(self.jsonl_path, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        if int(json.loads(line)[STEP_KEY]) <= step:
-                            kept.append(line if line.endswith("\n") else line + "\n")
-                    except (ValueError, KeyError, TypeError):
-                        continue  # a line cut short by a kill
-            tmp = self.jsonl_path.with_name(self.jsonl_path.name + ".tmp")
-            tmp.write_text("".join(kept), encoding="utf-8")
-            tmp.replace(self.jsonl_path)
+        if "jsonl" in self.backends:
+            for path in (self.jsonl_path, self.generations_path):
+                _truncate_jsonl(path, step)
         self._open(purge_step=step + 1)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
@@ -154,6 +146,23 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _truncate_jsonl(path: Path, step: int) -> None:
+    """Keeps the rows of a jsonl file whose STEP_KEY is <= `step` (unparsable lines dropped)."""
+    if not path.is_file():
+        return
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                if int(json.loads(line)[STEP_KEY]) <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a kill
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp.replace(path)
 
 
 def _decode(value: Any) -> Any:

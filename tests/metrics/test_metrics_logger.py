@@ -112,6 +112,7 @@ def test_rewind_drops_rows_after_the_step_and_purges_tensorboard(tmp_path, monke
     with MetricsLogger(tmp_path, backends=("jsonl", "tensorboard")) as logger:
         for step in (1, 2, 3):
             logger.log({"a": float(step)}, step=step)
+            logger.log_generations([{"response": f"r{step}"}], step=step)
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"training/global_step": 4, "a": ')  # a row cut short by a kill
     with MetricsLogger(tmp_path, backends=("jsonl", "tensorboard")) as logger:
@@ -119,4 +120,5 @@ def test_rewind_drops_rows_after_the_step_and_purges_tensorboard(tmp_path, monke
         logger.log({"a": 30.0}, step=3)
     assert [(r[STEP_KEY], r["a"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [
         (1, 1.0), (2, 2.0), (3, 30.0)]
+    assert [r["response"] for r in read_jsonl(tmp_path / "val_generations.jsonl")] == ["r1", "r2"]
     assert purges[-1] == 3
