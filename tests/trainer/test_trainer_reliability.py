@@ -95,3 +95,13 @@ def test_resume_skips_damaged_step_rolls_back_and_leaves_metrics_like_an_uninter
     RLTrainer(_config(cut_dir, **cfg, **{"trainer.resume_mode": str(root / "2")})).fit()
     assert resolve_resume("auto", root)[1] == 4
     _assert_same_rows(_comparable(cut_dir), _comparable(full_dir))
+
+
+def test_workers_refuse_to_write_nan_state():
+    from jaxrl_llm.workers._host import _check_finite
+
+    good = {"actor": {"w": jax.numpy.ones((2, 2)), "count": jax.numpy.zeros((), jax.numpy.int32)}}
+    _check_finite(good, "checkpoint step 1")
+    bad = {"actor": {"w": jax.numpy.ones((2, 2)), "mu": jax.numpy.array([1.0, float("nan")])}}
+    with pytest.raises(FloatingPointError, match=r"refusing to write checkpoint step 3: 1 arrays .*'mu'"):
+        _check_finite(bad, "checkpoint step 3")
