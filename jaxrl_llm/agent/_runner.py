@@ -14,14 +14,15 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_llm.rewards import RewardFunctionError
+
 from jaxrl_llm.agent._loop import AgentContext, AgentLoopOutput, AgentSample, get_agent_loop
+from jaxrl_llm.agent.interactions import load_interactions
+from jaxrl_llm.agent.tools import load_function_tools, load_tools
 
 
 def load_agent_resources(multi_turn) -> tuple[dict, dict]:
     """(tools by name, interactions by name) from `rollout.multi_turn`'s config paths."""
-    from jaxrl_llm.agent.interactions import load_interactions
-    from jaxrl_llm.agent.tools import load_function_tools, load_tools
-
     tools: dict = {}
     sources = ((multi_turn.tool_config_path, load_tools),
                (multi_turn.function_tool_path, load_function_tools))
@@ -121,8 +122,6 @@ class AgentRunner:
 
     def _check_reward_failures(self, samples, results) -> None:
         """reward.max_error_fraction over the batch (each row was scored alone)."""
-        from jaxrl_llm.rewards import RewardFunctionError
-
         failed = [i for i, r in enumerate(results)
                   if r[3] is not None and (r[3].num_errors or r[3].num_timeouts)]
         if len(failed) > self.max_error_fraction * len(results):
