@@ -8,8 +8,9 @@ project asks of this demo. `sft.builtin_off_by_one` is a harder variant (wrong d
 
 Launch (a few minutes on 2 CPU cores):
   python -m jaxrl_llm.train --config=configs/quickstart.py
-Variants: `configs/quickstart.py:local` runs the workers in-process instead of in a Ray actor;
-`configs/quickstart.py:tiny` is a seconds-long smoke run (tests use it).
+Variants: `configs/quickstart.py:local` runs the workers in-process instead of in a Ray actor
+(same run folder, `runs/quickstart/`); `configs/quickstart.py:tiny` is a smoke run with a smaller
+model and data (tests use it) in its own folder, `runs/quickstart-tiny/`.
 """
 from jaxrl_llm.config import base_config
 
@@ -81,4 +82,13 @@ def get_config(arg: str | None = None):
                 c.trainer.save_freq = 1
             else:
                 raise ValueError(f"unknown quickstart variant {variant!r}; use 'local' and/or 'tiny'")
+    if arg and "tiny" in arg.split(","):  # a different model and data: its own run folder
+        use_run_dir(c, "runs/quickstart-tiny")
     return c
+
+
+def use_run_dir(c, run_dir: str) -> None:
+    """Puts the run (checkpoints, metrics) and its generated data files under `run_dir`."""
+    c.trainer.default_local_dir = run_dir
+    c.data.train_files = (f"{run_dir}/data/train.parquet",)
+    c.data.val_files = (f"{run_dir}/data/val.parquet",)

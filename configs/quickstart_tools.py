@@ -11,7 +11,8 @@ that the exact-match scorer rejects. GRPO over agent rollouts (`rollout.multi_tu
 
 Launch (minutes on 2 CPU cores):
   python -m jaxrl_llm.train --config=configs/quickstart_tools.py
-Variants: `local` runs the workers in-process; `tiny` is a short smoke run (tests use it).
+Variants: `local` runs the workers in-process; `tiny` is a short smoke run (tests use it) in its
+own folder, `runs/quickstart_tools-tiny/`.
 """
 import importlib.util
 import os
@@ -35,8 +36,6 @@ def get_config(arg: str | None = None):
         raise ValueError(f"unknown quickstart_tools variant(s) {sorted(unknown)}; use 'local' and/or 'tiny'")
     c = _quickstart(arg)
     c.data.builtin_task = "arithmetic_tools"
-    c.data.train_files = ("runs/quickstart_tools/data/train.parquet",)
-    c.data.val_files = ("runs/quickstart_tools/data/val.parquet",)
     c.data.builtin_max_operand = 99  # a*b with a, b in [10, 99]
     c.data.max_response_length = 96  # all turns: the call, the tool's reply, the answer
     c.model.init.max_position_embeddings = 256
@@ -49,7 +48,10 @@ def get_config(arg: str | None = None):
     c.sft.builtin_no_tool = 0.3
     c.sft.builtin_trailing_junk = 0.7
     c.sft.max_length = 128
-    c.trainer.default_local_dir = "runs/quickstart_tools"
+    # run folder and generated data per variant size (a tiny run must not share the main one's)
+    c.trainer.default_local_dir = "runs/quickstart_tools-tiny" if "tiny" in variants else "runs/quickstart_tools"
+    c.data.train_files = (f"{c.trainer.default_local_dir}/data/train.parquet",)
+    c.data.val_files = (f"{c.trainer.default_local_dir}/data/val.parquet",)
     c.trainer.experiment_name = "quickstart_tools"
     if "tiny" in variants:
         c.data.builtin_val_size = 8

@@ -2,6 +2,8 @@
 
 Uses the config's `model`, `mesh` and `sft` sections (multi-turn `messages`, loss on assistant
 tokens), then writes the model as a Hugging Face folder to `<trainer.default_local_dir>/hf_sft`.
+Its metrics go to `<trainer.default_local_dir>/sft/` (metrics.jsonl, tensorboard/), the folder
+the RL job's SFT warm start writes too; the RL run's own metrics.jsonl is left alone.
 The RL job runs the same SFT as a warm start when `sft.steps > 0`.
 """
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 from absl import app
 from ml_collections import config_flags
 
-from jaxrl_llm.config import to_run_config
+from jaxrl_llm import _cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Run config file.",
                                           lock_config=True)
@@ -32,7 +34,8 @@ def run_sft(run) -> dict:
     host = HostWorker(run, vocab_size=tok.vocab_size, pad_token_id=tok.pad_token_id,
                       stop_token_ids=(tok.eos_token_id,))
     last = {}
-    with MetricsLogger(run.trainer.default_local_dir, backends=tuple(run.trainer.logger)) as logger:
+    with MetricsLogger(f"{run.trainer.default_local_dir}/sft", backends=tuple(run.trainer.logger)) as logger:
+        logger.rewind(-1)  # a new SFT run starts the file anew, as the RL job's warm start does
         for step, batch in enumerate(sft_batches(run, ds, tok.pad_token_id)):
             last = host.sft_step(batch)
             logger.log(last, step=step + 1)
@@ -45,8 +48,8 @@ def run_sft(run) -> dict:
 def main(argv) -> None:
     del argv
     logging.basicConfig(level=logging.INFO)
-    print(json.dumps(run_sft(to_run_config(_CONFIG.value))))
+    print(json.dumps(run_sft(_cli.load_run(_CONFIG))))
 
 
 if __name__ == "__main__":
-    app.run(main, argv=sys.argv)
+    app.run(main, argv=sys.argv, flags_parser=_cli.parse_flags)

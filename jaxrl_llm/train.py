@@ -19,7 +19,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import sharding
-from jaxrl_llm.config import to_run_config
+from jaxrl_llm import _cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Run config file.",
                                           lock_config=True)
@@ -35,7 +35,14 @@ def main(argv) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src", "orbax", "ray"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    run = to_run_config(_CONFIG.value)
+    run = _cli.load_run(_CONFIG)
+    done = _cli.completed_step(run)
+    if done is not None:  # nothing to train: say so before starting Ray or compiling anything
+        print(f"{run.trainer.default_local_dir} is complete: its newest checkpoint is step {done} of "
+              f"trainer.total_training_steps={run.trainer.total_training_steps}. Raise "
+              "trainer.total_training_steps to train further, set trainer.val_only=True to validate "
+              "it, or delete the folder to start over.", flush=True)
+        return
     from jaxrl_llm.trainer import RLTrainer
 
     if run.trainer.backend == "ray":
@@ -55,7 +62,7 @@ def main(argv) -> None:
 
 
 def run_main() -> None:
-    app.run(main, argv=sys.argv)
+    app.run(main, argv=sys.argv, flags_parser=_cli.parse_flags)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ def load_config_dict(spec: str, overrides: Sequence[str] | Mapping[str, Any] = (
     if isinstance(overrides, Mapping):
         overrides = [f"{k}={v}" for k, v in overrides.items()]
     overrides = [o.removeprefix("--").removeprefix("config.") for o in overrides]
+    last = {o.split("=", 1)[0]: i for i, o in enumerate(overrides)}  # a repeated field: the last wins
+    overrides = [o for i, o in enumerate(overrides) if last[o.split("=", 1)[0]] == i]
     if overrides:  # name a misspelt field ourselves; absl's message does not say which flag
         base = _parse(spec, [])
         for o in overrides:

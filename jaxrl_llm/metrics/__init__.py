@@ -11,6 +11,7 @@ from jaxrl_llm.metrics._perf import (
     compute_mfu,
     compute_throughput_metrics,
     compute_timing_metrics,
+    cpu_memory_used_gb,
     max_memory_allocated_gb,
     peak_flops,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "compute_mfu",
     "compute_throughput_metrics",
     "compute_timing_metrics",
+    "cpu_memory_used_gb",
     "max_memory_allocated_gb",
     "peak_flops",
     "perfetto_trace",

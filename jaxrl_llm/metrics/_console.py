@@ -1,6 +1,6 @@
-"""Compact console table for one step's metrics, grouped by name prefix (`actor/`, `perf/`...).
-
-Printed with `tqdm.write` so it does not break a progress bar.
+"""One step's metrics as text: a one-line summary for the console (printed with `tqdm.write`
+so it does not break a progress bar) and a table grouped by name prefix (`actor/`, `perf/`...)
+for the run folder's metrics.log.
 """
 from __future__ import annotations
 
@@ -34,6 +34,18 @@ def format_table(metrics: Mapping[str, int | float], step: int) -> str:
             label = prefix if i == 0 else ""
             lines.append(f"{label:<{width}}  " + "  ".join(cells[i:i + _PER_LINE]))
     return "\n".join(lines)
+
+
+_SUMMARY = (("critic/score/mean", "score"), ("actor/pg_loss", "pg_loss"), ("actor/entropy", "entropy"),
+            ("response_length/mean", "resp_len"), ("timing_s/step", "step_s"))
+
+
+def format_summary(metrics: Mapping[str, int | float], step: int) -> str:
+    """One line: the step, score, loss, entropy, response length, step time and every
+    `val-core/` metric that is present."""
+    cells = [f"{short}={_fmt(metrics[key])}" for key, short in _SUMMARY if key in metrics]
+    cells += [f"{key}={_fmt(value)}" for key, value in sorted(metrics.items()) if key.startswith("val-core/")]
+    return f"step {step}: " + "  ".join(cells)
 
 
 def write_console(text: str) -> None:

@@ -1,4 +1,4 @@
-"""`MetricsLogger`: one call per training step → console table, metrics.jsonl, TensorBoard.
+"""`MetricsLogger`: one call per training step → console line, metrics.jsonl, TensorBoard.
 
 JSON has no NaN or infinity, so non-finite floats are written as the strings "NaN",
 "Infinity" and "-Infinity"; `read_jsonl` turns them back into floats. Only process 0 writes.
@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm.metrics._console import format_table, write_console
+from jaxrl_llm.metrics._console import format_summary, format_table, write_console
 
 STEP_KEY = "training/global_step"
 _BACKENDS = ("console", "jsonl", "tensorboard")
@@ -41,15 +41,20 @@ def _json_safe(x: int | float) -> int | float | str:
 class MetricsLogger:
     """Write step metrics to `<run_dir>/metrics.jsonl`, `<run_dir>/tensorboard/` and the console.
 
+    The console gets one summary line per step (`format_summary`); with the console backend the
+    whole step, as a table grouped by prefix, goes to `<run_dir>/metrics.log`.
+
     Args:
       run_dir: output folder (created when enabled).
       backends: any of "console", "jsonl", "tensorboard".
       enable: False (or a process index other than 0) turns every backend off; no files.
-      console_every: print the console table every this-many `log` calls.
+      console_every: print the console line every this-many `log` calls.
+      run_name: written to TensorBoard as the text `run/name` (the trainer passes
+        `trainer.project_name/trainer.experiment_name`), so runs can be told apart there.
     """
 
     def __init__(self, run_dir: str | Path, *, backends: Iterable[str] = _BACKENDS,
-                 enable: bool = True, console_every: int = 1):
+                 enable: bool = True, console_every: int = 1, run_name: str = ""):
         self.backends = tuple(backends)
         unknown = sorted(set(self.backends) - set(_BACKENDS))
         if unknown:
@@ -60,6 +65,7 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.enable = bool(enable) and jax.process_index() == 0
         self.console_every = console_every
+        self.run_name = run_name
         self._calls = 0
         self._jsonl = None
         self._tb = None
@@ -77,6 +83,8 @@ class MetricsLogger:
         if "tensorboard" in self.backends:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(logdir=str(self.run_dir / "tensorboard"), purge_step=purge_step)
+            if self.run_name:
+                self._tb.add_text("run/name", self.run_name, global_step=0)
 
     def rewind(self, step: int) -> None:
         """Forgets every record after `step`, as a run resumed from step `step` must: rows of
@@ -107,7 +115,9 @@ class MetricsLogger:
                 self._tb.add_scalar(key.replace("@", "_at_"), value, global_step=int(step))
             self._tb.flush()
         if "console" in self.backends and self._calls % self.console_every == 0:
-            write_console(format_table(values, int(step)))
+            write_console(format_summary(values, int(step)))
+            with open(self.run_dir / "metrics.log", "a", encoding="utf-8") as f:
+                f.write(format_table(values, int(step)) + "\n")
         self._calls += 1
 
     @property

@@ -100,7 +100,19 @@ def peak_flops(device_kind: str, dtype: str = "bfloat16") -> float:
                      "pass peak_flops_per_device to compute_mfu yourself.")
 
 
-def max_memory_allocated_gb() -> float:
-    """Peak memory in use on the first local device, GiB; 0.0 where the backend reports none."""
+def max_memory_allocated_gb() -> float | None:
+    """Peak memory in use on the first local device, GiB; None where the backend reports none
+    (CPU): callers omit the metric there rather than report 0."""
     stats = jax.local_devices()[0].memory_stats() or {}
-    return float(stats.get("peak_bytes_in_use", 0)) / 1024**3
+    if "peak_bytes_in_use" not in stats:
+        return None
+    return float(stats["peak_bytes_in_use"]) / 1024**3
+
+
+def cpu_memory_used_gb() -> float:
+    """Peak resident memory (RSS) of this process, GiB (verl's `perf/cpu_memory_used_gb`)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return float(peak) / (1024**3 if sys.platform == "darwin" else 1024**2)

@@ -8,6 +8,7 @@ KL controller, step, seeds); the workers hold every model.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -47,7 +48,9 @@ def load_tokenizer(config: RunConfig):
 
 
 def prepare_builtin_data(config: RunConfig) -> None:
-    """Writes the built-in task's train/val files where the config expects them (if missing)."""
+    """Writes the built-in task's train/val files where the config expects them, unless they
+    exist and were made with the same generator settings (recorded in `<file>.settings.json`):
+    a file made with other settings (e.g. a smaller `builtin_train_size`) is made again."""
     d = config.data
     if not d.builtin_task:
         return
@@ -58,8 +61,10 @@ def prepare_builtin_data(config: RunConfig) -> None:
               "countdown": lambda p, n, seed, split: data.tasks.make_countdown_dataset(p, n, seed=seed)}
     for paths, n, split, seed in ((d.train_files, d.builtin_train_size, "train", d.seed),
                                   (d.val_files, d.builtin_val_size, "test", d.seed + 1)):
+        settings = {"task": d.builtin_task, "size": n, "seed": seed, "split": split,
+                    "max_operand": d.builtin_max_operand}
         for p in paths:
-            if not os.path.exists(p):
+            if not os.path.exists(p) or _read_json(p + ".settings.json") != settings:
                 # several processes of a multi-host run may share the folder: write a private
                 # file and rename it (atomic), so no reader ever sees a half-written file
                 folder, name = os.path.split(os.path.abspath(p))
@@ -67,6 +72,17 @@ def prepare_builtin_data(config: RunConfig) -> None:
                 tmp = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
                 makers[d.builtin_task](tmp, n, seed, split)
                 os.replace(tmp, p)
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(settings, f)
+                os.replace(tmp, p + ".settings.json")
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 class RLTrainer:
@@ -115,7 +131,8 @@ class RLTrainer:
         self.info = self.call0("info")
         # Ray: this driver is the single controller; local multi-host: process 0 writes.
         self.logger_enabled = c.trainer.backend == "ray" or jax.process_index() == 0
-        self.logger = M.MetricsLogger(self.run_dir, backends=tuple(c.trainer.logger), enable=self.logger_enabled)
+        self.logger = M.MetricsLogger(self.run_dir, backends=tuple(c.trainer.logger), enable=self.logger_enabled,
+                                      run_name=f"{c.trainer.project_name}/{c.trainer.experiment_name}")
         self.global_step = 0
         self.nonfinite_steps = 0  # steps with a skipped (NaN/inf) optimizer update, in all
         self.nonfinite_streak = 0  # ... in a row, up to now
@@ -421,7 +438,10 @@ class RLTrainer:
             seq_len=seq, tokens=int(batch["attention_mask"].sum() * passes),
             time_s=max(timing.get("update_actor", 0) + timing.get("old_log_prob", 0), 1e-9),
             num_devices=info["num_devices"], peak_flops_per_device=M.peak_flops(info["device_kind"], "bfloat16"))  # MFU vs the bf16 peak
-        out["perf/max_memory_allocated_gb"] = M.max_memory_allocated_gb()
+        device_peak = M.max_memory_allocated_gb()  # None on CPU: no device memory to report
+        if device_peak is not None:
+            out["perf/max_memory_allocated_gb"] = device_peak
+        out["perf/cpu_memory_used_gb"] = M.cpu_memory_used_gb()
         return out
 
     # -- validation --------------------------------------------------------------------------------
@@ -519,5 +539,6 @@ def _progress(config: RunConfig, start: int, *, total: int | None = None, desc: 
     from tqdm import tqdm
     if desc is None:
         desc = "PPO" if config.algorithm.adv_estimator == "gae" else config.algorithm.adv_estimator.upper()
+        desc = f"{config.trainer.experiment_name} {desc}"
     return tqdm(total=config.trainer.total_training_steps if total is None else total, initial=start,
                 desc=desc, unit="step", dynamic_ncols=True)

@@ -3,13 +3,16 @@
 #
 #   scripts/gpu/launch.sh ssh   --hosts=gpu1,gpu2 [--port=12345] [--dry-run] -- --config=configs/X.py ...
 #   scripts/gpu/launch.sh ssh   --hostfile=hosts.txt ...          (one host per line, # comments)
-#   scripts/gpu/launch.sh stop  --hosts=gpu1,gpu2                 (kill the runs started by `ssh`)
+#   scripts/gpu/launch.sh stop  --hosts=gpu1,gpu2                 (kill the runs `ssh` started, by pid)
 #   scripts/gpu/launch.sh slurm --nodes=4 [--tasks-per=node|gpu] [--dry-run] -- --config=configs/X.py ...
 #
 # ssh: host i runs `python3 -m jaxrl_llm.train --coordinator_address=HOST0:PORT --num_processes=N
 #   --process_id=i <training flags>` in --repo-dir (same path on every host: a shared filesystem or
-#   a copy; default: this checkout's path), logging to <repo-dir>/jaxrl_run.<i>.log. The first host
-#   is the coordinator; every host must reach it on --port.
+#   a copy; default: this checkout's path), logging to <repo-dir>/jaxrl_run.<i>.log and recording its
+#   pid in <repo-dir>/jaxrl_run.<i>.pid. The first host is the coordinator; every host must reach it
+#   on --port.
+# stop: on each host, kills the processes whose pids `ssh` recorded (if they still run jaxrl_llm.train)
+#   and removes the pid files; other users' runs are never touched.
 # slurm: `sbatch --nodes=N scripts/gpu/slurm.sbatch <training flags>` (one task per node or per GPU).
 # Options: --python=python3, --gpus-per-node=8 (slurm), -h/--help, --dry-run (print, run nothing).
 set -euo pipefail
@@ -64,13 +67,15 @@ case "$COMMAND" in
     for i in "${!H[@]}"; do
       cmd="cd $(q "$REPO_DIR") && nohup $PYTHON -m jaxrl_llm.train --coordinator_address=${H[0]}:$PORT --num_processes=$n --process_id=$i"
       for a in "${TRAIN[@]}"; do cmd+=" $(q "$a")"; done
-      cmd+=" --config.trainer.backend=local > jaxrl_run.$i.log 2>&1 &"
+      cmd+=" --config.trainer.backend=local > jaxrl_run.$i.log 2>&1 & echo \$! > jaxrl_run.$i.pid"
       run ssh "${H[$i]}" "$cmd"
     done
     ;;
   stop)
     HS=$(host_list); read -r -a H <<< "$HS"
-    for h in "${H[@]}"; do run ssh "$h" "pkill -f 'jaxrl_llm.train --coordinator_address' || true"; done
+    stop_cmd="cd $(q "$REPO_DIR") && for f in jaxrl_run.*.pid; do [ -f \"\$f\" ] || continue; p=\$(cat \"\$f\");"
+    stop_cmd+=" ps -ww -p \"\$p\" -o args= | grep -q jaxrl_llm.train && kill \"\$p\"; rm -f \"\$f\"; done; true"
+    for h in "${H[@]}"; do run ssh "$h" "$stop_cmd"; done
     ;;
   slurm)
     need_train_flags

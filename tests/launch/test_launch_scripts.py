@@ -203,3 +203,34 @@ def test_ray_backend_resource_name_matches_the_script():
     from jaxrl_llm.trainer import _backend
 
     assert f'"{_backend.HOST_RESOURCE}": 1' in RAY.read_text()
+
+
+def test_gpu_stop_kills_only_the_recorded_runs(tmp_path):
+    """`stop` kills the pids that `ssh` recorded (if they still run jaxrl_llm.train), never a
+    process matched by name: another user's run with the same command line lives on."""
+    import sys
+    fake = [sys.executable, "-c", "import time; time.sleep(120)"]
+    ours = subprocess.Popen([*fake, "jaxrl_llm.train", "--coordinator_address=a:1"])
+    other = subprocess.Popen([*fake, "jaxrl_llm.train", "--coordinator_address=a:1"])  # not recorded
+    reused = subprocess.Popen(["sleep", "120"])  # a recorded pid now taken by something else
+    try:
+        (tmp_path / "jaxrl_run.0.pid").write_text(f"{ours.pid}\n")
+        (tmp_path / "jaxrl_run.1.pid").write_text(f"{reused.pid}\n")
+        res = _run(GPU, "stop", "--hosts=h", f"--repo-dir={tmp_path}", "--dry-run")
+        (cmd,) = _commands(res.stdout)
+        assert cmd[:2] == ["ssh", "h"] and "pkill" not in cmd[2]
+        subprocess.run(["bash", "-c", cmd[2]], check=True, timeout=60)  # what the host would run
+        assert ours.wait(timeout=30) is not None
+        assert other.poll() is None and reused.poll() is None
+        assert not list(tmp_path.glob("jaxrl_run.*.pid"))
+    finally:
+        for p in (ours, other, reused):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_gpu_ssh_records_each_runs_pid():
+    res = _run(GPU, "ssh", "--hosts=a,b", "--dry-run", "--", "--config=c.py")
+    for i, c in enumerate(_commands(res.stdout)):
+        assert c[2].endswith(f"> jaxrl_run.{i}.log 2>&1 & echo $! > jaxrl_run.{i}.pid")

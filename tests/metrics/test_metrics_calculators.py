@@ -120,10 +120,18 @@ def test_max_memory_allocated_gb(monkeypatch):
             return self._stats
 
     monkeypatch.setattr(M._perf.jax, "local_devices", lambda: [_Dev(None)])
-    assert M.max_memory_allocated_gb() == 0.0
+    assert M.max_memory_allocated_gb() is None  # CPU: no device stats, so no (zero) metric
+    monkeypatch.setattr(M._perf.jax, "local_devices", lambda: [_Dev({})])
+    assert M.max_memory_allocated_gb() is None
     monkeypatch.setattr(M._perf.jax, "local_devices",
                         lambda: [_Dev({"peak_bytes_in_use": 3 * 1024**3})])
     assert M.max_memory_allocated_gb() == pytest.approx(3.0)
+
+
+def test_cpu_memory_used_gb_is_this_process_peak_rss():
+    block = np.ones(64 * 1024**2 // 8)  # 64 MiB touched: the peak is at least that
+    assert M.cpu_memory_used_gb() >= 64 / 1024
+    del block
 
 
 def test_reduce_metrics_means_per_key():

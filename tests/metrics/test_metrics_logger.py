@@ -1,4 +1,5 @@
 """MetricsLogger files, console output, disabled mode, and plot_curves."""
+import json
 import math
 
 import jax.numpy as jnp
@@ -49,13 +50,25 @@ def test_logger_tensorboard_event_file(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_logger_console_groups_by_prefix_every_n(tmp_path, capsys):
+def test_logger_names_the_run_and_writes_generation_samples_to_tensorboard(tmp_path):
+    with MetricsLogger(tmp_path, backends=("tensorboard", "jsonl"), run_name="proj/exp-7") as logger:
+        logger.log_generations([{"prompt": "1+2=", "response": "3", "score": 1.0}], step=4)
+    data = b"".join(p.read_bytes() for p in (tmp_path / "tensorboard").glob("events.out.tfevents*"))
+    assert b"run/name" in data and b"proj/exp-7" in data
+    assert b"val/generations" in data and b"1+2=" in data
+    (row,) = [json.loads(x) for x in open(tmp_path / "val_generations.jsonl")]
+    assert row == {"training/global_step": 4, "prompt": "1+2=", "response": "3", "score": 1.0}
+
+
+def test_logger_console_is_one_line_per_step_and_the_table_goes_to_metrics_log(tmp_path, capsys):
     with MetricsLogger(tmp_path, backends=("console",), console_every=2) as logger:
         for step in (1, 2, 3):
             logger.log({"actor/pg_loss": 0.125, "timing_s/gen": 2.0, "val-core/acc": step}, step)
     out = capsys.readouterr().out
-    assert "step 1 " in out and "step 3 " in out and "step 2 " not in out
-    lines = out.splitlines()
+    assert out.splitlines() == ["step 1: pg_loss=0.125  val-core/acc=1", "step 3: pg_loss=0.125  val-core/acc=3"]
+    table = (tmp_path / "metrics.log").read_text()
+    assert "step 1 " in table and "step 3 " in table and "step 2 " not in table
+    lines = table.splitlines()
     assert any(line.startswith("actor") and "pg_loss=0.125" in line for line in lines)
     assert any(line.startswith("timing_s") and "gen=2" in line for line in lines)
     assert any(line.startswith("val-core") and "acc=3" in line for line in lines)

@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from jaxrl_llm._cli import completed_step
 from jaxrl_llm.checkpoint import resolve_resume
 from jaxrl_llm.config import load_config
 from jaxrl_llm.trainer import RLTrainer, WorkerError
@@ -47,9 +48,14 @@ def test_resume_after_kill_continues_exactly(tmp_path):
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     RLTrainer(_config(full_dir)).fit()
 
+    # a finished run is complete (the CLI says so and exits before starting anything)
+    assert completed_step(_config(full_dir)) == 4
+    assert completed_step(_config(full_dir, **{"trainer.total_training_steps": 6})) is None
+
     with pytest.raises(_Killed):
         _KilledAfter(_config(cut_dir)).fit()
     assert resolve_resume("auto", cut_dir / "checkpoints")[1] == 2
+    assert completed_step(_config(cut_dir)) is None
     assert max(_steps(cut_dir)) == 2  # step 2's row goes in before its checkpoint
 
     RLTrainer(_config(cut_dir)).fit()  # resume_mode=auto picks up step 2

@@ -18,8 +18,10 @@ from trainer_helpers import QUICKSTART, tiny_overrides
 def test_sft_trains_on_assistant_tokens_and_exports_a_loadable_model(tmp_path):
     run = load_config(f"{QUICKSTART}:tiny,local", tiny_overrides(tmp_path / "sft", **{"sft.steps": 6}))
     out = run_sft(run)
-    nll = [json.loads(x)["sft/nll"] for x in open(tmp_path / "sft" / "metrics.jsonl")]
+    # its rows go to <run>/sft/, as the RL job's warm start's do; the RL run's metrics.jsonl stays untouched
+    nll = [json.loads(x)["sft/nll"] for x in open(tmp_path / "sft" / "sft" / "metrics.jsonl")]
     assert len(nll) == 6 and nll[-1] < nll[0]  # it learns
+    assert not (tmp_path / "sft" / "metrics.jsonl").exists()
     model = models.from_pretrained(out["hf_dir"])
     tok = models.load_tokenizer(out["hf_dir"])
     ids = np.asarray([tok.encode(tok.apply_chat_template([{"role": "user", "content": "1+2="}]))], np.int32)

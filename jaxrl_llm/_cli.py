@@ -1,0 +1,87 @@
+"""What `python -m jaxrl_llm.train` and `python -m jaxrl_llm.sft` share at the command line.
+
+A mistake the user can fix (a config file that is not there, a misspelt or ill-typed override,
+a value outside its choices) ends the process with one line on stderr and exit status 2, not a
+traceback. Running the job itself is left to the trainer.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import flags
+
+USAGE_ERROR = 2
+
+
+def fail(message: str) -> None:
+    """One line on stderr, exit status 2."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(USAGE_ERROR)
+
+
+def _text(e: BaseException) -> str:
+    while len(e.args) == 1 and isinstance(e.args[0], BaseException):  # AttributeError(KeyError(..))
+        e = e.args[0]
+    msg = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
+    lines = [part.strip() for part in msg.splitlines() if part.strip()]
+    if any(line.startswith("Traceback") for line in lines):  # a config file raised: its last line
+        return f"{lines[0].rstrip(':')}: {lines[-1]}"
+    # ml_collections' KeyError text: "'x'\nDid you mean ..." -> "'x': Did you mean ..."
+    return ": ".join(lines)
+
+
+def last_override_wins(argv: list[str]) -> list[str]:
+    """`argv` without the earlier copies of a repeated `--config.a.b=v`: the last one replaces
+    them, for list-valued fields too (ml_collections would append the values of a tuple field)."""
+    key = lambda a: a.split("=", 1)[0] if a.startswith("--config.") and "=" in a else None  # noqa: E731
+    last = {key(a): i for i, a in enumerate(argv) if key(a)}
+    return [a for i, a in enumerate(argv) if key(a) is None or last[key(a)] == i]
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing (an `app.run` flags_parser) with an unknown config field, a value
+    of the wrong type or an unknown flag reported as one line."""
+    try:
+        return flags.FLAGS(last_override_wins(argv))
+    except flags.Error as e:
+        fail(_text(e))
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # ml_collections overrides
+        bad = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
+        fail(f"bad override {_text(e)} (overrides given: {', '.join(bad) or 'none'})")
+    return []  # unreachable
+
+
+def load_run(config_flag, flag_name: str = "config"):
+    """The validated `RunConfig` of a `config_flags` flag; any config error is one line."""
+    from ml_collections.config_flags import config_flags
+
+    from jaxrl_llm.config import ConfigError, to_run_config
+
+    value = config_flag.value
+    if isinstance(value, config_flags._ErrorConfig):  # noqa: SLF001 - how ml_collections reports it
+        path = config_flags.get_config_filename(flags.FLAGS[flag_name]).split(":")[0]
+        where = "" if os.path.isabs(path) else f" (relative to the current directory {os.getcwd()})"
+        if not os.path.exists(path):
+            fail(f"--{flag_name}: config file {path!r} not found{where}")
+        fail(f"--{flag_name}: could not load {path!r}: {_text(object.__getattribute__(value, '_error'))}")
+    try:
+        return to_run_config(value)
+    except ConfigError as e:
+        fail(_text(e))
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # a config file's own check
+        fail(f"--{flag_name}: {_text(e)}")
+    return None  # unreachable
+
+
+def completed_step(run) -> int | None:
+    """The newest checkpoint's step when it already reaches `trainer.total_training_steps` (and
+    `trainer.resume_mode` is auto): the run is complete. Else None."""
+    from jaxrl_llm.checkpoint import resolve_resume
+
+    if run.trainer.resume_mode != "auto" or run.trainer.val_only:
+        return None
+    resume = resolve_resume("auto", os.path.join(run.trainer.default_local_dir, "checkpoints"))
+    if resume is not None and resume[1] >= run.trainer.total_training_steps:
+        return resume[1]
+    return None
