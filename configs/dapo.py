@@ -1,4 +1,6 @@
-"""DAPO-style GRPO (clip-higher, token-mean loss, no KL) on GSM8K-format math with a local Qwen2.5.
+"""DAPO on GSM8K-format math with a local Qwen2.5: GRPO with clip-higher, token-mean loss, no KL,
+dynamic sampling (`algorithm.filter_groups`: only prompts whose responses differ in accuracy train)
+and the soft overlong penalty (`reward.overlong_buffer`).
 
 Launch:
   python -m jaxrl_llm.train --config=configs/dapo.py \
@@ -32,6 +34,12 @@ def get_config(arg: str | None = None):
     c.rollout.temperature = 1.0
     c.algorithm.adv_estimator = "grpo"
     c.algorithm.use_kl_in_reward = False
+    c.algorithm.filter_groups.enable = True
+    c.algorithm.filter_groups.metric = "acc"
+    c.algorithm.filter_groups.max_num_gen_batches = 10
+    c.reward.overlong_buffer.enable = True
+    c.reward.overlong_buffer.len = 512  # the last 512 of 2048 tokens lose up to 1.0 of score
+    c.reward.overlong_buffer.penalty_factor = 1.0
     c.trainer.total_training_steps = 200
     c.trainer.save_freq = 20
     c.trainer.test_freq = 10

@@ -22,7 +22,7 @@ def overlong_penalty(response_length, max_response_length, overlong_buffer_len,
     expected = max_response_length - overlong_buffer_len;
     penalty = min(-(length - expected) / overlong_buffer_len * factor, 0)
     (0 up to ``expected`` tokens, falling linearly to ``-factor`` at ``max_response_length``).
-    Config names: ``reward_model.overlong_buffer.{len, penalty_factor}``.
+    Config: ``reward.overlong_buffer.{enable, len, penalty_factor}`` (verl: ``reward_model.``).
     """
     if overlong_buffer_len <= 0:
         raise ValueError(f"overlong_buffer.len must be > 0, got {overlong_buffer_len}.")

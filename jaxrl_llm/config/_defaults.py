@@ -50,11 +50,13 @@ def base_config() -> ConfigDict:
         rollout_correction=dict(
             rollout_is="", rollout_is_threshold=2.0, rollout_is_batch_normalize=False,
             rollout_rs="", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.0,
-            rollout_token_veto_threshold=0.0))
+            rollout_token_veto_threshold=0.0),
+        filter_groups=dict(enable=False, metric="acc", max_num_gen_batches=0))
     c.reward = dict(num_workers=2, timeout_s=10.0, max_error_fraction=0.5,
                     max_consecutive_timeouts=8, memory_limit_gb=8.0,
                     custom_reward_function=dict(path="", name="compute_score"),
-                    model=dict(path="", micro_batch_size_per_device=8))
+                    model=dict(path="", micro_batch_size_per_device=8),
+                    overlong_buffer=dict(enable=False, len=0, penalty_factor=1.0))
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
     c.placement = dict(mode="colocated", rollout_mesh=dict(data=1, fsdp=1, tensor=1),
                        one_step_off_policy=False)

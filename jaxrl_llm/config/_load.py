@@ -30,6 +30,7 @@ ROLLOUT_IS_LEVELS = ("token", "sequence")
 ROLLOUT_RS_LEVELS = ("token", "sequence", "geometric")
 TOOL_CALL_FORMATS = ("hermes", "llama3_json")
 BUILTIN_TASKS = ("", "arithmetic", "arithmetic_tools", "countdown")
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 
 
 class ConfigError(ValueError):
@@ -221,6 +222,7 @@ def validate(c: RunConfig) -> None:
             f"and needs rollout.n >= 2 (got {c.rollout.n})")
     _check_rollout_correction(c)
     _check_multi_turn(c)
+    _check_dapo(c)
     if not c.data.train_files and not c.data.builtin_task:
         raise ConfigError("data.train_files is empty and data.builtin_task is not set: give parquet/jsonl "
                           "files or a built-in task ('arithmetic' or 'countdown')")
@@ -262,6 +264,30 @@ def _check_multi_turn(c: RunConfig) -> None:
     if mt.enable and c.placement.one_step_off_policy:
         raise ConfigError(f"{where}.enable and placement.one_step_off_policy cannot be combined yet: "
                           "agent rollouts run on the request-level server between training phases")
+
+
+def _check_dapo(c: RunConfig) -> None:
+    fg, where = c.algorithm.filter_groups, "algorithm.filter_groups"
+    _choice(fg.metric, FILTER_METRICS, f"{where}.metric")
+    _positive(fg.max_num_gen_batches, f"{where}.max_num_gen_batches", allow_zero=True)
+    if fg.enable:
+        if c.rollout.n < 2:
+            raise ConfigError(f"{where}.enable keeps prompts whose responses differ, which needs "
+                              f"rollout.n >= 2 (got {c.rollout.n})")
+        if c.placement.one_step_off_policy:
+            raise ConfigError(f"{where}.enable cannot be combined with placement.one_step_off_policy "
+                              "(a step may need several generation rounds)")
+        if fg.metric == "seq_final_reward" and c.algorithm.use_kl_in_reward:
+            raise ConfigError(f"{where}.metric='seq_final_reward' with algorithm.use_kl_in_reward=True: "
+                              "the filter runs before the KL penalty is known; use 'seq_reward'")
+    ob, where = c.reward.overlong_buffer, "reward.overlong_buffer"
+    _positive(ob.penalty_factor, f"{where}.penalty_factor", allow_zero=True)
+    if ob.enable and not 0 < ob.len <= c.data.max_response_length:
+        raise ConfigError(f"{where}.len must be in (0, data.max_response_length="
+                          f"{c.data.max_response_length}] when {where}.enable, got {ob.len}")
+    if c.algorithm.adv_estimator == "remax" and c.placement.one_step_off_policy:
+        raise ConfigError("algorithm.adv_estimator='remax' generates a greedy baseline each step, which "
+                          "placement.one_step_off_policy cannot interleave with its background rollout")
 
 
 def _check_rollout_correction(c: RunConfig) -> None:

@@ -170,6 +170,16 @@ class RolloutCorrectionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class FilterGroupsConfig:
+    """verl's `algorithm.filter_groups` (DAPO dynamic sampling): keep generating batches and keep
+    only the prompts whose `rollout.n` responses differ in `metric`, until a step's batch is full."""
+
+    enable: bool
+    metric: str  # acc | score | seq_reward | seq_final_reward
+    max_num_gen_batches: int  # generation rounds a step may take; 0 = unlimited
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: str
     gamma: float
@@ -179,6 +189,7 @@ class AlgorithmConfig:
     kl_penalty: str
     kl_ctrl: KLControlConfig
     rollout_correction: RolloutCorrectionConfig
+    filter_groups: FilterGroupsConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +208,16 @@ class RewardModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OverlongBufferConfig:
+    """verl's `reward_model.overlong_buffer` (DAPO): a response longer than
+    `data.max_response_length - len` tokens loses up to `penalty_factor` of score, linearly."""
+
+    enable: bool
+    len: int  # tokens before data.max_response_length where the penalty starts
+    penalty_factor: float  # the penalty at data.max_response_length
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardConfig:
     num_workers: int  # 0 = score in-process (no timeout protection)
     timeout_s: float
@@ -205,6 +226,7 @@ class RewardConfig:
     memory_limit_gb: float  # address-space limit of each scoring process; 0 = none
     custom_reward_function: CustomRewardConfig
     model: RewardModelConfig
+    overlong_buffer: OverlongBufferConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,6 +63,44 @@ def token_level_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndar
     return out
 
 
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+
+
+def filter_metric(name: str, batch: dict, fields: dict[str, np.ndarray]) -> np.ndarray:
+    """float[b]: the value DAPO's group filter (`algorithm.filter_groups.metric`) compares.
+
+    `acc`: the reward function's `acc` extra, else its score (as verl's DAPO reward manager);
+    `score`: the sequence score before the overlong penalty; `seq_reward`: the sum of
+    `token_level_scores` (penalty included); `seq_final_reward`: the sum of the rewards the
+    advantages see, which equals `seq_reward` because the filter runs before any KL penalty
+    (the config refuses it with `algorithm.use_kl_in_reward`)."""
+    if name == "acc":
+        return np.asarray(fields.get("acc", fields["score"]), np.float32)
+    if name == "score":
+        return np.asarray(fields["score"], np.float32)
+    if name in ("seq_reward", "seq_final_reward"):
+        return batch["token_level_scores"].sum(-1).astype(np.float32)
+    raise ValueError(f"unknown filter_groups.metric {name!r}; use one of {FILTER_METRICS}")
+
+
+def select_rows(batch: dict, rows: np.ndarray) -> dict:
+    """The batch's rows `rows` (a bool mask or indices), every per-row field."""
+    idx = np.flatnonzero(rows) if np.asarray(rows).dtype == bool else np.asarray(rows)
+    return {k: v[idx] if isinstance(v, np.ndarray) else [v[i] for i in idx] for k, v in batch.items()}
+
+
+def concat_batches(batches: list[dict]) -> dict:
+    """Rows of several batches (same fields and widths) in order; `group_ids` are offset so
+    that groups from different batches stay apart."""
+    out, offset = [], 0
+    for b in batches:
+        b = dict(b, group_ids=b["group_ids"] + offset)
+        offset = int(b["group_ids"].max()) + 1 if len(b["group_ids"]) else offset
+        out.append(b)
+    return {k: (np.concatenate([b[k] for b in out]) if isinstance(out[0][k], np.ndarray)
+                else [x for b in out for x in b[k]]) for k in out[0]}
+
+
 def compute_advantages(batch: dict, *, estimator: str, gamma: float, lam: float,
                        norm_adv_by_std_in_grpo: bool) -> tuple[np.ndarray, np.ndarray]:
     """`algos.compute_advantage(estimator, ...)` on the batch's verl fields -> (advantages, returns).

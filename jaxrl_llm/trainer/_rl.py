@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxrl_llm import algos, data, metrics as M, models, rewards
 from jaxrl_llm.checkpoint import resolve_resume, set_aside_steps
-from jaxrl_llm.config import RunConfig
+from jaxrl_llm.config import RunConfig, SamplingConfig
 from jaxrl_llm.workers import HostWorker
 
 from . import _batch as B
@@ -280,16 +280,17 @@ class RLTrainer:
         step = self.global_step if step is None else step
         return (self.config.trainer.seed * 1_000_003 + step * 7919 + salt) % (2**31 - 1)
 
-    def _generate_kwargs(self, examples, step: int) -> dict:
-        """Arguments of the workers' `generate` for step `step`'s prompts."""
+    def _generate_kwargs(self, examples, step: int, round_: int = 0) -> dict:
+        """Arguments of the workers' `generate` for step `step`'s prompts (generation round
+        `round_` of the step: DAPO's dynamic sampling may take several)."""
         c = self.config
         return dict(prompts=[e.prompt_ids for e in examples], n=c.rollout.n,
-                    max_new_tokens=c.data.max_response_length, seed=self._seed(1, step),
+                    max_new_tokens=c.data.max_response_length, seed=self._seed(1 + 100 * round_, step),
                     sampling=dict(temperature=c.rollout.temperature, top_k=c.rollout.top_k,
                                   top_p=c.rollout.top_p))
 
-    def _rollout(self, timing: dict, metrics: dict):
-        """This step's prompts and their rollout.
+    def _rollout(self, timing: dict, metrics: dict, round_: int = 0):
+        """This step's prompts and their rollout (round `round_` of the step's generation).
 
         Synchronous mode: draws prompts and generates with the current weights. One-step-off-policy:
         takes the batch generated in the background during the previous step (with the weights
@@ -306,12 +307,12 @@ class RLTrainer:
         elif self.config.rollout.multi_turn.enable:
             examples = next(self.loader)
             with _timer(timing, "gen"):
-                gen = self._agent_generate(examples, self.config.rollout, seed=self._seed(1))
+                gen = self._agent_generate(examples, self.config.rollout, seed=self._seed(1 + 100 * round_))
             gen.pop("time_s", None)
         else:
             examples = next(self.loader)
             with _timer(timing, "gen"):
-                gen = self.call0("generate", **self._generate_kwargs(examples, self.global_step))
+                gen = self.call0("generate", **self._generate_kwargs(examples, self.global_step, round_))
             gen.pop("time_s", None)
             metrics["rollout/off_policy_steps"] = 0.0
         if self.overlap and self.global_step + 1 < self.config.trainer.total_training_steps:
@@ -351,20 +352,7 @@ class RLTrainer:
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
         t_step = time.perf_counter()
-        examples, gen = self._rollout(timing, metrics)
-        batch = B.rollout_batch(examples, gen, n=c.rollout.n, pad_token_id=self.pad_id,
-                                max_prompt_length=c.data.max_prompt_length)
-        with _timer(timing, "reward"):
-            if c.reward.model.path:  # a learned reward model replaces the rule-based scorers
-                batch["token_level_scores"] = self.call0("compute_rm_score", B.worker_view(batch))["rm_scores"]
-            elif "scores" in gen:  # agent rollouts: scored on the worker as each one finished
-                metrics.update(gen["metrics"])
-                batch["token_level_scores"] = B.token_level_scores(gen["scores"], batch["response_mask"])
-            else:
-                scores, extra, rmetrics = self._score(examples, batch, c.rollout.n)
-                metrics.update(rmetrics)
-                metrics.update({f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extra.items()})
-                batch["token_level_scores"] = B.token_level_scores(scores, batch["response_mask"])
+        examples, batch = self._train_batch(timing, metrics)
         with _timer(timing, "old_log_prob"):
             if c.rollout.use_rollout_log_probs:
                 batch["old_log_probs"] = batch["rollout_log_probs"]
@@ -412,6 +400,97 @@ class RLTrainer:
         metrics.update(self._step_metrics(batch, timing))
         metrics["training/epoch"] = float(self.loader.epoch)
         return metrics
+
+    def _train_batch(self, timing: dict, metrics: dict):
+        """This step's prompts and their scored rollout: verl's fields plus `token_level_scores`
+        (and `reward_baselines` for ReMax).
+
+        With `algorithm.filter_groups.enable` (DAPO's dynamic sampling) it generates batches of
+        `data.train_batch_size` prompts and keeps only the groups whose filter metric is not the
+        same for all `rollout.n` responses, until `train_batch_size` groups are kept (the surplus
+        of the last round is dropped), or raises after `max_num_gen_batches` rounds (0 = no limit).
+        """
+        c = self.config
+        fg, n, size = c.algorithm.filter_groups, c.rollout.n, c.data.train_batch_size
+        kept_examples, kept_batches, filtered, rounds = [], [], 0, 0
+        while True:
+            examples, gen = self._rollout(timing, metrics, rounds)
+            rounds += 1
+            batch = B.rollout_batch(examples, gen, n=n, pad_token_id=self.pad_id,
+                                    max_prompt_length=c.data.max_prompt_length)
+            with _timer(timing, "reward"):
+                fields = self._score_rollout(examples, gen, batch, n, metrics)
+            if not fg.enable:
+                break
+            metric = B.filter_metric(fg.metric, batch, fields)
+            keep = np.asarray(algos.dynamic_sampling_keep_mask(metric, batch["group_ids"]))
+            keep = keep.reshape(-1, n)[:, 0]  # prompt i's responses are rows i*n .. i*n+n-1
+            filtered += int((~keep).sum())
+            kept_examples += [e for e, k in zip(examples, keep) if k]
+            kept_batches.append(B.select_rows(batch, np.repeat(keep, n)))
+            if len(kept_examples) >= size:
+                examples = kept_examples[:size]
+                batch = B.select_rows(B.concat_batches(kept_batches), np.arange(size * n))
+                metrics.update({"train/num_gen_batches": float(rounds),
+                                "filter_groups/kept_groups": float(len(kept_examples)),
+                                "filter_groups/filtered_groups": float(filtered)})
+                break
+            if 0 < fg.max_num_gen_batches <= rounds:
+                raise RuntimeError(
+                    f"algorithm.filter_groups: {rounds} generation rounds kept {len(kept_examples)} of the "
+                    f"{size} groups a step needs (the others had the same {fg.metric!r} for every "
+                    "response): the data may be too hard or too easy for the model. Raise "
+                    "algorithm.filter_groups.max_num_gen_batches (0 = no limit) or turn the filter off")
+        if c.algorithm.adv_estimator == "remax":
+            with _timer(timing, "gen_max"):
+                batch["reward_baselines"] = self._greedy_baselines(examples, n)
+        return examples, batch
+
+    def _score_rollout(self, examples, gen: dict, batch: dict, n: int, metrics: dict) -> dict:
+        """Puts `token_level_scores` into `batch`: the reward model's, the agent loop's or the
+        scorers' sequence score on the last response token, plus DAPO's overlong penalty when
+        `reward.overlong_buffer.enable`. Returns per-row fields for the group filter: `score`
+        (the sequence score before the penalty) and the reward function's numeric extras."""
+        c = self.config
+        if c.reward.model.path:  # a learned reward model replaces the rule-based scorers
+            batch["token_level_scores"] = self.call0("compute_rm_score", B.worker_view(batch))["rm_scores"]
+            scores, extra = batch["token_level_scores"].sum(-1), {}
+        elif "scores" in gen:  # agent rollouts: scored on the worker as each one finished
+            metrics.update(gen["metrics"])
+            scores, extra = gen["scores"], gen.get("reward_extra", {})
+            batch["token_level_scores"] = B.token_level_scores(scores, batch["response_mask"])
+        else:
+            scores, extra, rmetrics = self._score(examples, batch, n)
+            metrics.update(rmetrics)
+            metrics.update({f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extra.items()})
+            batch["token_level_scores"] = B.token_level_scores(scores, batch["response_mask"])
+        ob = c.reward.overlong_buffer
+        if ob.enable:  # verl's DAPO reward manager: on the response's length with tool tokens
+            length = batch["attention_mask"][:, batch["prompts"].shape[1]:].sum(-1)
+            penalty = np.asarray(algos.overlong_penalty(
+                length, c.data.max_response_length, ob.len, ob.penalty_factor), np.float32)
+            batch["token_level_scores"] = (batch["token_level_scores"]
+                                           + B.token_level_scores(penalty, batch["response_mask"]))
+            metrics["reward_extra/overlong_reward/mean"] = float(penalty.mean())
+            metrics["reward_extra/overlong/mean"] = float((penalty < 0).mean())
+        return {"score": np.asarray(scores, np.float32), **extra}
+
+    def _greedy_baselines(self, examples, n: int) -> np.ndarray:
+        """ReMax (verl): each prompt's greedy response, scored like the samples (overlong penalty
+        included); its sequence reward repeated for the prompt's `n` rows. float32[b * n]."""
+        c = self.config
+        greedy = SamplingConfig(temperature=0.0, top_k=-1, top_p=1.0, n=1)
+        if c.rollout.multi_turn.enable:
+            gen = self._agent_generate(examples, greedy, seed=self._seed(5))
+        else:
+            gen = self.call0("generate", [e.prompt_ids for e in examples], n=1,
+                             max_new_tokens=c.data.max_response_length, seed=self._seed(5),
+                             sampling=dict(temperature=0.0, top_k=-1, top_p=1.0))
+        gen.pop("time_s", None)
+        batch = B.rollout_batch(examples, gen, n=1, pad_token_id=self.pad_id,
+                                max_prompt_length=c.data.max_prompt_length)
+        self._score_rollout(examples, gen, batch, 1, {})
+        return np.repeat(batch["token_level_scores"].sum(-1), n).astype(np.float32)
 
     def _score(self, examples, batch, n):
         texts = [self.tokenizer.decode(r[:m.sum()].tolist())
