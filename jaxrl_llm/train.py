@@ -35,6 +35,8 @@ def main(argv) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src", "orbax", "ray"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Ray's notice that token authentication is on (its default, kept) on every start
+    logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
     run = _cli.load_run(_CONFIG)
     done = _cli.completed_step(run)
     if done is not None:  # nothing to train: say so before starting Ray or compiling anything

@@ -118,8 +118,6 @@ class RLTrainer:
                                             custom_fn=custom_fn, max_error_fraction=c.reward.max_error_fraction,
                                             max_consecutive_timeouts=c.reward.max_consecutive_timeouts,
                                             memory_limit_gb=c.reward.memory_limit_gb)
-        kl = c.algorithm.kl_ctrl
-        self.kl_ctrl = algos.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.pad_id = self.tokenizer.pad_token_id
         stop_ids = tuple(getattr(self.tokenizer, "eos_token_ids", (self.tokenizer.eos_token_id,)))
         # one-step-off-policy: (handle of the generate call in flight, its prompts, the data
@@ -129,6 +127,10 @@ class RLTrainer:
                                 pad_token_id=self.pad_id, stop_token_ids=stop_ids, num_hosts=num_hosts,
                                 distributed=distributed, max_concurrency=2 if self.overlap else 1)
         self.info = self.call0("info")
+        # the controller's first JAX computation: only after Ray has started its processes (it
+        # starts them with a preexec_fn, and JAX warns of a fork once its backend is running)
+        kl = c.algorithm.kl_ctrl
+        self.kl_ctrl = algos.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         # Ray: this driver is the single controller; local multi-host: process 0 writes.
         self.logger_enabled = c.trainer.backend == "ray" or jax.process_index() == 0
         self.logger = M.MetricsLogger(self.run_dir, backends=tuple(c.trainer.logger), enable=self.logger_enabled,
