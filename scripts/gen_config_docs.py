@@ -104,7 +104,7 @@ DESCRIPTIONS = {
     "SamplingConfig.temperature": "Validation sampling temperature (0 = greedy).",
     "SamplingConfig.top_k": "Validation top-k; -1 = off.",
     "SamplingConfig.top_p": "Validation nucleus mass.",
-    "SamplingConfig.n": "Validation samples per prompt (reported as `mean@n`).",
+    "SamplingConfig.n": "Validation samples per prompt: `mean@n`, and with n > 1 `std@n` and bootstrap `best@k`/`worst@k`/`maj@k` (docs/concepts.md).",
     "AlgorithmConfig.adv_estimator": "Advantage estimator: `gae` (PPO, builds a critic), `grpo`, `grpo_passk`, `rloo`, `opo`, `reinforce_plus_plus`, `reinforce_plus_plus_baseline`, `remax`, `gpg`.",
     "AlgorithmConfig.gamma": "Discount (GAE / REINFORCE++).",
     "AlgorithmConfig.lam": "GAE lambda.",
