@@ -69,6 +69,18 @@ def test_one_trainer_step_with_every_estimator(started, estimator):
         assert math.isfinite(metrics["critic/vf_loss"])
 
 
+def test_remax_baseline_is_the_reward_of_each_prompts_greedy_response(started):
+    _configure(started, algorithm={"adv_estimator": "remax"})
+    examples, batch = started._train_batch({}, {})
+    greedy = started.call0("generate", [e.prompt_ids for e in examples], n=1, seed=0,
+                           max_new_tokens=started.base.data.max_response_length,
+                           sampling=dict(temperature=0.0, top_k=-1, top_p=1.0))
+    texts = [started.tokenizer.decode(r[:m.sum()].tolist())
+             for r, m in zip(greedy["responses"], greedy["response_mask"])]
+    parity = np.array([len(t) % 2 for t in texts], np.float32)  # the fixture's length-parity reward
+    np.testing.assert_array_equal(batch["reward_baselines"], np.repeat(parity, started.base.rollout.n))
+
+
 @pytest.mark.parametrize("loss", POLICY_LOSSES)
 def test_one_trainer_step_with_every_policy_loss(started, loss):
     run = _configure(started, actor={"policy_loss": loss})
