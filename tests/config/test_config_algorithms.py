@@ -42,3 +42,13 @@ def test_bad_dapo_settings_name_the_field(overrides, match):
 
 def test_token_sum_loss_agg_mode_is_accepted():
     assert load_config(QUICKSTART, ["actor.loss_agg_mode=token-sum"]).actor.loss_agg_mode == "token-sum"
+
+
+def test_config_choices_match_the_algorithm_registries():
+    # a name the config accepts must have an implementation, and every implementation a name
+    from jaxrl_llm import algos
+    from jaxrl_llm.config import _load
+    assert set(_load.ADV_ESTIMATORS) == set(algos.ADV_ESTIMATORS)
+    assert set(_load.POLICY_LOSSES) == set(algos.POLICY_LOSSES)
+    assert set(_load.LOSS_AGG_MODES) == set(algos.LOSS_AGG_MODES)
+    assert set(_load.KL_PENALTIES) == set(algos.KL_PENALTIES)
