@@ -18,24 +18,29 @@ from jaxrl_llm.rewards import RewardFunctionError
 
 from jaxrl_llm.agent._loop import AgentContext, AgentLoopOutput, AgentSample, get_agent_loop
 from jaxrl_llm.agent.interactions import load_interactions
-from jaxrl_llm.agent.tools import load_function_tools, load_tools
+from jaxrl_llm.agent.tools import load_isolated_function_tools, load_tools
 
 
-def load_agent_resources(multi_turn) -> tuple[dict, dict]:
-    """(tools by name, interactions by name) from `rollout.multi_turn`'s config paths."""
-    tools: dict = {}
-    sources = ((multi_turn.tool_config_path, load_tools),
-               (multi_turn.function_tool_path, load_function_tools))
-    for path, loader in sources:
-        if path:
-            for name, tool in loader(path).items():
-                if name in tools:
-                    raise ValueError(f"tool {name!r} is defined twice (tool_config_path and "
-                                     f"function_tool_path); tool names must be unique")
-                tools[name] = tool
+def load_agent_resources(multi_turn) -> tuple[dict, dict, list]:
+    """(tools by name, interactions by name, process pools to close) from `rollout.multi_turn`'s
+    config paths. Function tools (`function_tool_path`) run in worker processes with
+    `tool_memory_limit_gb`; tool-config classes run in this process."""
+    tools = load_tools(multi_turn.tool_config_path) if multi_turn.tool_config_path else {}
+    pools = []
+    if multi_turn.function_tool_path:
+        isolated, pool = load_isolated_function_tools(
+            multi_turn.function_tool_path, timeout_s=multi_turn.tool_timeout_s,
+            memory_limit_gb=multi_turn.tool_memory_limit_gb, num_workers=multi_turn.tool_workers)
+        pools.append(pool)
+        for name, tool in isolated.items():
+            if name in tools:
+                pool.close()
+                raise ValueError(f"tool {name!r} is defined twice (tool_config_path and "
+                                 f"function_tool_path); tool names must be unique")
+            tools[name] = tool
     interactions = load_interactions(multi_turn.interaction_config_path) if (
         multi_turn.interaction_config_path) else {}
-    return tools, interactions
+    return tools, interactions, pools
 
 
 class AgentRunner:
@@ -53,9 +58,18 @@ class AgentRunner:
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
         self.pad_token_id, self.reward_loop = pad_token_id, reward_loop
         self.max_error_fraction = max_error_fraction
+        self._pools = []
         if tools is None and interactions is None:
-            tools, interactions = load_agent_resources(multi_turn)
+            tools, interactions, self._pools = load_agent_resources(multi_turn)
         self.tools, self.interactions = dict(tools or {}), dict(interactions or {})
+
+    def close(self) -> None:
+        """Stops the tool processes and the reward loop's thread."""
+        for pool in self._pools:
+            pool.close()
+        self._pools = []
+        if self.reward_loop is not None:
+            self.reward_loop.close()
 
     def run(self, samples: Sequence[AgentSample], *, sampling, seed: int) -> dict[str, Any]:
         return asyncio.run(self.arun(samples, sampling=sampling, seed=seed))

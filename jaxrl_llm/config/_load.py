@@ -258,6 +258,8 @@ def _check_multi_turn(c: RunConfig) -> None:
     _positive(mt.max_parallel_calls, f"{where}.max_parallel_calls")
     _positive(mt.max_tool_response_length, f"{where}.max_tool_response_length")
     _positive(mt.tool_timeout_s, f"{where}.tool_timeout_s")
+    _positive(mt.tool_memory_limit_gb, f"{where}.tool_memory_limit_gb")
+    _positive(mt.tool_workers, f"{where}.tool_workers")
     if not mt.default_agent_loop:
         raise ConfigError(f"{where}.default_agent_loop must name an agent loop, e.g. "
                           "'single_turn_agent' or 'tool_agent'")

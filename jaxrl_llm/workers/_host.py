@@ -235,9 +235,10 @@ class HostWorker:
         return path
 
     def close(self) -> None:
-        if self._agents is not None and self._agents.reward_loop is not None:
-            self._agents.reward_loop.close()
-            self._agents.reward_loop.manager.close()
+        if self._agents is not None:
+            self._agents.close()
+            if self._agents.reward_loop is not None:
+                self._agents.reward_loop.manager.close()
         if self.server is not None:
             self.server.close()
         self.checkpointer.wait()

@@ -9,6 +9,11 @@ from jaxrl_llm.agent.tools._calculator import (
     format_number,
 )
 from jaxrl_llm.agent.tools._function import FunctionTool, function_tool, parse_docstring
+from jaxrl_llm.agent.tools._isolated import (
+    IsolatedFunctionTool,
+    ToolProcessPool,
+    load_isolated_function_tools,
+)
 from jaxrl_llm.agent.tools._python import PythonRun, PythonTool, format_run, run_python
 from jaxrl_llm.agent.tools._registry import (
     BUILTIN_TOOLS,
@@ -27,14 +32,17 @@ __all__ = [
     "CalculatorTool",
     "FunctionSchema",
     "FunctionTool",
+    "IsolatedFunctionTool",
     "OpenAIFunctionToolSchema",
     "PythonRun",
     "PythonTool",
+    "ToolProcessPool",
     "ToolResponse",
     "calculate",
     "format_number",
     "format_run",
     "function_tool",
+    "load_isolated_function_tools",
     "get_tool_class",
     "load_function_tools",
     "load_tools",
