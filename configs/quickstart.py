@@ -10,7 +10,8 @@ Launch (a few minutes on 2 CPU cores):
   python -m jaxrl_llm.train --config=configs/quickstart.py
 Variants: `configs/quickstart.py:local` runs the workers in-process instead of in a Ray actor
 (same run folder, `runs/quickstart/`); `configs/quickstart.py:tiny` is a smoke run with a smaller
-model and data (tests use it) in its own folder, `runs/quickstart-tiny/`.
+model and data (tests use it) in its own folder, `runs/quickstart-tiny/` (1.5-2 minutes the first
+time on 2 CPU cores, under 30 s once JAX's compilation cache holds its programs).
 """
 from jaxrl_llm.config import base_config
 

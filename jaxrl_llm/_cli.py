@@ -74,6 +74,32 @@ def load_run(config_flag, flag_name: str = "config"):
     return None  # unreachable
 
 
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+MIN_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+
+
+def enable_compilation_cache() -> str | None:
+    """Turns on JAX's persistent compilation cache, so a rerun (or a second run of the same
+    config) loads its compiled programs instead of compiling them again: `$JAX_COMPILATION_CACHE_DIR`
+    when set (set it empty to turn the cache off), else `$XDG_CACHE_HOME/jaxrl_llm/jax`
+    (`~/.cache/jaxrl_llm/jax`). Programs of any compile time are cached (small CPU programs too).
+    The variables are set in this process's environment, which the Ray workers inherit
+    (trainer `forward_env`). Returns the folder, or None when off."""
+    if CACHE_ENV in os.environ:
+        path = os.environ[CACHE_ENV] or None
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = os.environ[CACHE_ENV] = os.path.join(base, "jaxrl_llm", "jax")
+    if path is None:
+        return None
+    os.environ.setdefault(MIN_TIME_ENV, "0")
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(os.environ[MIN_TIME_ENV]))
+    return path
+
+
 def completed_step(run) -> int | None:
     """The newest checkpoint's step when it already reaches `trainer.total_training_steps` (and
     `trainer.resume_mode` is auto): the run is complete. Else None."""

@@ -48,7 +48,9 @@ def run_sft(run) -> dict:
 def main(argv) -> None:
     del argv
     logging.basicConfig(level=logging.INFO)
-    print(json.dumps(run_sft(_cli.load_run(_CONFIG))))
+    run = _cli.load_run(_CONFIG)
+    _cli.enable_compilation_cache()
+    print(json.dumps(run_sft(run)))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ def main(argv) -> None:
     # Ray's notice that token authentication is on (its default, kept) on every start
     logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
     run = _cli.load_run(_CONFIG)
+    _cli.enable_compilation_cache()
     done = _cli.completed_step(run)
     if done is not None:  # nothing to train: say so before starting Ray or compiling anything
         print(f"{run.trainer.default_local_dir} is complete: its newest checkpoint is step {done} of "

@@ -35,3 +35,28 @@ def test_relative_config_path_from_another_directory_says_not_found(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip() == (f"error: --config: config file 'configs/quickstart.py' not found "
                                   f"(relative to the current directory {tmp_path})")
+
+
+def test_compilation_cache_is_on_by_default_and_respects_the_users_setting(tmp_path, monkeypatch):
+    import jax
+
+    from jaxrl_llm import _cli
+
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    try:
+        monkeypatch.delenv(_cli.CACHE_ENV, raising=False)
+        monkeypatch.delenv(_cli.MIN_TIME_ENV, raising=False)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+        path = _cli.enable_compilation_cache()
+        assert path == str(tmp_path / "jaxrl_llm" / "jax") == jax.config.jax_compilation_cache_dir
+        assert os.environ[_cli.CACHE_ENV] == path  # Ray workers inherit it (forward_env)
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+        from jaxrl_llm.trainer._backend import forward_env
+        assert forward_env()[_cli.CACHE_ENV] == path
+        monkeypatch.setenv(_cli.CACHE_ENV, str(tmp_path / "mine"))
+        assert _cli.enable_compilation_cache() == str(tmp_path / "mine")
+        monkeypatch.setenv(_cli.CACHE_ENV, "")  # empty: off
+        assert _cli.enable_compilation_cache() is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])

@@ -16,7 +16,8 @@ log = logging.getLogger(__name__)
 
 # Environment a Ray worker process needs to see the same devices as the driver would.
 _FORWARD_ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_ENABLE_X64", "CUDA_VISIBLE_DEVICES",
-                "TOKENIZERS_PARALLELISM", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES")
+                "TOKENIZERS_PARALLELISM", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
+                "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
 
 
 # Custom Ray resource that marks a node as one training host (one HostWorker actor each).
