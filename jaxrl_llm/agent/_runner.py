@@ -22,11 +22,14 @@ from jaxrl_llm.agent.tools import load_isolated_function_tools, load_tools
 
 
 def load_agent_resources(multi_turn) -> tuple[dict, dict, list]:
-    """(tools by name, interactions by name, process pools to close) from `rollout.multi_turn`'s
-    config paths. Function tools (`function_tool_path`) run in worker processes with
-    `tool_memory_limit_gb`; tool-config classes run in this process."""
-    tools = load_tools(multi_turn.tool_config_path) if multi_turn.tool_config_path else {}
-    pools = []
+    """(tools by name, interactions by name, processes to close) from `rollout.multi_turn`'s
+    config paths. Function tools (`function_tool_path`) run in worker processes and tool-config
+    classes that are not built-ins in a process each, all with `tool_memory_limit_gb`; the
+    built-in tools run in this process."""
+    limits = dict(timeout_s=multi_turn.tool_timeout_s, memory_limit_gb=multi_turn.tool_memory_limit_gb)
+    tools = load_tools(multi_turn.tool_config_path, isolated=limits) if (
+        multi_turn.tool_config_path) else {}
+    pools = [t for t in tools.values() if hasattr(t, "close")]  # tool classes' host processes
     if multi_turn.function_tool_path:
         isolated, pool = load_isolated_function_tools(
             multi_turn.function_tool_path, timeout_s=multi_turn.tool_timeout_s,

@@ -121,7 +121,7 @@ class MultiTurnConfig:
     max_tool_response_length: int  # characters of one tool response kept
     tool_response_truncate_side: str  # left | middle | right
     tool_timeout_s: float  # one tool call's wall-clock limit
-    tool_memory_limit_gb: float  # address-space limit of the processes that run function tools
+    tool_memory_limit_gb: float  # address-space limit of the processes that run user tools
     tool_workers: int  # processes that run the function tools (function_tool_path)
     tool_config_path: str  # verl tool config (yaml/json): tools by class name
     function_tool_path: str  # a Python file whose @function_tool functions become tools

@@ -43,7 +43,7 @@ def test_a_hostile_tool_becomes_an_error_and_the_next_call_works(tools, name, ar
     assert call(tools["add"], {"a": 1, "b": 1})[0] == "2"  # the (replaced) worker serves again
 
 
-def test_runner_resources_isolate_function_tools_and_keep_config_tools_in_process(tmp_path):
+def test_runner_resources_isolate_function_tools_and_keep_builtins_in_process(tmp_path):
     from jaxrl_llm.config import load_config
     cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs",
                                    "quickstart_tools.py"),
@@ -56,3 +56,49 @@ def test_runner_resources_isolate_function_tools_and_keep_config_tools_in_proces
     finally:
         for p in pools:
             p.close()
+
+
+@pytest.fixture(scope="module")
+def counter(tmp_path_factory):
+    import json
+    import sys
+
+    from jaxrl_llm.agent.tools import load_tools
+    sys.path.insert(0, os.path.dirname(FILE))  # the host process gets the parent's sys.path
+    path = tmp_path_factory.mktemp("tools") / "tools.json"
+    path.write_text(json.dumps({"tools": [{"class_name": "hostile_class_tool.CounterTool"},
+                                          {"class_name": "calculator"}]}))
+    tools = load_tools(path, isolated={"timeout_s": 3.0, "memory_limit_gb": 1.5})
+    yield tools
+    tools["counter"].close()
+    sys.path.remove(os.path.dirname(FILE))
+
+
+def test_a_tool_class_keeps_its_state_in_its_own_process(counter):
+    assert type(counter["calculator"]).__name__ == "CalculatorTool"  # built-ins stay in-process
+
+    async def flow():
+        tool = counter["counter"]
+        a, _ = await tool.create(start=10)
+        b, _ = await tool.create()
+        texts = [(await run_tool_call(tool, iid, {"mode": "ok"}))[0].text for iid in (a, a, b)]
+        pid = (await run_tool_call(tool, a, {"mode": "pid"}))[0].text
+        return texts, int(pid), await tool.calc_reward(a), await tool.calc_reward(b)
+    texts, pid, ra, rb = asyncio.run(flow())
+    assert texts == ["11", "12", "1"] and (ra, rb) == (12.0, 1.0) and pid != os.getpid()
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("hang", "timed out after 3 s"), ("exit", "exit code 5"), ("hog", "MemoryError"),
+    ("raise", "kaput")])
+def test_a_hostile_tool_class_costs_the_call_not_the_run(counter, mode, message):
+    async def flow():
+        tool = counter["counter"]
+        iid, _ = await tool.create()
+        bad = await run_tool_call(tool, iid, {"mode": mode}, timeout_s=3.0)
+        fresh, _ = await tool.create()  # a restarted host serves new trajectories
+        good = await run_tool_call(tool, fresh, {"mode": "ok"}, timeout_s=3.0)
+        return bad, good
+    (bad, _, bad_m), (good, _, _) = asyncio.run(flow())
+    assert bad.text.startswith("Error") and message in bad.text and "error" in bad_m, bad.text
+    assert good.text == "1"

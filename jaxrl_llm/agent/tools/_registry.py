@@ -51,11 +51,17 @@ def _add(tools: dict[str, BaseTool], tool: BaseTool, source: str) -> None:
     tools[tool.name] = tool
 
 
-def _build(entry: dict, where: str) -> BaseTool:
+def _build(entry: dict, where: str, isolated: dict | None = None) -> BaseTool:
     unknown = set(entry) - _ENTRY_KEYS
     if unknown or "class_name" not in entry:
         raise ValueError(f"{where}: each tool needs 'class_name' and may have 'config' and "
                          f"'tool_schema'; got keys {sorted(entry)}")
+    if isolated is not None and entry["class_name"] not in BUILTIN_TOOLS:
+        from jaxrl_llm.agent.tools._remote import RemoteTool
+
+        get_tool_class(entry["class_name"])  # a bad class name is an error here, not in a child
+        return RemoteTool(entry["class_name"], entry.get("config"), entry.get("tool_schema"),
+                          **isolated)
     schema = entry.get("tool_schema")
     if schema is not None:
         schema = OpenAIFunctionToolSchema.from_dict(schema)
@@ -63,12 +69,16 @@ def _build(entry: dict, where: str) -> BaseTool:
                                                tool_schema=schema)
 
 
-def load_tools(tool_config_path: str | os.PathLike) -> dict[str, BaseTool]:
-    """{tool name: tool} from a tool config file (format above), in file order."""
+def load_tools(tool_config_path: str | os.PathLike, *,
+               isolated: dict | None = None) -> dict[str, BaseTool]:
+    """{tool name: tool} from a tool config file (format above), in file order.
+
+    isolated: `{"timeout_s": ..., "memory_limit_gb": ...}` runs every class that is not a
+    built-in in a process of its own (`RemoteTool`); None builds them all in this process."""
     entries = config_entries(read_config_file(tool_config_path), "tools", tool_config_path)
     tools: dict[str, BaseTool] = {}
     for i, entry in enumerate(entries):
-        _add(tools, _build(entry, f"{os.fspath(tool_config_path)}: tools[{i}]"),
+        _add(tools, _build(entry, f"{os.fspath(tool_config_path)}: tools[{i}]", isolated),
              os.fspath(tool_config_path))
     return tools
 
