@@ -11,7 +11,7 @@ import os
 
 from jaxrl_llm.agent.interactions._answer_check import AnswerCheckInteraction
 from jaxrl_llm.agent.interactions._base import BaseInteraction
-from jaxrl_llm.agent.tools._files import config_entries, import_object, read_config_file
+from jaxrl_llm.agent.tools._files import config_entries, read_config_file, resolve_class
 
 BUILTIN_INTERACTIONS: dict[str, type[BaseInteraction]] = {
     "answer_check": AnswerCheckInteraction}
@@ -20,16 +20,8 @@ _ENTRY_KEYS = {"name", "class_name", "config"}
 
 def get_interaction_class(name: str) -> type[BaseInteraction]:
     """A built-in interaction class by name, or a subclass by "module.Class" path."""
-    if name in BUILTIN_INTERACTIONS:
-        return BUILTIN_INTERACTIONS[name]
-    if "." not in name:
-        raise ValueError(f"unknown interaction {name!r}; built-ins: "
-                         f"{sorted(BUILTIN_INTERACTIONS)}, or give a 'module.Class' path")
-    cls = import_object(name, "interaction class_name")
-    if not (isinstance(cls, type) and issubclass(cls, BaseInteraction)):
-        raise TypeError(f"interaction class_name {name!r} is not a subclass of "
-                        f"jaxrl_llm.agent.interactions.BaseInteraction")
-    return cls
+    return resolve_class(name, BUILTIN_INTERACTIONS, BaseInteraction, "interaction",
+                         "jaxrl_llm.agent.interactions.BaseInteraction")
 
 
 def _default_name(class_name: str) -> str:

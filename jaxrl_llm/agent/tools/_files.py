@@ -62,6 +62,20 @@ def import_file(path: str | os.PathLike, prefix: str) -> ModuleType:
     return module
 
 
+def resolve_class(name: str, builtins: dict, base: type, what: str, base_path: str) -> type:
+    """A built-in class by name, or a `base` subclass by "module.Class" path (tools and
+    interactions name their classes the same way)."""
+    if name in builtins:
+        return builtins[name]
+    if "." not in name:
+        raise ValueError(f"unknown {what} {name!r}; built-ins: {sorted(builtins)}, or give "
+                         f"a 'module.Class' path")
+    cls = import_object(name, f"{what} class_name")
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise TypeError(f"{what} class_name {name!r} is not a subclass of {base_path}")
+    return cls
+
+
 def config_entries(data: Any, key: str, path: str | os.PathLike) -> list[dict]:
     """`data[key]` as a list of mappings, or ValueError saying what the file should hold."""
     if not isinstance(data, dict) or not isinstance(data.get(key), list):

@@ -19,8 +19,8 @@ from jaxrl_llm.agent.tools._calculator import CalculatorTool
 from jaxrl_llm.agent.tools._files import (
     config_entries,
     import_file,
-    import_object,
     read_config_file,
+    resolve_class,
 )
 from jaxrl_llm.agent.tools._function import FunctionTool
 from jaxrl_llm.agent.tools._python import PythonTool
@@ -32,16 +32,7 @@ _ENTRY_KEYS = {"class_name", "config", "tool_schema"}
 
 def get_tool_class(name: str) -> type[BaseTool]:
     """A built-in tool class by name, or a BaseTool subclass by "module.Class" path."""
-    if name in BUILTIN_TOOLS:
-        return BUILTIN_TOOLS[name]
-    if "." not in name:
-        raise ValueError(f"unknown tool {name!r}; built-ins: {sorted(BUILTIN_TOOLS)}, or give "
-                         f"a 'module.Class' path")
-    cls = import_object(name, "tool class_name")
-    if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
-        raise TypeError(f"tool class_name {name!r} is not a subclass of "
-                        f"jaxrl_llm.agent.tools.BaseTool")
-    return cls
+    return resolve_class(name, BUILTIN_TOOLS, BaseTool, "tool", "jaxrl_llm.agent.tools.BaseTool")
 
 
 def _add(tools: dict[str, BaseTool], tool: BaseTool, source: str) -> None:
