@@ -18,6 +18,7 @@ from jaxrl_llm.agent._loop import (
     truncate_text,
 )
 from jaxrl_llm.agent._parsers import ToolCall, format_tool_call, get_tool_parser
+from jaxrl_llm.agent._rollouter import PromptGroup, Rollouter, TrajectoryGroup, TrajectoryQueue
 from jaxrl_llm.agent._runner import AgentRunner, agent_metrics, load_agent_resources
 
 __all__ = [
@@ -28,9 +29,13 @@ __all__ = [
     "AgentLoopOutput",
     "AgentRunner",
     "AgentSample",
+    "PromptGroup",
+    "Rollouter",
     "SingleTurnAgentLoop",
     "ToolAgentLoop",
     "ToolCall",
+    "TrajectoryGroup",
+    "TrajectoryQueue",
     "agent_metrics",
     "format_tool_call",
     "get_agent_loop",

@@ -51,7 +51,9 @@ class AgentSample:
 @dataclasses.dataclass
 class AgentLoopOutput:
     """verl's fields. response_mask: 1 = model token, 0 = tool / user / template token;
-    response_logprobs: the engine's log-prob of each model token, 0.0 elsewhere."""
+    response_logprobs: the engine's log-prob of each model token, 0.0 elsewhere;
+    response_versions: the policy version that sampled each model token, -1 elsewhere (a loop
+    that leaves it empty reports -1 for every token)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -60,6 +62,7 @@ class AgentLoopOutput:
     num_turns: int  # messages appended after the prompt: assistant, tool and user turns
     metrics: dict[str, float]
     extra_fields: dict[str, Any]
+    response_versions: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -152,6 +155,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
         return AgentLoopOutput(
             prompt_ids=prompt_ids, response_ids=list(out.token_ids), response_mask=[1] * n,
             response_logprobs=[float(x) for x in out.log_probs], num_turns=1,
+            response_versions=[int(v) for v in out.policy_versions],
             metrics={"generate_s": time.perf_counter() - t0, "num_tool_calls": 0.0,
                      "num_tool_errors": 0.0},
             extra_fields={"finish_reason": out.finish_reason, "turn_texts": [
@@ -178,12 +182,14 @@ class _Trajectory:
     ids: list[int] = dataclasses.field(default_factory=list)
     mask: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
     turn_texts: list[str] = dataclasses.field(default_factory=list)
 
-    def add(self, ids, mask_value: int, logprobs=None):
+    def add(self, ids, mask_value: int, logprobs=None, versions=None):
         self.ids += list(ids)
         self.mask += [mask_value] * len(ids)
         self.logprobs += [float(x) for x in logprobs] if logprobs is not None else [0.0] * len(ids)
+        self.versions += [int(v) for v in versions] if versions is not None else [-1] * len(ids)
 
 
 @register_agent_loop("tool_agent")
@@ -214,7 +220,7 @@ class ToolAgentLoop(AgentLoopBase):
                 out = await self.generate(session, traj.prompt_ids + traj.ids, sample,
                                           assistant_turns + user_turns + tool_turns, budget)
                 m["generate_s"] += time.perf_counter() - t0
-                traj.add(out.token_ids, 1, out.log_probs)
+                traj.add(out.token_ids, 1, out.log_probs, out.policy_versions)
                 assistant_turns += 1
                 text = self.tokenizer.decode(out.token_ids)
                 traj.turn_texts.append(text)
@@ -260,7 +266,7 @@ class ToolAgentLoop(AgentLoopBase):
                  total_s=time.perf_counter() - t_start)
         return AgentLoopOutput(
             prompt_ids=traj.prompt_ids, response_ids=traj.ids, response_mask=traj.mask,
-            response_logprobs=traj.logprobs,
+            response_logprobs=traj.logprobs, response_versions=traj.versions,
             num_turns=assistant_turns + user_turns + tool_turns, metrics=m, extra_fields=extra)
 
     # -- tools ----------------------------------------------------------------------------------

@@ -103,12 +103,14 @@ class AgentRunner:
 
     def collate(self, samples, results) -> dict[str, Any]:
         """responses / response_mask / response_attention_mask int32[b, t], rollout_log_probs
-        f32[b, t], prompt_ids (lists), scores f32[b], reward_extra {key: f32[b]}, num_turns
+        f32[b, t], rollout_versions int32[b, t] (the policy version of each model token, -1
+        elsewhere), prompt_ids (lists), scores f32[b], reward_extra {key: f32[b]}, num_turns
         int32[b], finished_s / scored_s f32[b] (seconds from the batch start), metrics."""
         b, t = len(results), self.max_response_length
         responses = np.full((b, t), self.pad_token_id, np.int32)
         mask, attn = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
         logp = np.zeros((b, t), np.float32)
+        versions = np.full((b, t), -1, np.int32)
         scores, finished, scored = np.zeros(b, np.float32), np.zeros(b, np.float32), np.zeros(b, np.float32)
         extra: dict[str, np.ndarray] = {}
         reward_fail = {"reward/num_errors": 0.0, "reward/num_timeouts": 0.0}
@@ -117,6 +119,8 @@ class AgentRunner:
             n = len(out.response_ids)
             responses[i, :n], mask[i, :n], attn[i, :n] = out.response_ids, out.response_mask, 1
             logp[i, :n] = out.response_logprobs
+            if out.response_versions:
+                versions[i, :n] = out.response_versions
             finished[i] = fin
             if score is not None:
                 scores[i], scored[i] = score.score, scored_s
@@ -130,7 +134,7 @@ class AgentRunner:
                    **{f"reward_extra/{k}/mean": float(v.mean()) for k, v in extra.items()}}
         return {"prompt_ids": [o.prompt_ids for o in outs], "responses": responses,
                 "response_mask": mask, "response_attention_mask": attn, "rollout_log_probs": logp,
-                "scores": scores, "reward_extra": extra,
+                "rollout_versions": versions, "scores": scores, "reward_extra": extra,
                 "num_turns": np.asarray([o.num_turns for o in outs], np.int32),
                 "finish_reasons": [o.extra_fields.get("finish_reason", "stop") for o in outs],
                 "finished_s": finished, "scored_s": scored, "metrics": metrics,
@@ -155,6 +159,9 @@ def _check_output(out: AgentLoopOutput, t: int) -> None:
     if not (len(out.response_mask) == len(out.response_logprobs) == n):
         raise ValueError(f"agent loop output has {n} response ids but {len(out.response_mask)} mask "
                          f"values and {len(out.response_logprobs)} log-probs")
+    if out.response_versions and len(out.response_versions) != n:
+        raise ValueError(f"agent loop output has {n} response ids but {len(out.response_versions)} "
+                         "policy versions")
     if n > t:
         raise ValueError(f"agent loop returned {n} response tokens, more than "
                          f"data.max_response_length={t}")

@@ -1,8 +1,8 @@
 """Run configuration: the ConfigDict defaults, loading with overrides, and the typed sections."""
 from ._defaults import base_config
 from ._load import ConfigError, load_config, load_config_dict, to_run_config, validate
-from ._schema import (ActorConfig, AlgorithmConfig, CriticConfig, DataConfig, FilterGroupsConfig,
-                      KLControlConfig, OverlongBufferConfig,
-                      MeshSection, ModelInitConfig, MultiTurnConfig, PlacementConfig, RewardModelConfig, ModelSection, OptimConfig, RewardConfig,
-                      RolloutConfig, RolloutCorrectionConfig, RunConfig, SamplingConfig, SFTConfig,
-                      TrainerConfig)
+from ._schema import (ActorConfig, AlgorithmConfig, AsyncTrainingConfig, CriticConfig, DataConfig,
+                      FilterGroupsConfig, KLControlConfig, MeshSection, ModelInitConfig, ModelSection,
+                      MultiTurnConfig, OptimConfig, OverlongBufferConfig, PlacementConfig, RewardConfig,
+                      RewardModelConfig, RolloutConfig, RolloutCorrectionConfig, RunConfig,
+                      SamplingConfig, SFTConfig, TrainerConfig)

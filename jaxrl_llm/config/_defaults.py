@@ -61,6 +61,8 @@ def base_config() -> ConfigDict:
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
     c.placement = dict(mode="colocated", rollout_mesh=dict(data=1, fsdp=1, tensor=1),
                        one_step_off_policy=False)
+    c.async_training = dict(enable=False, staleness_threshold=0.0, trigger_parameter_sync_step=1,
+                            require_batches=1, partial_rollout=False)
     c.sft = dict(steps=0, batch_size=32, lr=1e-4, warmup_steps=0, max_length=512, train_files=(),
                  messages_key="messages", builtin_size=2000, builtin_off_by_one=0.0,
                  builtin_trailing_junk=0.0, builtin_no_tool=0.0)

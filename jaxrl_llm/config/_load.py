@@ -223,6 +223,7 @@ def validate(c: RunConfig) -> None:
     _check_rollout_correction(c)
     _check_multi_turn(c)
     _check_dapo(c)
+    _check_async(c)
     if not c.data.train_files and not c.data.builtin_task:
         raise ConfigError("data.train_files is empty and data.builtin_task is not set: give parquet/jsonl "
                           "files or a built-in task ('arithmetic' or 'countdown')")
@@ -290,6 +291,40 @@ def _check_dapo(c: RunConfig) -> None:
     if c.algorithm.adv_estimator == "remax" and c.placement.one_step_off_policy:
         raise ConfigError("algorithm.adv_estimator='remax' generates a greedy baseline each step, which "
                           "placement.one_step_off_policy cannot interleave with its background rollout")
+
+
+def _check_async(c: RunConfig) -> None:
+    a, where = c.async_training, "async_training"
+    _positive(a.staleness_threshold, f"{where}.staleness_threshold", allow_zero=True)
+    _positive(a.trigger_parameter_sync_step, f"{where}.trigger_parameter_sync_step")
+    _positive(a.require_batches, f"{where}.require_batches")
+    if not a.enable:
+        return
+    step = a.require_batches * c.actor.ppo_mini_batch_size
+    if c.data.train_batch_size % step:
+        raise ConfigError(
+            f"{where}.require_batches={a.require_batches} x actor.ppo_mini_batch_size="
+            f"{c.actor.ppo_mini_batch_size} = {step} prompts per training step must divide "
+            f"data.train_batch_size={c.data.train_batch_size} (the prompts drawn at a time)")
+    if c.use_critic and step % c.critic.ppo_mini_batch_size:
+        raise ConfigError(f"critic.ppo_mini_batch_size={c.critic.ppo_mini_batch_size} must divide the "
+                          f"{step} prompts of an {where} step (require_batches x actor.ppo_mini_batch_size)")
+    if a.partial_rollout and a.staleness_threshold == 0:
+        raise ConfigError(f"{where}.partial_rollout=True needs {where}.staleness_threshold > 0: with 0 "
+                          "the rollout never runs ahead, so no request is in flight at a sync")
+    if c.placement.mode != "separate":
+        raise ConfigError(f"{where}.enable needs placement.mode='separate' (the rollout generates on "
+                          "its own devices while training runs; see docs/concepts.md, 'Asynchronous "
+                          "training', for why colocated async is not a mode here)")
+    if c.placement.one_step_off_policy:
+        raise ConfigError(f"{where}.enable and placement.one_step_off_policy are two async modes; "
+                          "choose one (one-step-off = staleness_threshold=1 without a queue)")
+    for bad, why in ((c.algorithm.filter_groups.enable, "algorithm.filter_groups.enable"),
+                     (c.algorithm.adv_estimator == "remax", "algorithm.adv_estimator='remax'"),
+                     (bool(c.reward.model.path), "reward.model.path (a learned reward model)")):
+        if bad:
+            raise ConfigError(f"{where}.enable cannot be combined with {why} yet: the rollouter scores "
+                              "each group with the rule-based reward loop as it finishes")
 
 
 def _check_rollout_correction(c: RunConfig) -> None:

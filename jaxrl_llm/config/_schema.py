@@ -253,6 +253,23 @@ class PlacementConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AsyncTrainingConfig:
+    """Fully asynchronous training (verl's fully_async_policy; `placement.mode='separate'`): a
+    rollouter keeps generating groups on the rollout server while the trainer trains on finished
+    ones. A training step takes `require_batches * actor.ppo_mini_batch_size` groups; weights are
+    synced after every `trigger_parameter_sync_step` steps. `staleness_threshold` s: the rollouter
+    may run ahead by s sync intervals' worth of groups (0 = synchronous); no trained group has a
+    token more than ceil(s) syncs old. `partial_rollout`: at a sync, running requests keep their
+    tokens and continue with the new weights instead of being waited for (needs s > 0)."""
+
+    enable: bool
+    staleness_threshold: float
+    trigger_parameter_sync_step: int
+    require_batches: int
+    partial_rollout: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class SFTConfig:
     """Supervised warm start before RL (`steps == 0` disables it)."""
 
@@ -303,6 +320,7 @@ class RunConfig:
     reward: RewardConfig
     mesh: MeshSection
     placement: PlacementConfig
+    async_training: AsyncTrainingConfig
     sft: SFTConfig
     trainer: TrainerConfig
 

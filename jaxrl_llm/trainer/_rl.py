@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -91,6 +92,11 @@ class RLTrainer:
     def __init__(self, config: RunConfig, *, num_hosts: int = 1, distributed: dict | None = None):
         self.config = c = config
         self.overlap = c.placement.one_step_off_policy
+        self.fully_async = c.async_training.enable
+        # fully async: loader batches handed to the rollouter, groups handed and not yet trained,
+        # trained groups with a token from an older policy version, last rollouter stats
+        self._fed_batches = self._outstanding = self._stale_groups = 0
+        self._rollouter_last: tuple[float, dict] | None = None
         if self.overlap and num_hosts > 1:
             raise ValueError("placement.one_step_off_policy runs on one host only (num_hosts=1); "
                              f"got num_hosts={num_hosts}")
@@ -299,6 +305,8 @@ class RLTrainer:
         of one update ago), syncs the current weights into the now idle engine, and starts the
         next step's rollout before returning, so it runs while this step trains.
         """
+        if self.fully_async:
+            return self._async_rollout(timing, metrics)
         if self._pending is not None:
             handle, examples, _ = self._pending
             with _timer(timing, "gen"):  # only the time this step waited for the rollout
@@ -326,6 +334,70 @@ class RLTrainer:
             self._pending = (handle, nxt, state)
         return examples, gen
 
+    # -- fully asynchronous training (async_training) ----------------------------------------------
+    @property
+    def _groups_per_step(self) -> int:
+        return self.config.async_training.require_batches * self.config.actor.ppo_mini_batch_size
+
+    @property
+    def _max_staleness(self) -> int:
+        """No trained group has a token more than this many weight syncs old: ceil(s)."""
+        return math.ceil(self.config.async_training.staleness_threshold - 1e-9)
+
+    def _async_feed(self) -> None:
+        """Hands the rollouter whole loader batches until it has the groups it may start before
+        the next sync plus one step's worth. Batch b's prompt i samples with the synchronous
+        trainer's seed for step b and rows i*n .. i*n+n-1, so s = 0 reproduces it exactly."""
+        c, a = self.config, self.config.async_training
+        per_sync = a.trigger_parameter_sync_step * self._groups_per_step
+        ahead = math.floor((1 + a.staleness_threshold) * per_sync + 1e-9) + self._groups_per_step
+        n, size = c.rollout.n, c.data.train_batch_size
+        while self._outstanding < ahead:
+            b = self._fed_batches
+            examples = next(self.loader)
+            groups = [dict(index=b * size + i, seed=self._seed(1, b), first_row=i * n, n=n,
+                           sample=dict(raw_prompt=e.raw_prompt, data_source=e.data_source,
+                                       ground_truth=e.ground_truth, extra_info=e.extra_info,
+                                       agent_name=e.agent_name))
+                      for i, e in enumerate(examples)]
+            self.call0("async_feed", groups)
+            self._fed_batches += 1
+            self._outstanding += len(groups)
+
+    def _async_rollout(self, timing: dict, metrics: dict):
+        """One step's groups from the trajectory queue (rows by prompt index), with the
+        staleness, partial-rollout and idle metrics."""
+        k = self._groups_per_step
+        self._async_feed()
+        with _timer(timing, "gen"):  # the trainer's wait for finished groups
+            gen = self.call0("async_take", k, max_staleness=self._max_staleness)
+        self._outstanding -= k
+        samples, version = gen.pop("samples"), gen.pop("policy_version")
+        lo, hi = gen.pop("group_min_version"), gen.pop("group_max_version")
+        gen.pop("indices")
+        stale = version - lo
+        self._stale_groups += int((stale > 0).sum())
+        versions = gen["rollout_versions"]
+        lag = (version - versions)[versions >= 0]
+        stats, now = gen.pop("rollouter"), time.perf_counter()
+        if self._rollouter_last is not None:
+            t_prev, prev = self._rollouter_last
+            idle = (stats["idle_s"] - prev["idle_s"]) / max(now - t_prev, 1e-9)
+            metrics["fully_async/rollouter/idle_ratio"] = float(min(max(idle, 0.0), 1.0))
+        self._rollouter_last = (now, stats)
+        gen.pop("wait_s", None)
+        metrics.update({
+            "fully_async/staleness/mean": float(stale.mean()), "fully_async/staleness/max": float(stale.max()),
+            "fully_async/staleness/bound": float(self._max_staleness),
+            "rollout/policy_version": float(version),
+            "rollout/policy_version_lag": float(lag.mean()) if lag.size else 0.0,
+            "fully_async/count/stale_samples_processed": float(self._stale_groups),
+            "fully_async/partial/partial_ratio": float((hi != lo).mean()),
+            "fully_async/partial/max_partial_span": float((hi - lo).max()),
+            "fully_async/queue_size": stats["queue_size"],
+            "fully_async/dropped_stale_groups": stats["groups_dropped_stale"]})
+        return samples, gen
+
     def _agent_generate(self, examples, sampling, *, seed: int) -> dict:
         """Agent rollouts (`rollout.multi_turn`): `sampling.n` trajectories per example, rows
         in the batch driver's order, already scored (streaming reward loop on the worker)."""
@@ -336,13 +408,18 @@ class RLTrainer:
         return self.call0("agent_generate", samples, seed=seed, sampling=dict(
             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p))
 
-    def _sync(self, metrics: dict) -> None:
-        sync = self.call0("sync_weights")
+    def _sync(self, metrics: dict, method: str = "sync_weights") -> None:
+        sync = self.call0(method)
         metrics.update({f"rollout/sync_{k}": float(v) for k, v in sync.items()})
 
     def _settle(self) -> None:
         """One-step-off-policy: waits for the rollout in flight (keeps its batch for the next step)
-        and gives the idle engine the newest weights, e.g. before validation."""
+        and gives the idle engine the newest weights, e.g. before validation. Fully async: syncs
+        the newest weights into the server unless the last step did."""
+        if self.fully_async:
+            if self.global_step % self.config.async_training.trigger_parameter_sync_step:
+                self._sync({}, "async_sync")
+            return
         if not self.overlap:
             return
         if self._pending is not None:
@@ -395,11 +472,17 @@ class RLTrainer:
             with _timer(timing, "update_actor"):
                 metrics.update(self.call0("update_actor", view, mini_rows=c.actor.ppo_mini_batch_size * c.rollout.n,
                                           seed=self._seed(3)))
-            if not self.overlap:  # one-step-off-policy syncs at the start of the next step
+            if self.fully_async:  # every trigger_parameter_sync_step steps, under the rollouter
+                if (self.global_step + 1) % c.async_training.trigger_parameter_sync_step == 0:
+                    with _timer(timing, "update_weights"):
+                        self._sync(metrics, "async_sync")
+            elif not self.overlap:  # one-step-off-policy syncs at the start of the next step
                 with _timer(timing, "update_weights"):
                     self._sync(metrics)
         timing["step"] = time.perf_counter() - t_step
         metrics.update(self._step_metrics(batch, timing))
+        if self.fully_async:
+            metrics["fully_async/trainer/idle_ratio"] = timing["gen"] / max(timing["step"], 1e-9)
         metrics["training/epoch"] = float(self.loader.epoch)
         return metrics
 
@@ -537,7 +620,7 @@ class RLTrainer:
         infos: dict[str, list[float]] = {"reward": []}
         for start in range(0, len(examples), c.data.val_batch_size):
             chunk = examples[start:start + c.data.val_batch_size]
-            if c.rollout.multi_turn.enable:  # the same agent loops as training
+            if c.rollout.multi_turn.enable or self.fully_async:  # the same agent loops as training
                 gen = self._agent_generate(chunk, v, seed=self._seed(4) + start)
                 scores, extra = gen["scores"], gen["reward_extra"]
                 prompts = [self.tokenizer.decode(list(ids)) for ids in gen["prompt_ids"]]
@@ -585,9 +668,13 @@ class RLTrainer:
         # with a rollout in flight, the saved data position is before its prompts: a resumed run
         # draws them again (and generates them with the restored, newer weights)
         data_state = self._pending[2] if self._pending is not None else self.loader.get_state()
-        return {"global_step": self.global_step, "data": data_state,
+        meta = {"global_step": self.global_step, "data": data_state,
                 "kl_coef": float(np.asarray(self.kl_ctrl.value)), "config": self.config.to_dict(),
                 "nonfinite_steps": self.nonfinite_steps, "nonfinite_streak": self.nonfinite_streak}
+        if self.fully_async:  # the trajectory queue and the prompts handed out but not finished
+            meta["fully_async"] = {**self.call0("async_state"), "fed_batches": self._fed_batches,
+                                   "stale_groups": self._stale_groups}
+        return meta
 
     def save_checkpoint(self) -> None:
         self.group.call("save_checkpoint", self.global_step, self._meta())
@@ -600,6 +687,11 @@ class RLTrainer:
         # checkpoints from before these counters existed had none: 0
         self.nonfinite_steps = int(meta.get("nonfinite_steps", 0))
         self.nonfinite_streak = int(meta.get("nonfinite_streak", 0))
+        if self.fully_async and "fully_async" in meta:
+            state = meta["fully_async"]
+            self.call0("async_restore", state)
+            self._fed_batches, self._stale_groups = int(state["fed_batches"]), int(state["stale_groups"])
+            self._outstanding = len(state["pending"]) + len(state["queued"])
         log.info("resumed from %s at step %d", directory, self.global_step)
 
 

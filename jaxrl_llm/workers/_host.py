@@ -41,6 +41,7 @@ class HostWorker:
         self._sft = None
         self.actor = self.ref = self.critic = self.engine = self.driver = self.reward_model = None
         self.server = self._agents = None  # the request-level server and agent loops (multi-turn)
+        self._rollouter = None  # fully asynchronous training's background producer
         self.checkpointer = Checkpointer(
             f"{c.trainer.default_local_dir}/checkpoints", max_to_keep=c.trainer.max_to_keep,
             async_save=c.trainer.async_save, enable=True)
@@ -79,6 +80,9 @@ class HostWorker:
         if multi_turn and jax.process_count() > 1:
             raise ValueError("rollout.multi_turn runs on one host only for now (its server schedules "
                              f"requests as they come); this run has {jax.process_count()} processes")
+        if c.async_training.enable and jax.process_count() > 1:
+            raise ValueError("async_training runs on one host only for now (its rollouter drives the "
+                             f"request-level server); this run has {jax.process_count()} processes")
         if c.placement.one_step_off_policy and jax.process_count() > 1:
             raise ValueError("placement.one_step_off_policy runs on one host only; this run has "
                              f"{jax.process_count()} processes")
@@ -111,7 +115,7 @@ class HostWorker:
             top_k=c.rollout.top_k, top_p=c.rollout.top_p, seed=c.trainer.seed,
             stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id)
         self.driver = rollout.RolloutDriver(self.engine, steps_per_sync=c.rollout.steps_per_sync)
-        if multi_turn:
+        if multi_turn or c.async_training.enable:
             self.server = rollout.RolloutServer(self.engine, steps_per_sync=c.rollout.steps_per_sync)
         return self.sync_weights()
 
@@ -152,6 +156,58 @@ class HostWorker:
                 max_response_length=c.data.max_response_length, pad_token_id=self.pad_token_id,
                 reward_loop=rewards.RewardLoop(manager), max_error_fraction=r.max_error_fraction)
         return self._agents
+
+    # -- fully asynchronous training (async_training) --------------------------------------------
+    def _async(self) -> "agent.Rollouter":
+        if self._rollouter is None:
+            c, a = self.config, self.config.async_training
+            r = c.rollout
+            self._rollouter = agent.Rollouter(
+                self._agent_runner(),
+                sampling=rollout.SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
+                groups_per_sync=a.trigger_parameter_sync_step * a.require_batches * c.actor.ppo_mini_batch_size,
+                staleness_threshold=a.staleness_threshold, partial_rollout=a.partial_rollout,
+                version=self.server.policy_version)
+        return self._rollouter
+
+    def async_feed(self, groups: list[dict]) -> None:
+        """Prompts for the rollouter (`agent.PromptGroup` fields), generated in the background."""
+        self._async().feed([agent.PromptGroup(**g) for g in groups])
+
+    def async_take(self, k: int, *, max_staleness: int) -> dict:
+        """Blocks until `k` groups are finished and returns them collated (`AgentRunner.collate`
+        fields, rows by prompt index) plus `indices`, per-group `group_min_version` /
+        `group_max_version`, the server's `policy_version`, `wait_s` and the rollouter's stats."""
+        r = self._async()
+        t0 = time.perf_counter()
+        groups = sorted(r.take(k, max_staleness=max_staleness), key=lambda g: g.prompt.index)
+        wait = time.perf_counter() - t0
+        samples = [agent.AgentSample(**g.prompt.sample, row=g.prompt.first_row + j)
+                   for g in groups for j in range(g.prompt.n)]
+        out = self._agent_runner().collate(samples, [res for g in groups for res in g.results])
+        out.update(indices=[g.prompt.index for g in groups], samples=[g.prompt.sample for g in groups],
+                   group_min_version=np.asarray([g.min_version for g in groups], np.int32),
+                   group_max_version=np.asarray([g.max_version for g in groups], np.int32),
+                   policy_version=int(r.version), wait_s=wait, rollouter=r.stats())
+        return out
+
+    def async_sync(self) -> dict:
+        """A weight sync under the rollouter: pause it (without partial rollout: until its
+        running groups end), sync the server, resume with the new policy version."""
+        r = self._async()
+        wait = r.pause()
+        stats = self.sync_weights()
+        r.resume(self.server.policy_version)
+        return {**stats, "pause_wait_s": wait}
+
+    def async_state(self) -> dict:
+        """The rollouter's checkpoint state plus the policy version (see `agent.Rollouter.state`)."""
+        return {**self._async().state(), "policy_version": int(self.server.policy_version)}
+
+    def async_restore(self, state: dict) -> None:
+        """After `restore_checkpoint`: the saved policy version, queue and unfinished prompts."""
+        self.server.update_params(self.actor.params, version=int(state["policy_version"]))
+        self._async().restore(state)
 
     def compute_old_log_prob(self, batch):
         return self.actor.compute_log_prob(batch)
@@ -235,6 +291,8 @@ class HostWorker:
         return path
 
     def close(self) -> None:
+        if self._rollouter is not None:
+            self._rollouter.close()
         if self._agents is not None:
             self._agents.close()
             if self._agents.reward_loop is not None:

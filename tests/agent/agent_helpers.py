@@ -7,6 +7,7 @@ class FakeOutput:
     token_ids: list
     log_probs: list
     finish_reason: str
+    policy_versions: list = dataclasses.field(default_factory=list)
 
 
 class ScriptedServer:
@@ -17,6 +18,7 @@ class ScriptedServer:
         self.tok, self.replies, self.logprob = tokenizer, replies, logprob
         self.requests, self.released = [], []
         self.hooks = {}  # row -> async callable run before answering that row's first turn
+        self.version = 0  # the policy version stamped on every token
 
     async def agenerate(self, request_id, prompt_ids, *, sampling, max_new_tokens, session_id,
                         seed, row):
@@ -31,7 +33,7 @@ class ScriptedServer:
         reason = "stop"
         if len(ids) > max_new_tokens:
             ids, reason = ids[:max_new_tokens], "length"
-        return FakeOutput(ids, [self.logprob] * len(ids), reason)
+        return FakeOutput(ids, [self.logprob] * len(ids), reason, [self.version] * len(ids))
 
     def release_session(self, session_id):
         self.released.append(session_id)
