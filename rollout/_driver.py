@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding import to_host
+
 from ._engine import Engine, _next_pow2
 from ._sampling import SamplingParams
 
@@ -40,19 +42,6 @@ class RolloutBatch:
     finish_reasons: list[str]
     prompt_index: np.ndarray
     stats: dict = dataclasses.field(default_factory=dict)
-
-
-def _host(x) -> np.ndarray:
-    """A device array as numpy on this host, also when it spans several processes.
-
-    Arrays that are replicated or live on this host's devices (always, on one host) are read
-    directly; a sharded multi-host array is all-gathered first (every process calls this at the
-    same point of the same program, so the collective lines up).
-    """
-    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
-        return np.asarray(x)
-    from jax.experimental import multihost_utils
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _as_key(seed):
@@ -147,8 +136,8 @@ class RolloutDriver:
     def _collect(self, out, n, num_prompts, t, stats) -> RolloutBatch:
         e = self.engine
         rows = n * num_prompts
-        tokens, logp = _host(out["tokens"])[:rows, :t], _host(out["log_probs"])[:rows, :t]
-        lengths = _host(out["lengths"])[:rows]
+        tokens, logp = to_host(out["tokens"])[:rows, :t], to_host(out["log_probs"])[:rows, :t]
+        lengths = to_host(out["lengths"])[:rows]
         mask = (np.arange(t)[None, :] < lengths[:, None]).astype(np.int32)
         tokens = np.where(mask > 0, tokens, e.pad_token_id).astype(np.int32)
         logp = np.where(mask > 0, logp, 0.0).astype(np.float32)
@@ -188,10 +177,10 @@ class _Run:
             # refill once enough slots are free for a useful batch (not on every finished sequence)
             min_free = slots + 1 if pending == 0 else min(pending, max(self.n, -(-slots // 8)))
             state, out, steps = self.e.decode_loop(self.params, state, out, self.d.steps_per_sync, min_free)
-            active = _host(state.active).copy()  # the one host sync per loop
+            active = to_host(state.active).copy()  # the one host sync per loop
             free = np.flatnonzero(~active)
             self.stats["decode_loops"] += 1
-            self.stats["decode_steps"] += int(_host(steps))
+            self.stats["decode_steps"] += int(to_host(steps))
 
     def _refill(self, state, free):
         """Fills free slots with the next rows; prefills prompts that have no live prefix."""

@@ -7,11 +7,11 @@
   `logical_axes` metadata on `nnx.Variable`s.
 - `reshard` (weight sync, zero-copy when layouts match), `reshard_with_stats`.
 - activations: `use_rules` + `constrain`.
-- multi-host: `initialize_distributed`, `host_local_to_global`, `process_batch_slice`.
+- multi-host: `initialize_distributed`, `host_local_to_global`, `process_batch_slice`, `to_host`.
 
 This package does not import `jaxrl_llm`.
 """
-from sharding._batch import global_batch_sharding, host_local_to_global, process_batch_slice
+from sharding._batch import global_batch_sharding, host_local_to_global, process_batch_slice, to_host
 from sharding._context import constrain, current_mesh, current_rules, use_rules
 from sharding._distributed import (
     DistributedSpec,
@@ -40,5 +40,5 @@ __all__ = [
     "reshard", "reshard_with_stats",
     "use_rules", "constrain", "current_mesh", "current_rules",
     "DistributedSpec", "resolve_distributed_env", "initialize_distributed", "expand_hostlist",
-    "host_local_to_global", "global_batch_sharding", "process_batch_slice",
+    "host_local_to_global", "global_batch_sharding", "process_batch_slice", "to_host",
 ]

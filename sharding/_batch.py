@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from sharding._rules import Rules, logical_to_spec
@@ -38,3 +39,16 @@ def process_batch_slice(global_batch: int, *, process_index: int | None = None,
                          f"processes ({count})")
     per_host = global_batch // count
     return slice(index * per_host, (index + 1) * per_host)
+
+
+def to_host(x: Any) -> np.ndarray:
+    """A (global) array as numpy on this host, also when it spans several processes.
+
+    Arrays that are replicated or live on this host's devices (always, on one host) are read
+    directly; a sharded multi-host array is all-gathered first (a collective: every process calls
+    this at the same point of the same program, so it lines up).
+    """
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

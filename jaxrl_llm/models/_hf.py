@@ -35,6 +35,8 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from sharding import to_host
+
 from ._config import ModelConfig, RopeScaling, to_dtype
 from ._decoder import CausalLM, ValueModel, abstract_model
 
@@ -456,13 +458,6 @@ def _parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
 
 
-def _host(x: jax.Array) -> np.ndarray:
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
-
-
 def save_pretrained(model: CausalLM | ValueModel, path: str, *, max_shard_size: int | str = "5GB",
                     dtype: Any = None, tokenizer: Any = None) -> None:
     """Write `model` as a Hugging Face folder: config.json + safetensors (+ index when sharded).
@@ -482,7 +477,7 @@ def save_pretrained(model: CausalLM | ValueModel, path: str, *, max_shard_size: 
     def producer(entry, var, i, np_dtype):
         def produce():  # one layer at a time: sliced on device, then fetched
             x = var.get_value()
-            return entry.to_hf(_host(x[i] if entry.stacked else x)).astype(np_dtype)
+            return entry.to_hf(to_host(x[i] if entry.stacked else x)).astype(np_dtype)
         return produce
 
     for entry, var in entries:

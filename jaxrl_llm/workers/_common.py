@@ -138,11 +138,3 @@ def put_batch(mesh, arrays: dict[str, np.ndarray], batch_axis: int = 0) -> dict[
             local = np.take(v, np.arange(v.shape[batch_axis])[rows], axis=batch_axis)
             out[k] = jax.make_array_from_process_local_data(s, local, v.shape)
     return out
-
-
-def to_host(x) -> np.ndarray:
-    """A global array gathered to a numpy array on every host."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))

@@ -15,7 +15,9 @@ from flax import nnx
 from jaxrl_llm import algos
 from jaxrl_llm.config import ActorConfig, CriticConfig, OptimConfig
 
-from ._common import build_optimizer, data_parallel_size, init_train_state, to_host
+from sharding import to_host
+
+from ._common import build_optimizer, data_parallel_size, init_train_state
 from ._step import make_forward, make_update_step, micro_batches, micro_size_for
 
 _SEQ_KEYS = ("input_ids", "attention_mask", "position_ids")

@@ -11,7 +11,6 @@ import pytest
 
 import sharding
 from jaxrl_llm.trainer import _backend
-from rollout import _driver
 
 
 def _fake_ray(nodes):
@@ -60,10 +59,10 @@ def test_jaxrl_distributed_auto_defers_to_jax_detection():
     assert (spec.source, spec.process_id) == ("slurm", 1)
 
 
-def test_driver_host_read_of_sharded_and_replicated_arrays():
+def test_host_read_of_sharded_and_replicated_arrays():
     mesh = sharding.make_mesh(sharding.MeshConfig(1, 8, 1))
     x = np.arange(32, dtype=np.int32).reshape(16, 2)
     sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp")))
-    np.testing.assert_array_equal(_driver._host(sharded), x)
-    np.testing.assert_array_equal(_driver._host(jnp.int32(3)), 3)
-    np.testing.assert_array_equal(_driver._host(x), x)
+    np.testing.assert_array_equal(sharding.to_host(sharded), x)
+    np.testing.assert_array_equal(sharding.to_host(jnp.int32(3)), 3)
+    np.testing.assert_array_equal(sharding.to_host(x), x)
