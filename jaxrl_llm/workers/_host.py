@@ -328,7 +328,8 @@ def _meshes(c: RunConfig):
     k = r.data * r.fsdp * r.tensor
     if k >= len(devices):
         raise ValueError(f"placement.rollout_mesh uses {k} devices but there are {len(devices)}: "
-                         "leave some for training (placement.mode='separate')")
+                         "leave some for training (placement.mode='separate'; on CPU, "
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=N shows JAX N devices)")
     train = sharding.make_mesh(train_cfg, devices=devices[:-k])
     return train, sharding.make_mesh(sharding.MeshConfig(r.data, r.fsdp, r.tensor), devices=devices[-k:])
 
