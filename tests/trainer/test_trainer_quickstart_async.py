@@ -29,3 +29,5 @@ def test_quickstart_async_learns(tmp_path):
     assert max(r["fully_async/staleness/max"] for r in steps) == 1  # it ran ahead, never past 1
     assert all(r["fully_async/staleness/bound"] == 1 for r in steps)
     assert steps[-1]["fully_async/count/stale_samples_processed"] > 0
+    versions = [r["rollout/policy_version"] for r in steps]
+    assert versions == sorted(versions) and versions[-1] > versions[0]
