@@ -2,7 +2,7 @@
 from ._defaults import base_config
 from ._load import ConfigError, load_config, load_config_dict, to_run_config, validate
 from ._schema import (ActorConfig, AlgorithmConfig, CriticConfig, DataConfig, FilterGroupsConfig,
-                      KLControlConfig, OverlongBufferConfig,
+                      KLControlConfig, LoraConfig, OverlongBufferConfig,
                       MeshSection, ModelInitConfig, MultiTurnConfig, PlacementConfig, RewardModelConfig, ModelSection, OptimConfig, RewardConfig,
                       RolloutConfig, RolloutCorrectionConfig, RunConfig, SamplingConfig, SFTConfig,
                       TrainerConfig)
