@@ -126,7 +126,7 @@ def _run_config(name: str, rank: int, args) -> dict:
         "bench": "lora", "model": f"qwen2.5-{name}", "params": n_params, "lora_rank": rank,
         "trainable_params": trainable, "opt_state_bytes": opt_bytes,
         "rows": rows, "seq_len": p + t, "micro_batch": args.micro, "remat": args.remat,
-        "param_dtype": "float32", "compute_dtype": str(cfg.dtype),
+        "param_dtype": "float32", "compute_dtype": jnp.dtype(cfg.dtype).name,
         "device": jax.devices()[0].device_kind, "step_s": float(np.median(times)),
         "step_s_all": times, "compile_s": compile_s - float(np.median(times)),
         "tokens_per_s": rows * (p + t) / float(np.median(times)), "sync_s": sync_s,
