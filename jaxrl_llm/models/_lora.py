@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 # projection name -> (its module attribute in DecoderLayers, number of input dims of its kernel)
@@ -159,13 +158,11 @@ def merged_model(model, dtype=None):
 
 def _merge_kernel(kernel, a, b, scale, dtype):
     """W + scale·A·B with any leading batch (layers) dims: A [*lead, *in, r], B [*lead, r, *out]."""
-    lead = a.ndim + b.ndim - kernel.ndim - 2
-    n_in = a.ndim - lead - 1
+    lead = a.ndim + b.ndim - kernel.ndim - 2  # a.ndim = lead + n_in + 1, b.ndim = lead + 1 + n_out
     r = a.shape[-1]
     a2 = a.reshape(a.shape[:lead] + (-1, r)).astype(jnp.float32)
     b2 = b.reshape(b.shape[:lead] + (r, -1)).astype(jnp.float32)
     delta = jnp.matmul(a2, b2).reshape(kernel.shape)
-    del n_in
     return (kernel.astype(jnp.float32) + scale * delta).astype(dtype)
 
 
@@ -197,6 +194,3 @@ def split_lora(model):
     """(graphdef, adapters State, base State) of a model with adapters."""
     return nnx.split(model, nnx.LoRAParam, ...)
 
-
-def adapter_nbytes(state) -> int:
-    return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state)))
