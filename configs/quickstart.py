@@ -9,7 +9,9 @@ project asks of this demo. `sft.builtin_off_by_one` is a harder variant (wrong d
 Launch (a few minutes on 2 CPU cores):
   python -m jaxrl_llm.train --config=configs/quickstart.py
 Variants: `configs/quickstart.py:local` runs the workers in-process instead of in a Ray actor
-(same run folder, `runs/quickstart/`); `configs/quickstart.py:tiny` is a smoke run with a smaller
+(same run folder, `runs/quickstart/`); `configs/quickstart.py:lora` trains rank-16 LoRA adapters
+(all-linear, alpha 32, lr 1e-3) on the SFT-tuned base instead of every weight, in
+`runs/quickstart-lora/`; `configs/quickstart.py:tiny` is a smoke run with a smaller
 model and data (tests use it) in its own folder, `runs/quickstart-tiny/` (1.5-2 minutes the first
 time on 2 CPU cores, under 30 s once JAX's compilation cache holds its programs).
 """
@@ -81,10 +83,17 @@ def get_config(arg: str | None = None):
                 c.trainer.total_training_steps = 2
                 c.trainer.test_freq = 2
                 c.trainer.save_freq = 1
+            elif variant == "lora":  # GRPO trains rank-16 adapters on the SFT-tuned base
+                c.actor.lora.rank = 16
+                c.actor.lora.alpha = 32.0
+                c.actor.optim.lr = 1e-3
             else:
-                raise ValueError(f"unknown quickstart variant {variant!r}; use 'local' and/or 'tiny'")
+                raise ValueError(f"unknown quickstart variant {variant!r}; use 'local', 'tiny' "
+                                 "and/or 'lora'")
     if arg and "tiny" in arg.split(","):  # a different model and data: its own run folder
-        use_run_dir(c, "runs/quickstart-tiny")
+        use_run_dir(c, "runs/quickstart-tiny" + ("-lora" if "lora" in arg.split(",") else ""))
+    elif arg and "lora" in arg.split(","):
+        use_run_dir(c, "runs/quickstart-lora")
     return c
 
 

@@ -2,7 +2,7 @@
 from ._defaults import base_config
 from ._load import ConfigError, load_config, load_config_dict, to_run_config, validate
 from ._schema import (ActorConfig, AlgorithmConfig, AsyncTrainingConfig, CriticConfig, DataConfig,
-                      FilterGroupsConfig, KLControlConfig, MeshSection, ModelInitConfig, ModelSection,
-                      MultiTurnConfig, OptimConfig, OverlongBufferConfig, PlacementConfig, RewardConfig,
-                      RewardModelConfig, RolloutConfig, RolloutCorrectionConfig, RunConfig,
+                      FilterGroupsConfig, KLControlConfig, LoraConfig, MeshSection, ModelInitConfig,
+                      ModelSection, MultiTurnConfig, OptimConfig, OverlongBufferConfig, PlacementConfig,
+                      RewardConfig, RewardModelConfig, RolloutConfig, RolloutCorrectionConfig, RunConfig,
                       SamplingConfig, SFTConfig, TrainerConfig)

@@ -26,7 +26,8 @@ def base_config() -> ConfigDict:
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0,
                   max_position_embeddings=1024, tie_word_embeddings=True, seed=0))
     c.actor = dict(
-        optim=_optim(1e-6), ppo_mini_batch_size=16, ppo_micro_batch_size_per_device=8,
+        optim=_optim(1e-6), lora=dict(rank=0, alpha=16.0, dropout=0.0, target_modules=("all-linear",)),
+        ppo_mini_batch_size=16, ppo_micro_batch_size_per_device=8,
         ppo_epochs=1, shuffle=False, policy_loss="vanilla", loss_agg_mode="token-mean",
         clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
         entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.001, kl_loss_type="low_var_kl")

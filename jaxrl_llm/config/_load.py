@@ -221,6 +221,7 @@ def validate(c: RunConfig) -> None:
             f"algorithm.adv_estimator={c.algorithm.adv_estimator!r} compares samples of a prompt "
             f"and needs rollout.n >= 2 (got {c.rollout.n})")
     _check_rollout_correction(c)
+    _check_lora(c)
     _check_multi_turn(c)
     _check_dapo(c)
     _check_async(c)
@@ -245,6 +246,23 @@ def validate(c: RunConfig) -> None:
         _positive(c.critic.ppo_micro_batch_size_per_device, "critic.ppo_micro_batch_size_per_device")
     if c.sft.steps > 0:
         _positive(c.sft.batch_size, "sft.batch_size")
+
+
+def _check_lora(c: RunConfig) -> None:
+    lora = c.actor.lora
+    _positive(lora.rank, "actor.lora.rank", allow_zero=True)
+    if not lora.enabled:
+        return
+    _positive(lora.alpha, "actor.lora.alpha")
+    if lora.dropout != 0.0:
+        raise ConfigError(f"actor.lora.dropout={lora.dropout}: adapter dropout is not implemented; "
+                          "set it to 0.0")
+    from jaxrl_llm.models import resolve_targets
+
+    try:
+        resolve_targets(lora.target_modules)
+    except ValueError as e:
+        raise ConfigError(f"actor.lora.{e}") from None
 
 
 def _check_multi_turn(c: RunConfig) -> None:

@@ -70,8 +70,24 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """verl's `lora_rank` / `lora_alpha` / `target_modules`: train low-rank adapters on the
+    frozen base (`rank == 0`: full fine-tuning). The update is scaled by alpha / rank."""
+
+    rank: int  # 0 = off
+    alpha: float
+    dropout: float  # adapter-input dropout; only 0.0 is implemented
+    target_modules: tuple[str, ...]  # ("all-linear",) or names: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclasses.dataclass(frozen=True)
 class ActorConfig:
     optim: OptimConfig
+    lora: LoraConfig
     ppo_mini_batch_size: int  # prompts per optimizer step (times rollout.n sequences)
     ppo_micro_batch_size_per_device: int  # sequences per device per forward/backward
     ppo_epochs: int

@@ -29,6 +29,7 @@ from flax import nnx
 import sharding
 
 from ._config import ModelConfig
+from ._lora import lora_delta
 
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -213,9 +214,12 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(*_lead(n, (d,), ("head_dim",)), c.rms_norm_eps, pd)
             self.k_norm = RMSNorm(*_lead(n, (d,), ("head_dim",)), c.rms_norm_eps, pd)
         self.config = c
+        self.lora_scale = None  # α/r once `add_lora` gave the projections adapters
+
 
     def _proj(self, p, x, out_axes):
         y = jnp.einsum("bte,e...->bt...", x, p["kernel"][...].astype(x.dtype))
+        y = y + lora_delta(p, x, 1, self.lora_scale)
         if "bias" in p:
             y = y + p["bias"][...].astype(x.dtype)
         return sharding.constrain(y, ("batch", "length") + out_axes)
@@ -230,6 +234,7 @@ class Attention(nnx.Module):
 
     def out(self, o):
         y = jnp.einsum("bthd,hde->bte", o, self.o_proj["kernel"][...].astype(o.dtype))
+        y = y + lora_delta(self.o_proj, o, 2, self.lora_scale)
         if "bias" in self.o_proj:
             y = y + self.o_proj["bias"][...].astype(o.dtype)
         return y
@@ -241,12 +246,16 @@ class MLP(nnx.Module):
         self.gate_proj = nnx.Dict(kernel=_param(rngs, *_lead(n, (e, f), ("embed", "mlp")), pd))
         self.up_proj = nnx.Dict(kernel=_param(rngs, *_lead(n, (e, f), ("embed", "mlp")), pd))
         self.down_proj = nnx.Dict(kernel=_param(rngs, *_lead(n, (f, e), ("mlp", "embed")), pd))
+        self.lora_scale = None  # α/r once `add_lora` gave the projections adapters
+
+    def _lin(self, p, x, spec):
+        return jnp.einsum(spec, x, p["kernel"][...].astype(x.dtype)) + lora_delta(p, x, 1, self.lora_scale)
 
     def __call__(self, x):
-        gate = jnp.einsum("bte,ef->btf", x, self.gate_proj["kernel"][...].astype(x.dtype))
-        up = jnp.einsum("bte,ef->btf", x, self.up_proj["kernel"][...].astype(x.dtype))
+        gate = self._lin(self.gate_proj, x, "bte,ef->btf")
+        up = self._lin(self.up_proj, x, "bte,ef->btf")
         h = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-        return jnp.einsum("btf,fe->bte", h, self.down_proj["kernel"][...].astype(x.dtype))
+        return self._lin(self.down_proj, h, "btf,fe->bte")
 
 
 class DecoderLayers(nnx.Module):
@@ -516,6 +525,7 @@ class CausalLM(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer_layout: str = "stacked"):
         self.config = config
+        self.lora_spec = None  # a models.LoraSpec once `add_lora` gave it adapters
         self.model = Transformer(config, rngs=rngs, layer_layout=layer_layout)
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Dict(kernel=_param(
@@ -560,6 +570,7 @@ class ValueModel(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer_layout: str = "stacked"):
         self.config = config
+        self.lora_spec = None  # a models.LoraSpec once `add_lora` gave it adapters
         self.model = Transformer(config, rngs=rngs, layer_layout=layer_layout)
         self.score = nnx.Dict(
             kernel=_param(rngs, (config.hidden_size, 1), ("embed", None), config.param_dtype),

@@ -468,6 +468,9 @@ def save_pretrained(model: CausalLM | ValueModel, path: str, *, max_shard_size: 
     (HFTokenizer / CharTokenizer) or a folder whose tokenizer files are copied.
     In a multi-host run every process must call this (gathers are collective); process 0 writes.
     """
+    from ._lora import merged_model
+
+    model = merged_model(model)  # a LoRA model is written with W + (α/r)·A·B
     value_head = isinstance(model, ValueModel)
     config = model.config if dtype is None else model.config.replace(param_dtype=dtype)
     entries = _entries(nnx.state(model, nnx.Param))

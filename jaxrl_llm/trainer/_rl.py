@@ -241,6 +241,8 @@ class RLTrainer:
         if c.trainer.export_hf:
             tok = self.tokenizer
             self.call0("export_hf", f"{self.run_dir}/hf_actor", tokenizer=tok)
+            if c.actor.lora.enabled:  # the adapters alone, in PEFT's format
+                self.call0("export_peft", f"{self.run_dir}/lora_adapter")
         if c.trainer.plot:
             try:
                 M.plot_curves(self.run_dir, f"{self.run_dir}/curves.png")

@@ -8,6 +8,7 @@ numpy and plain Python only; global `jax.Array`s never leave this object.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import jax
@@ -86,13 +87,19 @@ class HostWorker:
         if c.placement.one_step_off_policy and jax.process_count() > 1:
             raise ValueError("placement.one_step_off_policy runs on one host only; this run has "
                              f"{jax.process_count()} processes")
+        self._sft_ran = self._sft is not None
         if self._sft is not None:
             self._model = self._sft.model()
             self._sft = None
+        lora = c.actor.lora
+        if lora.enabled:  # adapters on the (possibly SFT-tuned) model; it becomes the frozen base
+            self._lora_base = self._base_reference()
+            models.add_lora(self._model, models.LoraSpec(lora.rank, lora.alpha, lora.target_modules),
+                            seed=c.trainer.seed, mesh=self.mesh)
         graphdef, params = nnx.split(self._model)
         self.actor = ActorWorker(self._model, c.actor, mesh=self.mesh, total_steps=total_steps,
                                  temperature=c.rollout.temperature)
-        if c.use_reference:
+        if c.use_reference and not lora.enabled:  # under LoRA the actor's base is the reference
             self.ref = ReferenceWorker(graphdef, params, mesh=self.mesh, temperature=c.rollout.temperature,
                                        micro_per_device=c.actor.ppo_micro_batch_size_per_device)
         if c.use_critic:
@@ -107,8 +114,10 @@ class HostWorker:
         # agent rollouts prefill whole conversations (prompt + every turn so far) and then
         # generate what is left of the response budget
         prefill = _bucket(c.data.max_prompt_length + (c.data.max_response_length if multi_turn else 0))
+        source = ((self.actor.graphdef, self.actor.params) if not lora.enabled
+                  else models.merged_model(self.actor.model()))
         self.engine = rollout.Engine.from_model(
-            (self.actor.graphdef, self.actor.params), mesh=self.rollout_mesh,
+            source, mesh=self.rollout_mesh,
             max_concurrent_decodes=c.rollout.max_concurrent_decodes,
             max_prefill_length=prefill, max_target_length=prefill + c.data.max_response_length,
             dtype=c.rollout.dtype or c.model.dtype, temperature=c.rollout.temperature,
@@ -213,7 +222,8 @@ class HostWorker:
         return self.actor.compute_log_prob(batch)
 
     def compute_ref_log_prob(self, batch):
-        return self.ref.compute_ref_log_prob(batch)
+        # LoRA: the actor's base weights with the adapters off (no reference copy in memory)
+        return (self.ref if self.ref is not None else self.actor).compute_ref_log_prob(batch)
 
     def compute_rm_score(self, batch):
         return self.reward_model.compute_rm_score(batch)
@@ -232,7 +242,8 @@ class HostWorker:
         # through the server when there is one: it pauses its scheduler and drops the sessions'
         # KV (computed with the old weights)
         target = self.server if self.server is not None else self.engine
-        stats = target.update_params(self.actor.params)
+        # LoRA: the merged W + (α/r)·A·B of the current adapters, computed now on device
+        stats = target.update_params(self.actor.rollout_params(self.engine.config.param_dtype))
         stats = {k: v for k, v in stats.items() if isinstance(v, (int, float, bool))}
         stats.setdefault("time_s", time.perf_counter() - t0)
         return stats
@@ -252,8 +263,10 @@ class HostWorker:
         return state
 
     def save_checkpoint(self, step: int, meta: dict) -> bool:
-        state = self._ckpt_state()
+        state = self._ckpt_state()  # under LoRA: adapters + their optimizer state only
         _check_finite(state, f"checkpoint step {step}")
+        if self.actor.lora_spec is not None:
+            meta = {**meta, "lora_base": self._lora_base}
         return self.checkpointer.save(step, state, meta, force=True)
 
     def restore_checkpoint(self, directory: str, step: int) -> dict:
@@ -261,6 +274,8 @@ class HostWorker:
         if str(directory) != str(ckpt_dir(self.config)):
             ckpt = Checkpointer(directory, max_to_keep=None, async_save=False, enable=True)
         state, meta = ckpt.restore(step, target=self._ckpt_state())
+        if self.actor.lora_spec is not None:
+            self._restore_lora_base(meta.get("lora_base"), f"{directory}/{step}")
         self.actor.state = state["actor"]
         if self.critic is not None:
             self.critic.state = state["critic"]
@@ -283,8 +298,55 @@ class HostWorker:
     def export_hf(self, path: str, tokenizer=None) -> str:
         # every process takes part (the gathers are collective); save_pretrained writes on process 0
         _check_finite({"actor": self.actor.params}, f"Hugging Face export to {path}")
-        models.save_pretrained(self.actor.model(), path, tokenizer=tokenizer)
+        models.save_pretrained(self.actor.model(), path, tokenizer=tokenizer)  # merged under LoRA
         return path
+
+    def export_peft(self, path: str) -> str:
+        """LoRA only: the adapters alone in PEFT's format (adapter_config.json +
+        adapter_model.safetensors), to load with `peft` onto the base model."""
+        models.save_peft_adapter(self.actor.model(), path,
+                                 base_model_name_or_path=self._lora_base.get("path", ""))
+        return path
+
+    # -- LoRA base reference ---------------------------------------------------------------------
+    def _base_reference(self) -> dict:
+        """What a LoRA checkpoint records about its frozen base (it does not hold the base): the
+        Hugging Face folder it came from, or for a from-scratch model its init seed; a base tuned
+        by the SFT warm start is written once to `<run>/lora_base/` and referenced there. Plus a
+        fingerprint (on-device sums) that a resume checks."""
+        c = self.config
+        ref = {"fingerprint": _fingerprint(nnx.state(self._model, nnx.Param))}
+        if self._sft_ran:
+            folder = f"{c.trainer.default_local_dir}/lora_base"
+            models.save_pretrained(self._model, folder)
+            ref["path"] = folder
+        elif c.model.path:
+            ref["path"] = c.model.path
+        else:
+            ref["init_seed"] = c.model.init.seed
+        return ref
+
+    def _restore_lora_base(self, ref: dict | None, where: str) -> None:
+        """Makes the actor's frozen base the one the checkpoint was trained on: reloads a base
+        that the SFT warm start made (the resumed run skipped SFT), then checks the fingerprint."""
+        if ref is None:
+            raise ValueError(f"{where}: a full fine-tuning checkpoint cannot resume a LoRA run "
+                             "(actor.lora.rank > 0); set actor.lora.rank=0 or start a new run")
+        if ref.get("path") and ref["path"] != self._lora_base.get("path"):
+            if not os.path.isdir(ref["path"]):
+                raise FileNotFoundError(f"{where}: the LoRA base {ref['path']} is missing; the "
+                                        "checkpoint holds only the adapters")
+            base = models.from_pretrained(ref["path"], dtype=self.config.model.dtype,
+                                          param_dtype=self.config.model.param_dtype, mesh=self.mesh,
+                                          rules=sharding.TRAIN_RULES, remat=self.config.model.remat)
+            self.actor.set_base(nnx.state(base, nnx.Param))
+            self._lora_base = {**self._lora_base, "path": ref["path"]}
+        got = _fingerprint(self.actor.frozen[0])
+        if not np.allclose(got, ref["fingerprint"], rtol=1e-5, atol=0):
+            raise ValueError(f"{where}: the base weights differ from the checkpoint's LoRA base "
+                             f"(fingerprint {got} vs {ref['fingerprint']}); resume with the same "
+                             "model.path / model.init")
+        self._lora_base["fingerprint"] = ref["fingerprint"]
 
     def export_sft(self, path: str, tokenizer=None) -> str:
         models.save_pretrained(self._sft.model(), path, tokenizer=tokenizer)
@@ -332,6 +394,17 @@ def _meshes(c: RunConfig):
                          "XLA_FLAGS=--xla_force_host_platform_device_count=N shows JAX N devices)")
     train = sharding.make_mesh(train_cfg, devices=devices[:-k])
     return train, sharding.make_mesh(sharding.MeshConfig(r.data, r.fsdp, r.tensor), devices=devices[-k:])
+
+
+@jax.jit
+def _sums(tree):
+    leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree)]
+    return jnp.stack([sum(jnp.abs(x).sum() for x in leaves), sum((x * x).sum() for x in leaves)])
+
+
+def _fingerprint(tree) -> list[float]:
+    """[sum |w|, sum w²] of every weight, reduced on device (no host copy of the weights)."""
+    return [float(v) for v in np.asarray(jax.device_get(_sums(tree)), np.float64)]
 
 
 @jax.jit

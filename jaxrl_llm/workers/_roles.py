@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_llm import algos
+from jaxrl_llm import algos, models
 from jaxrl_llm.config import ActorConfig, CriticConfig, OptimConfig
 
 from sharding import to_host
@@ -57,11 +57,20 @@ def _forward_rows(worker, fn, batch, keys):
 
 
 class _Trained:
-    """Shared plumbing of a role with params + optimizer state."""
+    """Shared plumbing of a role with params + optimizer state.
+
+    A model with LoRA adapters (`models.add_lora`) trains only them: `state` holds the adapters
+    and their optimizer state, `frozen` the base weights (merged in, never updated or donated)."""
 
     def __init__(self, model, optim: OptimConfig, mesh, total_steps: int, loss_fn, mask_key: str):
         self.mesh = mesh
-        self.graphdef, params = nnx.split(model)
+        self.lora_spec = model.lora_spec
+        if self.lora_spec is not None:
+            self.graphdef, params, base = models.split_lora(model)
+            self.frozen = (base,)
+        else:
+            self.graphdef, params = nnx.split(model)
+            self.frozen = ()
         self.tx, self.schedule = build_optimizer(optim, total_steps)
         self.state = init_train_state(params, self.tx, mesh)
         self._update = make_update_step(self.graphdef, self.tx, self.schedule, loss_fn, mesh,
@@ -69,16 +78,25 @@ class _Trained:
 
     @property
     def params(self):
-        return self.state.params
+        """What a forward needs: the trained state, or (adapters, base) under LoRA."""
+        return (self.state.params, *self.frozen) if self.frozen else self.state.params
 
     def model(self):
-        return nnx.merge(self.graphdef, self.state.params)
+        return nnx.merge(self.graphdef, self.state.params, *self.frozen)
+
+    def set_base(self, base) -> None:
+        """LoRA: replace the frozen base weights (a Param state of the same tree and shardings)."""
+        if not self.frozen:
+            raise RuntimeError("set_base: this role trains all its weights (no LoRA base)")
+        if jax.tree.structure(base) != jax.tree.structure(self.frozen[0]):
+            raise ValueError("set_base: the new base's parameter tree differs from the model's")
+        self.frozen = (base,)
 
     def _run_updates(self, batch, mini_rows, epochs, shuffle, seed, keys):
         metrics = []
         for mb in _iter_minibatches({k: batch[k] for k in keys}, mini_rows, epochs, shuffle, seed):
             micro = micro_size_for(mini_rows, self.micro_per_device, data_parallel_size(self.mesh))
-            self.state, m = self._update(self.state, micro_batches(self.mesh, mb, micro))
+            self.state, m = self._update(self.state, micro_batches(self.mesh, mb, micro), self.frozen)
             metrics.append(m)
         stacked = jax.device_get(metrics)  # the one host sync of the update
         # skipped (non-finite) optimizer steps add up; everything else is a mean over them
@@ -95,6 +113,14 @@ class ActorWorker(_Trained):
         super().__init__(model, cfg.optim, mesh, total_steps, self._loss, "response_mask")
         self._log_prob = make_forward(
             self.graphdef, lambda mdl, m: response_log_probs(mdl, m, temperature, True), mesh)
+        if self.lora_spec is not None:  # the reference policy is the base: adapters switched off
+            self._adapters_off = jax.tree.map(jnp.zeros_like, self.state.params)
+            self._ref_log_prob = make_forward(
+                self.graphdef, lambda mdl, m: response_log_probs(mdl, m, temperature), mesh)
+            base_shardings = jax.tree.map(lambda x: x.sharding, nnx.to_pure_dict(self.frozen[0]))
+            scale = self.lora_spec.scale
+            self._merge = jax.jit(lambda b, a, dtype: models.merge_lora(b, a, scale, dtype),
+                                  static_argnums=(2,), out_shardings=base_shardings)
 
     def _loss(self, model, m, denoms):
         c = self.cfg
@@ -120,6 +146,29 @@ class ActorWorker(_Trained):
     def compute_log_prob(self, batch) -> dict[str, np.ndarray]:
         lp, ent = _forward_rows(self, self._log_prob, batch, _SEQ_KEYS + ("responses",))
         return {"old_log_probs": lp.astype(np.float32), "entropys": ent.astype(np.float32)}
+
+    def compute_ref_log_prob(self, batch) -> dict[str, np.ndarray]:
+        """LoRA only: log-probs of the base weights with the adapters zeroed (the initial policy;
+        exactly the base model's, since a zero B adds 0) — no second copy of the model."""
+        if self.lora_spec is None:
+            raise RuntimeError("ActorWorker.compute_ref_log_prob needs LoRA adapters (actor.lora); "
+                               "a full fine-tuning run has a ReferenceWorker")
+        params = (self._adapters_off, *self.frozen)
+        arrays = {k: batch[k] for k in _SEQ_KEYS + ("responses",)}
+        b = arrays["input_ids"].shape[0]
+        micro = micro_size_for(b, self.micro_per_device, data_parallel_size(self.mesh))
+        lp = self._ref_log_prob(params, micro_batches(self.mesh, arrays, micro))
+        return {"ref_log_prob": to_host(lp).reshape(b, -1).astype(np.float32)}
+
+    def rollout_params(self, dtype=None):
+        """The weights the rollout engine serves: the trained params themselves, or under LoRA the
+        merged W + (α/r)·A·B of the current adapters (one jitted program on device, cast to
+        `dtype` fused; the result has the base model's tree and shardings)."""
+        if self.lora_spec is None:
+            return self.state.params
+        base = nnx.to_pure_dict(self.frozen[0])
+        adapters = nnx.to_pure_dict(self.state.params)
+        return self._merge(base, adapters, None if dtype is None else jnp.dtype(dtype))
 
     def update(self, batch, *, mini_rows: int, seed: int) -> dict[str, float]:
         keys = _SEQ_KEYS + ("responses", "response_mask", "old_log_probs", "advantages")

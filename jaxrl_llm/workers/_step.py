@@ -33,19 +33,21 @@ def denominators(mask: jax.Array) -> dict[str, jax.Array]:
 
 def make_update_step(graphdef, tx: optax.GradientTransformation, schedule, loss_fn: Callable,
                      mesh, mask_key: str, state: TrainState):
-    """jit(state, micro_batches [n_micro, micro, ...]) -> (state, metrics); state donated.
+    """jit(state, micro_batches [n_micro, micro, ...], frozen=()) -> (state, metrics); state donated.
+    `frozen`: a tuple of states merged with the trained params but not trained (the base weights
+    under LoRA: `state.params` then holds only the adapters, and so does the optimizer state).
 
     A step whose loss, gradient norm or parameter update is not finite is skipped on device:
     the returned state equals the input and `metrics["nonfinite_updates"]` is 1 (else 0), so
     the caller counts skips from the metrics it fetches anyway (no extra host sync)."""
 
-    def step(state: TrainState, mb: dict[str, jax.Array]):
+    def step(state: TrainState, mb: dict[str, jax.Array], frozen: tuple = ()):
         with sharding.use_rules(mesh, sharding.TRAIN_RULES):
             denoms = denominators(mb[mask_key])
 
             def grad_one(params, micro):
                 def f(p):
-                    return loss_fn(nnx.merge(graphdef, p), micro, denoms)
+                    return loss_fn(nnx.merge(graphdef, p, *frozen), micro, denoms)
                 return jax.value_and_grad(f, has_aux=True)(params)
 
             def body(acc, micro):
@@ -113,11 +115,12 @@ def micro_size_for(rows: int, per_device: int, dp: int) -> int:
 
 
 def make_forward(graphdef, fn: Callable, mesh, n_out: int = 1):
-    """jit(params, micro_batches) -> fn outputs stacked per micro-batch (lax.map, low memory)."""
+    """jit(params, micro_batches) -> fn outputs stacked per micro-batch (lax.map, low memory).
+    `params`: one state, or a tuple of states merged together (adapters + frozen base)."""
 
     def run(params, mb):
         with sharding.use_rules(mesh, sharding.TRAIN_RULES):
-            model = nnx.merge(graphdef, params)
+            model = nnx.merge(graphdef, *(params if isinstance(params, tuple) else (params,)))
             return jax.lax.map(lambda m: fn(model, m), mb)
 
     return jax.jit(run)
