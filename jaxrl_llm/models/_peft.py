@@ -17,8 +17,10 @@ import jax
 import numpy as np
 from flax import nnx
 
+from sharding import to_host
+
 from ._decoder import CausalLM
-from ._hf import _SafetensorsFolder, _host, _write_safetensors
+from ._hf import _SafetensorsFolder, _write_safetensors
 from ._lora import LORA_TARGETS, LoraSpec, _layer_modules, add_lora
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -44,8 +46,8 @@ def save_peft_adapter(model, path: str, *, base_model_name_or_path: str = "") ->
     for li, layer in enumerate(_layer_modules(model)):
         for proj in spec.target_modules:
             p = getattr(getattr(layer, LORA_TARGETS[proj][0]), proj)
-            a = _host(p["lora_a"][...])
-            b = _host(p["lora_b"][...])
+            a = to_host(p["lora_a"][...])
+            b = to_host(p["lora_b"][...])
             for i in range(a.shape[0] if stacked else 1):
                 ai, bi = (a[i], b[i]) if stacked else (a, b)
                 index = i if stacked else li
