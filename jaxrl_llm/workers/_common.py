@@ -35,7 +35,8 @@ def model_config_for(section: ModelSection, vocab_size: int) -> models.ModelConf
         rope_theta=i.rope_theta, max_position_embeddings=i.max_position_embeddings,
         tie_word_embeddings=i.tie_word_embeddings, attention_bias=i.model_type == "qwen2",
         qk_norm=i.model_type == "qwen3", dtype=section.dtype, param_dtype=section.param_dtype,
-        remat=section.remat)
+        remat=section.remat, train_attention=section.train_attention,
+        decode_attention=section.decode_attention)
 
 
 def build_model(section: ModelSection, *, vocab_size: int, mesh, value_head: bool = False):
@@ -43,7 +44,8 @@ def build_model(section: ModelSection, *, vocab_size: int, mesh, value_head: boo
     if section.path:
         return models.from_pretrained(section.path, dtype=section.dtype, param_dtype=section.param_dtype,
                                       value_head=value_head, mesh=mesh, rules=sharding.TRAIN_RULES,
-                                      remat=section.remat)
+                                      remat=section.remat, train_attention=section.train_attention,
+                                      decode_attention=section.decode_attention)
     cfg = model_config_for(section, vocab_size)
     seed = section.init.seed + (1 if value_head else 0)
     ctor = (models.ValueModel if value_head else models.CausalLM)
