@@ -141,13 +141,9 @@ def abstract_params(cfg, mesh, *, value_head=False):
 
 
 def abstract_train_state(params, tx, mesh):
-    """TrainState of ShapeDtypeStructs: Adam moments sharded like the params, scalars replicated."""
+    """TrainState of ShapeDtypeStructs placed as `_common.init_train_state` places the real one."""
     replicated = NamedSharding(mesh, PartitionSpec())
-    compiled = jax.jit(tx.init).lower(params).compile()
-    shapes = jax.eval_shape(tx.init, params)
-    outs = jax.tree.map(lambda s: s if isinstance(s, NamedSharding) and s.mesh == mesh else replicated,
-                        compiled.output_shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
-    opt_state = _with_shardings(shapes, outs)
+    opt_state = _with_shardings(jax.eval_shape(tx.init, params), _common.opt_state_shardings(tx, params, mesh))
     return _common.TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
 
 
@@ -359,19 +355,47 @@ def measured_costs(run, cfg, meshes, wanted) -> dict:
     return out
 
 
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_OOM = re.compile(r"required for (.+?) \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)")
+
+
+def _out_of_memory(error: Exception, others: int, chip) -> dict:
+    """The report entry of a program the TPU compiler refused for lack of HBM: its message, and
+    by how much it is over (the compiler's own count for the program, plus the other residents;
+    at least that much)."""
+    text = str(error)
+    m = _OOM.search(text)
+    entry = {"fits": False, "compile_error": text.strip().splitlines()[0][:400], "other_resident_bytes": int(others),
+             "hbm_bytes": chip.hbm_bytes, "pallas_kernels": []}
+    if m:
+        need, avail = float(m.group(2)) * _UNITS[m.group(3)], float(m.group(4)) * _UNITS[m.group(5)]
+        entry.update(compiler_required_bytes=int(need), compiler_available_bytes=int(avail),
+                     over_by_bytes=int(need - avail + others), peak_bytes=int(need + others))
+    else:
+        entry.update(over_by_bytes=None, peak_bytes=None)
+    return entry
+
+
 def analyse(programs, groups, chip, costs) -> dict:
     residents = {k: resident_bytes(v) for k, v in groups.items()}
     report = {}
     for name, prog in programs.items():
         if not isinstance(prog, Program):
             continue
+        others = sum(b for g, b in residents.items() if g not in prog.uses)
+        print(f"aot_compile: compiling {name}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        compiled = prog.lowered.compile()
+        try:
+            compiled = prog.lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            report[name] = _out_of_memory(e, others, chip)
+            continue
         compile_s = time.perf_counter() - t0
         mem = compiled.memory_analysis()
         program_bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
                          + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
-        others = sum(b for g, b in residents.items() if g not in prog.uses)
         peak = program_bytes + others
         entry = {
             "argument_bytes": int(mem.argument_size_in_bytes), "output_bytes": int(mem.output_size_in_bytes),
@@ -453,7 +477,7 @@ def run_aot(topology: str, config: str, overrides=(), *, model: str = "", progra
         "mesh": dict(mesh.shape), "rollout_mesh": dict(rollout_mesh.shape), "engine": engine,
         "resident_bytes": residents, "programs": report,
         "fits": all(p["fits"] for p in report.values()),
-        "peak_bytes": max((p["peak_bytes"] for p in report.values()), default=0),
+        "peak_bytes": max((p["peak_bytes"] or 0 for p in report.values()), default=0),
         "wall_s": None,
     }
     if cost:
@@ -475,6 +499,9 @@ def _summary(out) -> str:
              f"{out['chip']['hbm_bytes'] / GiB:.0f} GiB HBM), mesh {out['mesh']}, rollout mesh "
              f"{out['rollout_mesh']}:"]
     for name, p in out["programs"].items():
+        if "compile_error" in p:
+            lines.append(f"  {name:14s} DOES NOT FIT: {p['compile_error']}")
+            continue
         mark = "ok  " if p["fits"] else f"OVER by {p['over_by_bytes'] / GiB:.2f} GiB"
         rl = f", roofline {p['roofline_s'] * 1e3:.2f} ms ({p['bound']})" if "roofline_s" in p else ""
         kernels = f", kernels {p['pallas_kernels']}" if p["pallas_kernels"] else ""
@@ -508,8 +535,10 @@ def markdown_tables(reports: list[dict]) -> str:
         peaks = []
         for p in _TABLE_PROGRAMS:
             e = r["programs"].get(p)
-            peaks.append("-" if e is None else _gib(e["peak_bytes"]) + ("" if e["fits"] else " **over**"))
-        over = [f"{k} +{_gib(v['over_by_bytes'])}" for k, v in r["programs"].items() if not v["fits"]]
+            peaks.append("-" if e is None else "?" if e["peak_bytes"] is None
+                         else (">" if "compile_error" in e else "") + _gib(e["peak_bytes"])
+                         + ("" if e["fits"] else " **over**"))
+        over = [f"{k} +{_gib(v['over_by_bytes'] or 0)}" for k, v in r["programs"].items() if not v["fits"]]
         lines.append(f"| {r['model']} | {slice_name(r)} ({_gib(r['chip']['hbm_bytes'])} GiB) | "
                      f"{mesh(r['mesh'])} ({mesh(r['rollout_mesh'])}) | {resident} | " + " | ".join(peaks)
                      + f" | {'yes' if r['fits'] else 'no: ' + ', '.join(over)} |")
@@ -567,9 +596,9 @@ def main(argv=None) -> int:
         print(text)
     print(_summary(out), file=sys.stderr)
     if args.check and not out["fits"]:
-        over = {k: v["over_by_bytes"] for k, v in out["programs"].items() if not v["fits"]}
+        over = {k: v["over_by_bytes"] or 0 for k, v in out["programs"].items() if not v["fits"]}
         print(f"aot_compile --check: does not fit in {out['chip']['hbm_bytes'] / GiB:.0f} GiB per chip: "
-              + ", ".join(f"{k} over by {v / GiB:.2f} GiB" for k, v in over.items()), file=sys.stderr)
+              + ", ".join(f"{k} over by at least {v / GiB:.2f} GiB" for k, v in over.items()), file=sys.stderr)
         return 1
     return 0
 

@@ -75,3 +75,16 @@ def test_costs_extrapolated_from_one_and_two_layers_equal_three_unrolled_layers(
     repeats = progs["log_prob"].repeats
     assert costs["log_prob"][0] == pytest.approx(repeats * flops, rel=0.01)  # fusion choices differ a little
     assert costs["log_prob"][1] == pytest.approx(repeats * nbytes, rel=0.05)
+
+
+def test_a_program_the_compiler_refuses_for_lack_of_hbm_is_reported_with_the_excess(aot):
+    """The TPU compiler refuses a program that cannot fit (its message, as libtpu 0.0.42.1 words it
+    for Qwen2.5-1.5B's update at 16 sequences per chip on v5e); the report keeps the message and
+    the excess plus the other residents."""
+    error = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
+                         "HLO temporaries (19.54G) exceeds available HBM (15.75G).")
+    entry = aot._out_of_memory(error, 1 << 30, aot.CHIPS["TPU v5 lite"])
+    gib = 1 << 30
+    assert not entry["fits"] and entry["compile_error"].startswith("RESOURCE_EXHAUSTED")
+    assert entry["over_by_bytes"] == int(19.54 * gib - 15.75 * gib + gib)
+    assert entry["peak_bytes"] == int(19.54 * gib + gib)
