@@ -423,8 +423,8 @@ def step_estimate(run, report, engine) -> dict:
 
     rows = run.data.train_batch_size * run.rollout.n
     parts = {}
-    if t("prefill") is not None:
-        parts["prefill"] = math.ceil(rows / engine["prefill_rows"]) * t("prefill")
+    if t("prefill") is not None:  # once per prompt; its rollout.n samples share the prefix
+        parts["prefill"] = math.ceil(run.data.train_batch_size / engine["prefill_rows"]) * t("prefill")
     if t("generate") is not None:
         waves = math.ceil(rows / run.rollout.max_concurrent_decodes)
         parts["decode"] = waves * run.data.max_response_length * t("generate")
@@ -546,9 +546,10 @@ def markdown_tables(reports: list[dict]) -> str:
     lines += ["", "| model | slice | " + " | ".join(parts) + " | step (s) | bound of the update / decode |",
               "|---" * (4 + len(parts)) + "|"]
     for r in reports:
-        step = r.get("step_roofline")
-        if not step:
-            continue
+        if not any("roofline_s" in p for p in r["programs"].values()):
+            continue  # a --no-cost report
+        # recomputed from the programs' figures and the report's own config
+        step = step_estimate(C.load_config(r["config"], r["overrides"]), r["programs"], r["engine"])
         cells = [f"{step['parts_s'][p]:.2f}" if p in step["parts_s"] else "-" for p in parts]
         bounds = "/".join(r["programs"].get(p, {}).get("bound", "-") for p in ("actor_update", "generate"))
         lines.append(f"| {r['model']} | {slice_name(r)} | " + " | ".join(cells)
