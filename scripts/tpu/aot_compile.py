@@ -543,8 +543,7 @@ def markdown_tables(reports: list[dict]) -> str:
                      f"{mesh(r['mesh'])} ({mesh(r['rollout_mesh'])}) | {resident} | " + " | ".join(peaks)
                      + f" | {'yes' if r['fits'] else 'no: ' + ', '.join(over)} |")
     parts = ("prefill", "decode", "log_probs", "actor_update", "weight_sync")
-    lines += ["", "| model | slice | " + " | ".join(parts) + " | step (s) | bound of the update / decode |",
-              "|---" * (4 + len(parts)) + "|"]
+    rows = []
     for r in reports:
         if not any("roofline_s" in p for p in r["programs"].values()):
             continue  # a --no-cost report
@@ -552,8 +551,11 @@ def markdown_tables(reports: list[dict]) -> str:
         step = step_estimate(C.load_config(r["config"], r["overrides"]), r["programs"], r["engine"])
         cells = [f"{step['parts_s'][p]:.2f}" if p in step["parts_s"] else "-" for p in parts]
         bounds = "/".join(r["programs"].get(p, {}).get("bound", "-") for p in ("actor_update", "generate"))
-        lines.append(f"| {r['model']} | {slice_name(r)} | " + " | ".join(cells)
-                     + f" | {step['total_s']:.2f} | {bounds} |")
+        rows.append(f"| {r['model']} | {slice_name(r)} | " + " | ".join(cells)
+                    + f" | {step['total_s']:.2f} | {bounds} |")
+    if rows:  # roofline seconds per step
+        lines += ["", "| model | slice | " + " | ".join(parts) + " | step (s) | bound of the update / decode |",
+                  "|---" * (4 + len(parts)) + "|"] + rows
     return "\n".join(lines)
 
 
