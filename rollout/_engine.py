@@ -25,6 +25,7 @@ Conventions:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -83,6 +84,11 @@ def _default_mesh(pure_params) -> jax.sharding.Mesh:
     return sharding.make_mesh((1, 1, 1), devices=[device])
 
 
+def _is_abstract(pure) -> bool:
+    leaves = jax.tree.leaves(pure)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
 class Engine:
     """Generation engine (JetStream `Engine` API) over a `CausalLM`. Build with `from_model` or
     `from_pretrained`; see the module docstring for the conventions.
@@ -94,7 +100,10 @@ class Engine:
     buffers (zero-copy `update_params`). auto: stacked when every given param already has the
     engine's dtype and stacked sharding (so sharing happens), else per_layer — a sync that must
     copy anyway (e.g. fp32 trainer -> bf16 rollout, or fsdp -> tensor) splits the layers during
-    that one copy, at no extra cost. `engine.layer_layout` is the resolved layout;
+    that one copy, at no extra cost. Params given as `jax.ShapeDtypeStruct`s (with shardings)
+    make an abstract engine for ahead-of-time compiles (`lower`): nothing is allocated, and
+    "auto" decides as it would for arrays of those dtypes and shardings.
+    `engine.layer_layout` is the resolved layout;
     `engine.params` is in it (per_layer: `params["model"]["layers"] == {i: layer i}`), and
     `update_params` takes either layout.
     """
@@ -139,7 +148,10 @@ class Engine:
         self._request_counter = 0
         self._params = None
         self._build_compiled()
-        self.update_params(pure)
+        if _is_abstract(pure):  # ahead-of-time compiles: shapes and shardings only, no weights
+            self._params = self._abstract_params()
+        else:
+            self.update_params(pure)
 
     # ---------------------------------------------------------------- construction
     @staticmethod
@@ -416,6 +428,61 @@ class Engine:
 
     def _free_core(self, state, slot):
         return dataclasses.replace(state, active=state.active.at[slot].set(False))
+
+    # ---------------------------------------------------------------- ahead-of-time compiles
+    def _abstract_params(self):
+        graphdef, abstract = nnx.split(abstract_model(self.config, layer_layout=self._layout), nnx.Param)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            nnx.to_pure_dict(abstract), self._param_shardings)
+
+    def lower(self, *, prefill_rows: int, insert_rows: int, out_rows: int, out_tokens: int,
+              sync_from=None) -> dict:
+        """The engine's programs lowered for its mesh over abstract inputs (nothing allocated):
+        "prefill" (`prefill_rows` prompts at max_prefill_length), "insert" (`insert_rows` of them
+        into the slots), "generate" (one decode step of every slot) and "decode_loop" (the RL
+        driver's multi-step loop writing into [out_rows, out_tokens] buffers). The weights are the
+        engine's `params` (abstract on an abstract engine). `sync_from`: abstract trainer params
+        (a pure dict with shardings on the same devices) adds "weight_sync", the one program
+        `update_params` runs for them (cast + reshard, or cast + relayout), or None when
+        `update_params` would share them (zero copy). Returns {name: jax.stages.Lowered | None}."""
+        def sds(shape, dtype, shardings=None):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=shardings or self._replicated)
+
+        params = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), self._params, self._param_shardings)
+        with sharding.use_rules(self._mesh, self._rules):
+            state = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), jax.eval_shape(self._init_core),
+                                 self._state_shardings)
+            prefix = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), jax.eval_shape(
+                self._prefill_core, params, sds((prefill_rows, self._max_prefill), jnp.int32),
+                sds((prefill_rows,), jnp.int32)), self._prefix_shardings)
+            i32 = functools.partial(sds, dtype=jnp.int32)
+            m = insert_rows
+            out = {"tokens": i32((out_rows, out_tokens)), "lengths": i32((out_rows,)),
+                   "log_probs": sds((out_rows, out_tokens), jnp.float32)}
+            return {
+                "prefill": self._prefill_jit.lower(params, i32((prefill_rows, self._max_prefill)),
+                                                   i32((prefill_rows,))),
+                "insert": self._insert_jit.lower(
+                    state, prefix, i32((m,)), i32((m,)), i32((m,)), i32((m,)), sds((), jnp.float32),
+                    i32(()), sds((), jnp.float32), jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
+                                                                        sharding=self._replicated)),
+                "generate": self._generate_jit.lower(params, state),
+                "decode_loop": self._loop_jit.lower(params, state, out, i32(()), i32(())),
+                **({} if sync_from is None else {"weight_sync": self._lower_sync(sync_from)}),
+            }
+
+    def _lower_sync(self, source):
+        layout = layout_of(source, self._layout_shardings)
+        if layout != self._layout:
+            return self._relayout.lower(source)
+        dtype = jnp.dtype(self.config.param_dtype)
+        if resolve_layout("auto", source, self._layout_shardings, dtype) == "stacked" and layout == "stacked":
+            return None  # every leaf already fits: shared, nothing runs
+
+        def cast(p):
+            return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
+
+        return jax.jit(cast, out_shardings=self._param_shardings).lower(source)
 
     # ---------------------------------------------------------------- weights
     @property

@@ -43,6 +43,9 @@ def resolve_layout(layer_layout: str, pure, layout_shardings: dict, dtype) -> st
     dtype = jnp.dtype(dtype)
 
     def shared(x, target):  # what sharding.reshard would return as-is (no copy)
+        if isinstance(x, jax.ShapeDtypeStruct):  # an abstract engine: decide for such arrays
+            return (x.sharding is not None and x.dtype == (dtype if _is_floating(x) else x.dtype)
+                    and x.sharding.is_equivalent_to(target, len(x.shape)))
         return (isinstance(x, jax.Array) and not x.is_deleted()
                 and x.dtype == (dtype if _is_floating(x) else x.dtype)
                 and x.sharding.is_equivalent_to(target, x.ndim))
@@ -64,6 +67,10 @@ class Relayout:
             return relayout(jax.tree.map(lambda x: x.astype(self._dtype) if _is_floating(x) else x, p))
 
         self._jit = jax.jit(convert, out_shardings=shardings)
+
+    def lower(self, pure):
+        """The relayout program lowered for (abstract) params on the engine's devices."""
+        return self._jit.lower(pure)
 
     def __call__(self, pure, source_shardings) -> tuple[Any, dict]:
         """(new params, {"bytes_moved", "bytes_total", "num_copied"}); `source_shardings`: the

@@ -7,7 +7,7 @@
     python scripts/bench_rollout.py --models 1.5b --batches 256 --no-peer --layouts stacked per_layer
 
 `--variants ATTN:UNROLL ...` times the decode path under each setting of
-`jaxrl_llm.models._decoder.DECODE_ATTENTION` (auto | einsum | reduce | cudnn) and `DECODE_UNROLL`
+`ModelConfig.decode_attention` (auto | einsum | reduce | cudnn | pallas) and `.decode_unroll`
 (layers per scan iteration; 0 = all; the stacked layout only); the default `auto:1` is the
 library's default. `--layouts` picks the engine's `layer_layout` (per_layer: separate weight and
 KV-cache arrays per layer, unrolled; stacked: `[L, ...]` arrays under a scan; auto: what the
@@ -64,10 +64,12 @@ def parse_args(argv=None):
     return args
 
 
-def _config(name, dtype):
+def _config(name, dtype, variant="auto:1"):
     from jaxrl_llm.models import ModelConfig
+    attn, unroll = variant.split(":")
     return ModelConfig(model_type="qwen2", attention_bias=True, rope_theta=1e6,
-                       max_position_embeddings=32768, dtype=dtype, param_dtype=dtype, **QWEN25[name])
+                       max_position_embeddings=32768, dtype=dtype, param_dtype=dtype,
+                       decode_attention=attn, decode_unroll=int(unroll), **QWEN25[name])
 
 
 def _peak_bytes():
@@ -77,14 +79,11 @@ def _peak_bytes():
 
 def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
     import rollout
-    from jaxrl_llm.models import _decoder
     from jaxrl_llm.models import init_model
     from rollout._engine import PREFILL_BUCKETS
 
-    attn, unroll = variant.split(":")
-    _decoder.DECODE_ATTENTION, _decoder.DECODE_UNROLL = attn, int(unroll)
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
-    cfg = _config(name, dtype)
+    cfg = _config(name, dtype, variant)
     model = init_model(cfg, seed=0)
     prefill_len = next(b for b in PREFILL_BUCKETS if b >= args.prompt_len)
     engine = rollout.Engine.from_model(
@@ -148,8 +147,8 @@ def check_variants(variants, layouts=("stacked",)) -> list[dict]:
 
     def decode(dtype, variant, layout="stacked"):
         attn, unroll = variant.split(":")
-        _decoder.DECODE_ATTENTION, _decoder.DECODE_UNROLL = attn, int(unroll)
-        config = ModelConfig(**base, dtype=dtype, param_dtype=dtype)
+        config = ModelConfig(**base, dtype=dtype, param_dtype=dtype, decode_attention=attn,
+                             decode_unroll=int(unroll))
         model = init_model(config, seed=0)
         _, pre = model.prefill(ids)
         pad = [(0, 0), (0, 0), (0, s - 100), (0, 0), (0, 0)]

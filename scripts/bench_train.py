@@ -52,8 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--mesh", nargs=3, type=int, default=[1, -1, 1], metavar=("DATA", "FSDP", "TENSOR"),
                    help="training mesh over the devices used (-1 = fill)")
     p.add_argument("--devices", type=int, default=0, help="use the first N devices (0 = all)")
-    p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "rolled"],
-                   help="jaxrl_llm.models._decoder.TRAIN_ATTENTION (auto: cuDNN flash on GPU)")
+    p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "rolled", "splash"],
+                   help="ModelConfig.train_attention (auto: cuDNN flash on GPU, splash on TPU)")
     p.add_argument("--trace", default="", help="after timing, trace one more step with jax.profiler "
                    "into this folder (trace_<model>_<remat>_<micro>.json.gz; scripts/trace_summary.py)")
     p.add_argument("--peak-tflops", type=float, default=989.0)
@@ -87,14 +87,13 @@ def _run_config(name: str, remat: str, micro: int, args) -> dict:
     from jaxrl_llm.models import _decoder
     from jaxrl_llm.workers import ActorWorker
 
-    _decoder.TRAIN_ATTENTION = args.attention
     tiny = name == "tiny"
     shape = QWEN25[name]
     cfg = models.ModelConfig(
         model_type="qwen2", attention_bias=True, rope_theta=1e6, max_position_embeddings=32768,
         head_dim=shape["hidden_size"] // shape["num_attention_heads"],
         dtype=args.compute_dtype, param_dtype="float32" if tiny else args.param_dtype,
-        remat=remat, **shape)
+        remat=remat, train_attention=args.attention, **shape)
     devices = jax.devices()[:args.devices] if args.devices > 0 else jax.devices()
     mesh = sharding.make_mesh(sharding.MeshConfig(*args.mesh), devices=devices)
     model = sharding.init_sharded(lambda: models.CausalLM(cfg, rngs=nnx.Rngs(params=0)), mesh,
@@ -140,7 +139,7 @@ def _run_config(name: str, remat: str, micro: int, args) -> dict:
         "micro_batch": micro, "rows": rows, "seq_len": p + t, "param_dtype": str(cfg.param_dtype),
         "compute_dtype": str(cfg.dtype), "device": devices[0].device_kind, "num_devices": ndev,
         "mesh": dict(mesh.shape),
-        "attention": _decoder._train_attention_impl(cfg.dtype, cfg.head_dim),
+        "attention": _decoder._train_attention_impl(cfg),
         "step_s": step_s, "step_s_all": times, "compile_s": compile_s - step_s,
         "tokens_per_s": tokens / step_s, "tokens_per_s_per_device": tokens / step_s / ndev,
         "flops_per_token": fpt,

@@ -54,6 +54,8 @@ class ModelSection:
     dtype: str  # compute dtype
     param_dtype: str
     remat: str
+    train_attention: str  # kernel of the full forward: auto | xla | cudnn | rolled | splash
+    decode_attention: str  # kernel of one-token decode: auto | einsum | reduce | cudnn | pallas
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+TRAIN_ATTENTIONS = ("auto", "xla", "cudnn", "rolled", "splash")
+DECODE_ATTENTIONS = ("auto", "einsum", "reduce", "cudnn", "pallas")
 
 _DTYPES = {
     "float32": jnp.float32, "fp32": jnp.float32,
@@ -46,6 +48,29 @@ class ModelConfig:
 
     `dtype` is the compute dtype (activations, matmul inputs); `param_dtype` the storage dtype of
     parameters. `remat` is the rematerialisation policy of each decoder layer in training.
+
+    Kernel choices (part of the config, so part of every compiled program's cache key; they
+    change results only by float rounding):
+    `train_attention`, the attention of the full forward (training, log-probs, scoring, prefill):
+      "xla": `attend` with the [b, t, t] padding mask (materialises fp32 scores);
+      "cudnn": cuDNN flash attention on rows rotated so their real tokens start at 0 (each
+        row's real tokens must be one contiguous run; GPU, bf16/fp16);
+      "rolled": the same rotation with XLA's `jax.nn.dot_product_attention` (CPU tests of it);
+      "splash": the Pallas TPU splash kernel, causal with segment ids = the attention mask (any
+        padding pattern); Pallas interpret mode off TPU;
+      "auto": splash on TPU with head_dim a multiple of 128, cudnn on GPU with bf16/fp16 and
+        head_dim <= 128 (a multiple of 8), else xla.
+    `decode_attention`, one new token per row over the KV cache (more tokens: always einsum):
+      "einsum": `attend` (batched matmuls); "reduce": multiply + reduce over the cache in its
+      stored layout; "cudnn": cuDNN with per-row key lengths (GPU, bf16/fp16); "pallas": a Pallas
+      TPU kernel reading each row's cache up to its length in place (interpret mode off TPU);
+      "auto": pallas on TPU with head_dim a multiple of 128, cudnn on GPU as above, else einsum.
+    `decode_unroll`: layers unrolled per scan iteration of the stacked layout's decode (1 = a
+      rolled loop, 0 = all); the per-layer layout always unrolls.
+    `layer_unroll`: the same for the stacked layout's full forward and prefill (XLA's cost
+      analysis counts a loop body once, so `scripts/tpu/aot_compile.py` unrolls small models).
+    "On TPU" / "on GPU" is the platform of the active `sharding.use_rules` mesh (so an
+    ahead-of-time compile for a TPU topology picks the TPU kernels), else JAX's default backend.
     """
 
     vocab_size: int
@@ -69,12 +94,24 @@ class ModelConfig:
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     remat: str = "none"
+    train_attention: str = "auto"
+    decode_attention: str = "auto"
+    decode_unroll: int = 1
+    layer_unroll: int = 1
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"model_type={self.model_type!r} is not supported; choose one of {MODEL_TYPES}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r}; choose one of {REMAT_POLICIES}")
+        if self.train_attention not in TRAIN_ATTENTIONS:
+            raise ValueError(f"train_attention={self.train_attention!r}; choose one of {TRAIN_ATTENTIONS}")
+        if self.decode_attention not in DECODE_ATTENTIONS:
+            raise ValueError(f"decode_attention={self.decode_attention!r}; choose one of {DECODE_ATTENTIONS}")
+        for name in ("decode_unroll", "layer_unroll"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or int(value) < 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 0 (0 = all layers)")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads"):
             if int(getattr(self, name)) <= 0:

@@ -28,6 +28,7 @@ from flax import nnx
 
 import sharding
 
+from . import _kernels
 from ._config import ModelConfig
 from ._lora import lora_delta
 
@@ -129,31 +130,10 @@ def attend(q, k, v, mask):
     return out.reshape(b, tq, h, d)
 
 
-# Decode-path speed knobs (module level so every engine picks them up; they never change results
-# beyond float rounding). Benchmarks set them; see docs/benchmarks.md for the measured effect.
-#   DECODE_ATTENTION: "auto" | "einsum" | "reduce" | "cudnn"
-#     einsum: `attend` (batched matmuls; XLA may transpose the [b, s, kvh, d] cache for cuBLAS).
-#     reduce: one-query attention as multiply + reduce over the cache in its stored layout, with the
-#             layer's slice fused into the reading kernel (no cache copy or transpose).
-#     cudnn:  `jax.nn.dot_product_attention(implementation="cudnn")` with per-row key lengths
-#             (GPU, bf16/fp16 only).
-#     auto:   "cudnn" for one new token per row on a GPU in bf16/fp16 (head_dim a multiple of 8,
-#             at most 128), else "einsum". (H200, 1.5B shape, batch 256, 512 + 256 tokens, all
-#             layers unrolled: cudnn 10.1 ms/step, einsum 10.7, reduce 16.7; docs/benchmarks.md.)
-#   DECODE_UNROLL: layers unrolled per scan iteration in `decode` (1 = a rolled loop; 0 = all).
-#     Rolled is faster with cudnn (9.3 vs 11.9 ms/step at 512 + 128 tokens). Stacked layout only:
-#     the per-layer layout always runs its layers as an unrolled Python loop.
-DECODE_ATTENTION = "auto"
-DECODE_UNROLL = 1
-#   TRAIN_ATTENTION: attention of the full forward (training, log-probs, scoring).
-#     "xla": `attend` with the [b, t, t] padding mask (materialises fp32 scores).
-#     "cudnn": cuDNN flash attention. Each row is first rotated so that its real tokens start at
-#       position 0 (rows are one run of real tokens: left-padded prompt + right-padded response),
-#       so causal masking plus per-row lengths is the padding mask, and cuDNN skips the masked
-#       blocks; hidden states are rotated back after the final norm.
-#     "rolled": the same rotation with XLA's `jax.nn.dot_product_attention` (CPU tests of it).
-#     "auto": cudnn on GPU with bf16/fp16 compute and head_dim <= 128 (multiple of 8), else xla.
-TRAIN_ATTENTION = "auto"
+# Kernel choices are `ModelConfig.train_attention` / `.decode_attention` / `.decode_unroll` (see
+# there); measured effects of the GPU ones are in docs/benchmarks.md (H200, 1.5B shape, batch 256,
+# 512 + 256 tokens, all layers unrolled: cudnn 10.1 ms/step, einsum 10.7, reduce 16.7; rolled
+# layers are faster with cudnn: 9.3 vs 11.9 ms/step at 512 + 128 tokens).
 
 
 def attend_one(q, k_cache, v_cache, kv_lengths):
@@ -177,16 +157,22 @@ def _attend_one_cudnn(q, k_cache, v_cache, kv_lengths):
                                         implementation="cudnn")
 
 
-def _decode_attention_impl(t: int, dtype, head_dim: int) -> str:
-    impl = DECODE_ATTENTION
-    if impl not in ("auto", "einsum", "reduce", "cudnn"):
-        raise ValueError(f"DECODE_ATTENTION must be auto, einsum, reduce or cudnn; got {impl!r}")
+def _cudnn_ok(dtype, head_dim: int) -> bool:
+    return (_kernels.target_platform() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+            and head_dim % 8 == 0 and head_dim <= 128)
+
+
+def _pallas_ok(head_dim: int) -> bool:
+    return _kernels.target_platform() == "tpu" and head_dim % 128 == 0
+
+
+def _decode_attention_impl(config: ModelConfig, t: int, dtype, head_dim: int) -> str:
+    """The decode kernel `config.decode_attention` resolves to for t new tokens per row."""
+    impl = config.decode_attention
     if t != 1:
         return "einsum"
     if impl == "auto":
-        cudnn_ok = (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-                    and head_dim % 8 == 0 and head_dim <= 128)
-        return "cudnn" if cudnn_ok else "einsum"
+        return "pallas" if _pallas_ok(head_dim) else "cudnn" if _cudnn_ok(dtype, head_dim) else "einsum"
     return impl
 
 
@@ -367,19 +353,27 @@ class Transformer(nnx.Module):
     def __call__(self, input_ids, *, attention_mask=None, positions=None):
         """Final hidden states [b, t, e] of a full causal forward (training / scoring).
 
-        With `TRAIN_ATTENTION` cudnn/rolled, each row's real tokens must be one contiguous run
-        (any left and right padding); hidden states at padding positions are then zero.
+        With `config.train_attention` cudnn/rolled, each row's real tokens must be one contiguous
+        run (any left and right padding); hidden states at padding positions are then zero.
+        With splash, hidden states at padding positions are unspecified (never read by real tokens).
         """
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
         if positions is None:
             positions = default_positions(attention_mask)
         c = self.config
-        impl = _train_attention_impl(c.dtype, c.head_dim)
+        impl = _train_attention_impl(c)
+        unroll = self._unroll(c.layer_unroll)
+        if impl == "splash":
+            segments = attention_mask.astype(jnp.int32)
+            h, _ = self._scan(self.embed(input_ids), positions,
+                              lambda i, e, k, v: (k, v, _splash(segments, k, v), e), (), remat=True,
+                              unroll=unroll)
+            return h
         if impl == "xla":
             mask = causal_padding_mask(attention_mask)
             h, _ = self._scan(self.embed(input_ids), positions, lambda i, e, k, v: (k, v, mask, e), (),
-                              remat=True)
+                              remat=True, unroll=unroll)
             return h
         real = attention_mask.astype(jnp.bool_)
         t = real.shape[1]
@@ -393,7 +387,7 @@ class Transformer(nnx.Module):
 
         attention = functools.partial(_flash_attention, impl, lengths)
         h, _ = self._scan(self.embed(rot(input_ids, fwd)), rot(positions, fwd),
-                          lambda i, e, k, v: (k, v, attention(k, v), e), (), remat=True)
+                          lambda i, e, k, v: (k, v, attention(k, v), e), (), remat=True, unroll=unroll)
         return jnp.where(real[..., None], rot(h, back), 0).astype(h.dtype)
 
     def prefill(self, input_ids, *, attention_mask=None, positions=None):
@@ -405,10 +399,15 @@ class Transformer(nnx.Module):
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
         if positions is None:
             positions = default_positions(attention_mask)
-        mask = causal_padding_mask(attention_mask)
+        if _train_attention_impl(c) == "splash":
+            segments = attention_mask.astype(jnp.int32)
+            mask = lambda k, v: _splash(segments, k, v)  # noqa: E731
+        else:
+            dense = causal_padding_mask(attention_mask)
+            mask = lambda k, v: dense  # noqa: E731
         if self.layer_layout == "per_layer":
             def kv_fn(i, cache, k, v):
-                return k, v, mask, KVCache(cache.k + (k.astype(c.dtype),), cache.v + (v.astype(c.dtype),))
+                return k, v, mask(k, v), KVCache(cache.k + (k.astype(c.dtype),), cache.v + (v.astype(c.dtype),))
 
             return self._scan(self.embed(input_ids), positions, kv_fn, KVCache((), ()), remat=False)
         shape = (c.num_hidden_layers, b, t, c.num_key_value_heads, c.head_dim)
@@ -416,9 +415,13 @@ class Transformer(nnx.Module):
 
         def kv_fn(i, cache, k, v):
             cache = KVCache(cache.k.at[i].set(k), cache.v.at[i].set(v))
-            return k, v, mask, cache
+            return k, v, mask(k, v), cache
 
-        return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False)
+        return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False,
+                          unroll=self._unroll(c.layer_unroll))
+
+    def _unroll(self, u: int) -> int:
+        return int(u) if int(u) > 0 else self.config.num_hidden_layers
 
     def decode(self, input_ids, *, positions, cache: KVCache, cache_index):
         """Append tokens to a cache and attend to it.
@@ -439,7 +442,7 @@ class Transformer(nnx.Module):
         write = cache_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [b, t]
         mask = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= write[:, :, None]  # [b, t, s]
         rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-        impl = _decode_attention_impl(t, k0.dtype, k0.shape[-1])
+        impl = _decode_attention_impl(self.config, t, k0.dtype, k0.shape[-1])
         kv_lengths = jnp.minimum(cache_index + 1, s).astype(jnp.int32)  # t == 1: slots <= write
         attention = functools.partial(_decode_attention, impl, mask, kv_lengths)
 
@@ -462,7 +465,7 @@ class Transformer(nnx.Module):
             v_i = jax.lax.dynamic_index_in_dim(v_all, i, 0, keepdims=False)
             return k_i, v_i, attention(k_i, v_i), KVCache(k_all, v_all)
 
-        unroll = int(DECODE_UNROLL) if int(DECODE_UNROLL) > 0 else self.config.num_hidden_layers
+        unroll = self._unroll(self.config.decode_unroll)
         return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False, unroll=unroll)
 
 
@@ -470,15 +473,20 @@ def _replace(xs: tuple, i: int, x) -> tuple:
     return xs[:i] + (x,) + xs[i + 1:]
 
 
-def _train_attention_impl(dtype, head_dim: int) -> str:
-    impl = TRAIN_ATTENTION
-    if impl not in ("auto", "xla", "cudnn", "rolled"):
-        raise ValueError(f"TRAIN_ATTENTION must be auto, xla, cudnn or rolled; got {impl!r}")
+def _train_attention_impl(config: ModelConfig) -> str:
+    """The full-forward attention `config.train_attention` resolves to."""
+    impl = config.train_attention
     if impl == "auto":
-        cudnn_ok = (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-                    and head_dim % 8 == 0 and head_dim <= 128)
-        return "cudnn" if cudnn_ok else "xla"
+        if _pallas_ok(config.head_dim):
+            return "splash"
+        return "cudnn" if _cudnn_ok(config.dtype, config.head_dim) else "xla"
     return impl
+
+
+def _splash(segment_ids, k, v):
+    """The `mask` argument of `DecoderLayers.layer` for the splash path: q -> causal attention
+    within segments (segment ids = the attention mask)."""
+    return lambda q: _kernels.splash_causal(q, k, v, segment_ids).astype(q.dtype)
 
 
 def _flash_attention(impl, lengths, k, v):
@@ -499,6 +507,8 @@ def _decode_attention(impl, mask, kv_lengths, k_i, v_i):
         return lambda q: attend_one(q, k_i, v_i, kv_lengths)
     if impl == "cudnn":
         return lambda q: _attend_one_cudnn(q, k_i, v_i, kv_lengths).astype(q.dtype)
+    if impl == "pallas":
+        return lambda q: _kernels.decode_attention(q, k_i, v_i, kv_lengths).astype(q.dtype)
     return mask
 
 

@@ -35,7 +35,8 @@ def model_config_for(section: ModelSection, vocab_size: int) -> models.ModelConf
         rope_theta=i.rope_theta, max_position_embeddings=i.max_position_embeddings,
         tie_word_embeddings=i.tie_word_embeddings, attention_bias=i.model_type == "qwen2",
         qk_norm=i.model_type == "qwen3", dtype=section.dtype, param_dtype=section.param_dtype,
-        remat=section.remat)
+        remat=section.remat, train_attention=section.train_attention,
+        decode_attention=section.decode_attention)
 
 
 def build_model(section: ModelSection, *, vocab_size: int, mesh, value_head: bool = False):
@@ -43,7 +44,8 @@ def build_model(section: ModelSection, *, vocab_size: int, mesh, value_head: boo
     if section.path:
         return models.from_pretrained(section.path, dtype=section.dtype, param_dtype=section.param_dtype,
                                       value_head=value_head, mesh=mesh, rules=sharding.TRAIN_RULES,
-                                      remat=section.remat)
+                                      remat=section.remat, train_attention=section.train_attention,
+                                      decode_attention=section.decode_attention)
     cfg = model_config_for(section, vocab_size)
     seed = section.init.seed + (1 if value_head else 0)
     ctor = (models.ValueModel if value_head else models.CausalLM)
@@ -94,13 +96,20 @@ class TrainState:
 jax.tree_util.register_dataclass(TrainState, data_fields=["params", "opt_state", "step"], meta_fields=[])
 
 
-def init_train_state(params, tx, mesh) -> TrainState:
-    """Optimizer state built on device; jit propagates the params' shardings to the moments."""
-    opt_state = jax.jit(tx.init)(params)
+def opt_state_shardings(tx, params, mesh):
+    """Where the optimizer state of `params` (arrays or ShapeDtypeStructs with shardings) lives:
+    a leaf that mirrors a parameter (Adam's moments) has that parameter's sharding, the others
+    (step counts) are replicated on the mesh. (`jit(tx.init)` alone puts every leaf on one
+    device: `zeros_like` does not carry the parameter's sharding.)"""
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    # scalars such as Adam's step count come out on one device: replicate them on the mesh
-    opt_state = jax.tree.map(
-        lambda x: x if getattr(x.sharding, "mesh", None) == mesh else jax.device_put(x, replicated), opt_state)
+    return optax.tree_utils.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params),
+                                            shardings_of(params), transform_non_params=lambda _: replicated)
+
+
+def init_train_state(params, tx, mesh) -> TrainState:
+    """Optimizer state built on device, sharded like the params (`opt_state_shardings`)."""
+    opt_state = jax.jit(tx.init, out_shardings=opt_state_shardings(tx, params, mesh))(params)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), replicated))
 
 

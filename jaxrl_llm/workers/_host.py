@@ -365,18 +365,19 @@ class HostWorker:
         self.checkpointer.close()
 
 
-def _meshes(c: RunConfig):
+def _meshes(c: RunConfig, devices=None):
     """(training mesh, rollout mesh).
 
     Colocated: the training mesh itself when `placement.rollout_mesh` is 1x1x1, else the same
     devices re-meshed to that shape (e.g. fsdp for training, tensor-parallel decode). Separate:
     the last devices of the host for the rollout, the rest for training (disjoint).
+    `devices`: all of them (default: this run's; an ahead-of-time compile passes a topology's).
     """
     m = c.mesh
     train_cfg = sharding.MeshConfig(m.data, m.fsdp, m.tensor)
     r = c.placement.rollout_mesh
     if c.placement.mode == "colocated":
-        mesh = sharding.make_mesh(train_cfg)
+        mesh = sharding.make_mesh(train_cfg, devices=devices)
         if (r.data, r.fsdp, r.tensor) == (1, 1, 1):
             return mesh, mesh
         devices = list(mesh.devices.flat)
@@ -386,7 +387,9 @@ def _meshes(c: RunConfig):
             raise ValueError(f"placement.rollout_mesh (colocated) must cover the {len(devices)} training "
                              f"devices: {e}") from None
         return mesh, rollout_mesh
-    devices = jax.local_devices() if jax.process_count() == 1 else jax.devices()
+    if devices is None:
+        devices = jax.local_devices() if jax.process_count() == 1 else jax.devices()
+    devices = list(devices)
     k = r.data * r.fsdp * r.tensor
     if k >= len(devices):
         raise ValueError(f"placement.rollout_mesh uses {k} devices but there are {len(devices)}: "

@@ -4,6 +4,8 @@
 #   scripts/tpu/launch.sh -c scripts/tpu/v5p-16.env [--dry-run] COMMAND [-- --config.a.b=v ...]
 #
 # Commands (run in this order, or `up` for create+setup+run+logs):
+#   check    compile the run's programs for TOPOLOGY here, on this machine (no TPU needed;
+#            scripts/tpu/aot_compile.py, needs libtpu) and fail if one does not fit in HBM
 #   create   gcloud compute tpus tpu-vm create (or `queued-resources create` when QUEUED=1)
 #   setup    copy this working tree to every worker (--worker=all) and pip-install it
 #   run      start the same training command on every worker (jax.distributed auto-detects the pod)
@@ -13,6 +15,7 @@
 #   up       create, setup, run, logs
 #
 # Options: -c/--config-file FILE (required), --dry-run (print every command, run nothing),
+#          --check (run `check` first; a config that cannot fit stops before anything is booked),
 #          -h/--help. Anything after `--` is appended to the training command (config overrides).
 #
 # The config file is a bash file of KEY=VALUE lines (see scripts/tpu/example.env):
@@ -23,11 +26,15 @@
 #   REMOTE_DIR    where the code goes on the workers (default: jaxrl_llm, under $HOME)
 #   PIP_EXTRAS    pip extras to install (default: tpu)
 #   RUN_LOG       log file on each worker (default: jaxrl_run.log)
+#   TOPOLOGY      the slice for `check`, e.g. v5p:2x2x2 (v5p-16), v5e:2x4 (v5e-8), v6e:4x4
+#   AOT_MODEL     architecture preset for `check` (e.g. qwen2.5-7b) when model.path is a worker path
+#   PYTHON        local python for `check` (default: python3)
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
 DRY_RUN=0
+CHECK=0
 CONFIG_FILE=""
 COMMAND=""
 EXTRA=()
@@ -35,6 +42,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
     --dry-run) DRY_RUN=1; shift ;;
+    --check) CHECK=1; shift ;;
     -c|--config-file) CONFIG_FILE="$2"; shift 2 ;;
     --config-file=*) CONFIG_FILE="${1#*=}"; shift ;;
     --) shift; EXTRA=("$@"); break ;;
@@ -48,7 +56,7 @@ done
 [[ -f "$CONFIG_FILE" ]] || { echo "launch.sh: config file '$CONFIG_FILE' not found" >&2; exit 2; }
 
 QUEUED=0; SPOT=0; REMOTE_DIR=jaxrl_llm; PIP_EXTRAS=tpu; RUN_LOG=jaxrl_run.log; OVERRIDES=""
-RUNTIME_VERSION=""; LOG_WORKER=0
+RUNTIME_VERSION=""; LOG_WORKER=0; TOPOLOGY=""; AOT_MODEL=""; PYTHON=python3
 # shellcheck disable=SC1090
 source "$CONFIG_FILE"
 for key in TPU_NAME PROJECT ZONE ACCELERATOR_TYPE RUNTIME_VERSION CONFIG; do
@@ -78,6 +86,16 @@ train_command() {
   local o
   for o in $OVERRIDES "${EXTRA[@]}"; do cmd+=" $(q "$o")"; done
   echo "$cmd"
+}
+
+do_check() {  # ahead-of-time compile for the slice, here; exits non-zero when it does not fit
+  [[ -n "$TOPOLOGY" ]] || { echo "launch.sh: check needs TOPOLOGY (e.g. v5p:2x2x2) in $CONFIG_FILE" >&2; exit 2; }
+  local cmd=("$PYTHON" "$REPO_ROOT/scripts/tpu/aot_compile.py" --topology="$TOPOLOGY" --config="$CONFIG"
+             --check --no-cost --out="/tmp/${TPU_NAME}-aot.json")
+  [[ -n "$AOT_MODEL" ]] && cmd+=(--model="$AOT_MODEL")
+  local o
+  for o in $OVERRIDES "${EXTRA[@]}"; do cmd+=("$o"); done
+  run "${cmd[@]}"
 }
 
 do_create() {
@@ -121,7 +139,9 @@ do_delete() {
   fi
 }
 
+if [[ $CHECK == 1 && "$COMMAND" != check ]]; then do_check; fi
 case "$COMMAND" in
+  check) do_check ;;
   create) do_create ;;
   setup) do_setup ;;
   run) do_run ;;

@@ -234,3 +234,19 @@ def test_gpu_ssh_records_each_runs_pid():
     res = _run(GPU, "ssh", "--hosts=a,b", "--dry-run", "--", "--config=c.py")
     for i, c in enumerate(_commands(res.stdout)):
         assert c[2].endswith(f"> jaxrl_run.{i}.log 2>&1 & echo $! > jaxrl_run.{i}.pid")
+
+
+def test_tpu_check_runs_the_aot_compile_before_anything_is_booked(tpu_config):
+    cfg = tpu_config(TOPOLOGY="v5p:2x2x2", AOT_MODEL="qwen2.5-7b")
+    check, create, *_ = _commands(_run(TPU, "-c", cfg, "--dry-run", "--check", "up").stdout)
+    assert check[1].endswith("scripts/tpu/aot_compile.py") and "--check" in check
+    assert _flag(check, "--topology") == "v5p:2x2x2" and _flag(check, "--model") == "qwen2.5-7b"
+    assert _flag(check, "--config") == "configs/grpo_gsm8k.py" and "--config.mesh.fsdp=-1" in check
+    assert create[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"]
+
+
+def test_tpu_failing_check_stops_the_launch(tpu_config):
+    res = _run(TPU, "-c", tpu_config(TOPOLOGY="v5e:2x4", PYTHON="false"), "--check", "up", ok=False)
+    assert res.returncode != 0 and "gcloud" not in res.stdout  # nothing after the failed check
+    res = _run(TPU, "-c", tpu_config(), "--dry-run", "check", ok=False)
+    assert res.returncode == 2 and "TOPOLOGY" in res.stderr

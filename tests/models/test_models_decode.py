@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from jaxrl_llm import models
-from jaxrl_llm.models import KVCache, _decoder
+from jaxrl_llm.models import KVCache
 
 CONFIG = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                             num_attention_heads=4, num_key_value_heads=2, model_type="qwen3",
@@ -55,11 +55,18 @@ def test_per_layer_full_forward_and_prefill_equal_stacked(pair, ids):
     np.testing.assert_allclose(np.stack(cache_p.v), cache_s.v, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("impl", ["einsum", "reduce", "auto"])
-def test_per_layer_decode_equals_stacked_decode_and_full_forward(pair, ids, impl, monkeypatch):
-    """Rows at different cache offsets; two decode steps; every attention choice available on CPU."""
-    monkeypatch.setattr(_decoder, "DECODE_ATTENTION", impl)
-    stacked, per = pair
+def _as(model, **changes):
+    """The same weights under a config with `changes` (e.g. another kernel choice)."""
+    config = model.config.replace(**changes)
+    graphdef, _ = nnx.split(models.abstract_model(config, layer_layout=model.model.layer_layout), nnx.Param)
+    return nnx.merge(graphdef, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+@pytest.mark.parametrize("impl", ["einsum", "reduce", "auto", "pallas"])
+def test_per_layer_decode_equals_stacked_decode_and_full_forward(pair, ids, impl):
+    """Rows at different cache offsets; two decode steps; every attention choice available on CPU
+    (pallas: the TPU decode kernel in Pallas interpret mode)."""
+    stacked, per = (_as(m, decode_attention=impl) for m in pair)
     full = stacked(ids)  # [b, 12, v]
     index = jnp.asarray([4, 7, 9], jnp.int32)
     s = 16

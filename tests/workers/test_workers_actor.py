@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import sharding
 from jaxrl_llm.config import load_config
@@ -66,3 +67,27 @@ def test_adamw_decays_matrices_but_not_norms_or_biases_by_default(tiny):
     np.testing.assert_allclose(new["norm"], 1.0)
     everything = _one_adamw_step(dataclasses.replace(optim, weight_decay_1d=True))
     np.testing.assert_allclose(everything["bias"], 1 - 0.1 * 0.5)
+
+
+def test_adam_moments_are_sharded_like_their_parameters(tiny):
+    """jit(tx.init) alone put every moment on one device, and the trainer then replicated them on
+    the mesh (8 bytes per parameter on every device); each moment must live where its parameter
+    does, and the step counts replicated on the mesh."""
+    from jaxrl_llm.workers._common import init_train_state
+
+    mesh = sharding.make_mesh((1, 4, 2))
+    model = build_model(tiny.model, vocab_size=128, mesh=mesh)
+    params = nnx.state(model, nnx.Param)
+    tx, _ = build_optimizer(tiny.actor.optim, 10)
+    state = init_train_state(params, tx, mesh)
+    by_shape = {}
+    for p in jax.tree.leaves(params):
+        by_shape.setdefault((p.shape, p.sharding.spec), p)
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
+    assert len(moments) == 2 * len(jax.tree.leaves(params))  # mu and nu
+    sharded = [x for x in moments if any(s is not None for s in x.sharding.spec)]
+    assert sharded, "no moment is sharded"
+    for x in moments:
+        assert x.sharding.mesh == mesh and (x.shape, x.sharding.spec) in by_shape
+    for x in jax.tree.leaves(state.opt_state):
+        assert x.sharding.mesh == mesh

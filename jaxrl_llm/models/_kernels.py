@@ -1,0 +1,191 @@
+"""Pallas TPU attention kernels over the decoder's layouts: splash attention for the full forward
+(training, log-probs, prefill scoring) and a one-query decode kernel over the engine's KV cache.
+
+Both take the model's own layouts (`q [b, t, h, d]`, keys/values `[b, s, kvh, d]`) and run under
+`shard_map` when a `sharding.use_rules` mesh is active: every device runs the kernel on its rows
+(the batch axes) and its heads (the tensor axis), which is where attention needs no
+communication. Which mesh axes those are comes from the logical names, via `sharding`.
+
+Off TPU the kernels run in Pallas interpret mode (slow, for tests of their numerics on CPU).
+Choosing a kernel is `_decoder.py`'s business (`ModelConfig.attention`, `.decode_attention`).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+import sharding
+
+_LANES = 128
+_MASK = -0.7 * float(np.finfo(np.float32).max)
+
+
+def target_platform() -> str:
+    """The platform the code being traced will run on: the active mesh's devices (an AOT
+    compile for a TPU topology on a CPU host says "tpu"), else JAX's default backend."""
+    mesh = sharding.current_mesh()
+    if mesh is not None:
+        return mesh.devices.flat[0].platform
+    return jax.default_backend()
+
+
+def _per_shard(fn, arrays_axes, out_axes):
+    """fn over the active mesh with `shard_map` (specs from the logical axes), or fn itself when
+    no mesh is active. arrays_axes: logical axes of each positional argument."""
+    mesh, rules = sharding.current_mesh(), sharding.current_rules()
+    if mesh is None or mesh.size == 1:
+        return fn
+    specs = tuple(sharding.logical_to_spec(a, rules) for a in arrays_axes)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=sharding.logical_to_spec(out_axes, rules),
+                         check_vma=False)
+
+
+# ------------------------------------------------------------------ training: splash attention
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(heads: int, length: int, block: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * heads)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                              block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                              block_q_dq=block, block_kv_dq=block)
+    with jax.ensure_compile_time_eval():  # concrete mask tables, safe to cache across traces
+        return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                      interpret=interpret)
+
+
+def _splash_local(q, k, v, segment_ids, *, interpret: bool):
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    b, t, h, d = q.shape
+    tp = -(-t // _LANES) * _LANES  # pad the sequence to whole blocks (segment 0: padding)
+    block = next(n for n in (512, 256, _LANES) if tp % n == 0)
+    pad = [(0, 0), (0, tp - t), (0, 0), (0, 0)]
+    scale = 1.0 / math.sqrt(d)
+    qh = jnp.pad(q * jnp.asarray(scale, q.dtype), pad).transpose(0, 2, 1, 3)  # [b, h, tp, d]
+    kh = jnp.pad(k, pad).transpose(0, 2, 1, 3).astype(q.dtype)
+    vh = jnp.pad(v, pad).transpose(0, 2, 1, 3).astype(q.dtype)
+    seg = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, tp - t)])
+    kernel = _splash_kernel(h, tp, block, interpret)
+    out = jax.vmap(lambda q1, k1, v1, s1: kernel(q1, k1, v1, segment_ids=splash.SegmentIds(s1, s1)))(
+        qh, kh, vh, seg)
+    return out.transpose(0, 2, 1, 3)[:, :t].astype(q.dtype)
+
+
+def splash_causal(q, k, v, segment_ids, *, interpret: bool | None = None):
+    """Causal attention where query i sees key j <= i of the same segment, on the Pallas splash
+    kernel. q [b, t, h, d]; k, v [b, t, kvh, d]; segment_ids int32[b, t].
+
+    With segment ids = the attention mask (1 real, 0 padding) a real token sees exactly the real
+    tokens up to it: the padding mask of `causal_padding_mask`, for any padding pattern. (Padding
+    queries see padding keys; their outputs are never read by real tokens.)"""
+    interpret = target_platform() != "tpu" if interpret is None else interpret
+    fn = _per_shard(functools.partial(_splash_local, interpret=interpret),
+                    (("batch", "length", "heads", "head_dim"),
+                     ("batch", "length", "kv_heads", "head_dim"),
+                     ("batch", "length", "kv_heads", "head_dim"), ("batch", "length")),
+                    ("batch", "length", "heads", "head_dim"))
+    return fn(q, k, v, segment_ids)
+
+
+# ------------------------------------------------------------------ decode: one query per row
+def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, block: int):
+    """Grid (row, cache block). q [1, kvh, g, d] (pre-scaled); k, v [1, block, kvh, d] (or
+    [1, block, d] for one kv head): online softmax over the row's first lengths[row] cache slots
+    (blocks past them are skipped and not fetched)."""
+    row, j = pl.program_id(0), pl.program_id(1)
+    kvh = q_ref.shape[1]
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, _MASK, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    length = lengths_ref[row]
+
+    @pl.when(j * block < length)
+    def _block():
+        k = k_ref[0].astype(jnp.float32)  # [block, kvh, d] or [block, d]
+        v = v_ref[0].astype(jnp.float32)
+        slot = j * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
+        for hk in range(kvh):  # kv heads are few per device: a static loop of 2-D matmuls
+            k_h, v_h = (k, v) if k.ndim == 2 else (k[:, hk, :], v[:, hk, :])
+            q = q_ref[0, hk].astype(jnp.float32)  # [g, d]
+            s = jax.lax.dot_general(q, k_h, (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)  # [g, block]
+            s = jnp.where(slot < length, s, _MASK)
+            m_prev, l_prev = m_ref[hk], l_ref[hk]  # [g, 1]
+            m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+            p = jnp.exp(s - m_new)
+            alpha = jnp.exp(m_prev - m_new)
+            l_ref[hk] = alpha * l_prev + p.sum(axis=-1, keepdims=True)
+            m_ref[hk] = m_new
+            acc_ref[hk] = alpha * acc_ref[hk] + jax.lax.dot_general(
+                p, v_h, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _done():
+        o_ref[0] = (acc_ref[...] / jnp.maximum(l_ref[...], 1e-30)).astype(o_ref.dtype)
+
+
+def _cache_block(s: int) -> int:
+    for block in (512, 256, 128):
+        if s % block == 0:
+            return block
+    return s
+
+
+def _decode_local(q, k_cache, v_cache, kv_lengths, *, interpret: bool):
+    b, _, h, d = q.shape
+    s, kvh = k_cache.shape[1], k_cache.shape[2]
+    g = h // kvh
+    block = _cache_block(s)
+    qg = (q.astype(jnp.float32) / math.sqrt(d)).reshape(b, kvh, g, d)
+    # The cache is read where it lies: [b, s, kvh, d] blocks of whole rows of kv heads (the TPU
+    # tiles the (kvh, d) minor dims). One kv head per device: [b, s, d], which is how the TPU lays
+    # out a size-1 head axis, so neither view copies the cache.
+    kv_block = (1, block, kvh, d) if kvh > 1 else (1, block, d)
+    if kvh == 1:
+        k_cache, v_cache = k_cache.reshape(b, s, d), v_cache.reshape(b, s, d)
+
+    def kv_map(row, j, lengths):  # past the row's length: keep the last needed block (no fetch)
+        last = jnp.maximum(lengths[row] - 1, 0) // block
+        return (row, jnp.minimum(j, last)) + (0,) * (len(kv_block) - 2)
+
+    def q_map(row, j, lengths):
+        return row, 0, 0, 0
+
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(b, s // block),
+        in_specs=[pl.BlockSpec((1, kvh, g, d), q_map), pl.BlockSpec(kv_block, kv_map),
+                  pl.BlockSpec(kv_block, kv_map)],
+        out_specs=pl.BlockSpec((1, kvh, g, d), q_map),
+        scratch_shapes=[pltpu.VMEM((kvh, g, 1), jnp.float32), pltpu.VMEM((kvh, g, 1), jnp.float32),
+                        pltpu.VMEM((kvh, g, d), jnp.float32)])
+    out = pl.pallas_call(
+        functools.partial(_decode_kernel, block=block), grid_spec=spec,
+        out_shape=jax.ShapeDtypeStruct((b, kvh, g, d), q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret, name="jaxrl_decode_attention",
+    )(kv_lengths.astype(jnp.int32), qg, k_cache, v_cache)
+    return out.reshape(b, 1, h, d)
+
+
+def decode_attention(q, k_cache, v_cache, kv_lengths, *, interpret: bool | None = None):
+    """One new query per row over a cache, as `attend_one` computes it, on a Pallas kernel that
+    reads the cache in place (no copy or transpose) and stops at each row's length.
+    q [b, 1, h, d]; caches [b, s, kvh, d]; kv_lengths int32[b] (row b sees slots < kv_lengths[b])."""
+    interpret = target_platform() != "tpu" if interpret is None else interpret
+    fn = _per_shard(functools.partial(_decode_local, interpret=interpret),
+                    (("batch", None, "heads", "head_dim"),
+                     ("cache_batch", "cache_length", "kv_heads", "head_dim"),
+                     ("cache_batch", "cache_length", "kv_heads", "head_dim"), ("cache_batch",)),
+                    ("batch", None, "heads", "head_dim"))
+    return fn(q, k_cache, v_cache, kv_lengths)
