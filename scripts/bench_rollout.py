@@ -119,7 +119,7 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
     bytes_per_step = weight_bytes + batch * avg_ctx * kv_per_token
     return {
         "engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
-        "decode_attention": attn, "decode_unroll": int(unroll), "layer_layout": engine.layer_layout,
+        "decode_attention": cfg.decode_attention, "decode_unroll": cfg.decode_unroll, "layer_layout": engine.layer_layout,
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "dtype": str(jnp.dtype(dtype)),
         "device": str(jax.devices()[0].device_kind), "generated_tokens": gen_tokens,
         "tokens_per_s": gen_tokens / total_s, "total_s": total_s, "prefill_s": prefill_s,
