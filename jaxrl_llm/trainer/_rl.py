@@ -454,6 +454,11 @@ class RLTrainer:
                 metrics["actor/entropy_rollout"] = float((out["entropys"] * mask).sum() / max(mask.sum(), 1))
                 diff = np.abs(out["old_log_probs"] - batch["rollout_log_probs"]) * mask
                 metrics["rollout/logprob_abs_diff/mean"] = float(diff.sum() / max(mask.sum(), 1))
+                real = diff[mask > 0]  # engine vs trainer log-prob of each generated token
+                if real.size:
+                    metrics["rollout/logprob_abs_diff/p99"] = float(np.percentile(real, 99))
+                    metrics["rollout/logprob_abs_diff/max"] = float(real.max())
+                    metrics["rollout/logprob_abs_diff/frac_gt_0.1"] = float((real > 0.1).mean())
         if c.algorithm.rollout_correction.enabled:
             with _timer(timing, "rollout_correction"):
                 metrics.update(B.rollout_correction(batch, c.algorithm.rollout_correction))
