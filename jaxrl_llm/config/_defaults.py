@@ -16,7 +16,7 @@ def _optim(lr: float) -> dict:
 def base_config() -> ConfigDict:
     c = ConfigDict()
     c.data = dict(
-        train_files=(), val_files=(), builtin_task="", builtin_train_size=2000,
+        train_files=(), val_files=(), builtin_task="", builtin_task_config="", builtin_train_size=2000,
         builtin_val_size=200, builtin_max_operand=99, prompt_key="prompt", max_prompt_length=512,
         max_response_length=512, train_batch_size=64, val_batch_size=256,
         filter_overlong_prompts=True, truncation="error", shuffle=True, seed=1)

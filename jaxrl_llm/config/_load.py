@@ -182,7 +182,18 @@ def validate(c: RunConfig) -> None:
     _choice(c.actor.kl_loss_type, KL_PENALTIES, "actor.kl_loss_type")
     _choice(c.algorithm.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
     _choice(c.data.truncation, ("error", "left", "right"), "data.truncation")
-    _choice(c.data.builtin_task, BUILTIN_TASKS, "data.builtin_task")
+    if c.data.builtin_task.startswith("reasoning_gym:"):
+        from jaxrl_llm.data.tasks._reasoning_gym import dataset_name, parse_options
+        try:  # the name's form and the options' JSON; the dataset itself is looked up at data time
+            dataset_name(c.data.builtin_task)
+            parse_options(c.data.builtin_task_config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    else:
+        _choice(c.data.builtin_task, BUILTIN_TASKS + ("reasoning_gym:<dataset>",), "data.builtin_task")
+        if c.data.builtin_task_config:
+            raise ConfigError("data.builtin_task_config is for data.builtin_task='reasoning_gym:<dataset>'"
+                              f" only; builtin_task={c.data.builtin_task!r}")
     _choice(c.actor.optim.lr_schedule, ("constant", "cosine"), "actor.optim.lr_schedule")
     _choice(c.critic.optim.lr_schedule, ("constant", "cosine"), "critic.optim.lr_schedule")
     _choice(c.model.dtype, ("float32", "bfloat16"), "model.dtype")

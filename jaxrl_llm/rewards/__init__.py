@@ -14,6 +14,7 @@ from jaxrl_llm.rewards._math import (
     normalize_math_answer,
     remove_boxed,
 )
+from jaxrl_llm.rewards._reasoning_gym import reasoning_gym_score
 from jaxrl_llm.rewards._registry import (
     SCORERS,
     default_compute_score,
@@ -41,5 +42,6 @@ __all__ = [
     "math_score",
     "normalize_math_answer",
     "normalize_result",
+    "reasoning_gym_score",
     "remove_boxed",
 ]

@@ -15,6 +15,7 @@ from jaxrl_llm.rewards._arithmetic import arithmetic_score
 from jaxrl_llm.rewards._countdown import countdown_score
 from jaxrl_llm.rewards._gsm8k import gsm8k_score
 from jaxrl_llm.rewards._math import math_score
+from jaxrl_llm.rewards._reasoning_gym import reasoning_gym_score
 
 Scorer = Callable[..., Any]
 
@@ -28,6 +29,9 @@ SCORERS: dict[str, Scorer] = {
     "countdown": countdown_score,
     "arithmetic": arithmetic_score,
 }
+PREFIX_SCORERS: dict[str, Scorer] = {  # data_source prefixes: "reasoning_gym/<dataset>"
+    "reasoning_gym/": reasoning_gym_score,
+}
 
 
 def get_scorer(data_source: str) -> Scorer:
@@ -35,8 +39,12 @@ def get_scorer(data_source: str) -> Scorer:
     try:
         return SCORERS[data_source]
     except KeyError:
+        for prefix, scorer in PREFIX_SCORERS.items():
+            if data_source.startswith(prefix):
+                return scorer
         raise ValueError(f"no reward scorer for data_source {data_source!r}; known: "
-                         f"{sorted(SCORERS)}; or set custom_reward_function.path/name") from None
+                         f"{sorted(SCORERS)} and names starting with {sorted(PREFIX_SCORERS)}; "
+                         f"or set custom_reward_function.path/name") from None
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth,

@@ -51,7 +51,9 @@ def load_tokenizer(config: RunConfig):
 def prepare_builtin_data(config: RunConfig) -> None:
     """Writes the built-in task's train/val files where the config expects them, unless they
     exist and were made with the same generator settings (recorded in `<file>.settings.json`):
-    a file made with other settings (e.g. a smaller `builtin_train_size`) is made again."""
+    a file made with other settings (e.g. a smaller `builtin_train_size`) is made again.
+    `reasoning_gym:<dataset>`: both splits come from one pool seeded by `data.seed` (disjoint
+    questions; see jaxrl_llm/data/tasks/_reasoning_gym.py)."""
     d = config.data
     if not d.builtin_task:
         return
@@ -60,10 +62,18 @@ def prepare_builtin_data(config: RunConfig) -> None:
               "arithmetic_tools": lambda p, n, seed, split: data.tasks.make_tool_arithmetic_dataset(
                   p, n, seed=seed, split=split, max_operand=d.builtin_max_operand),
               "countdown": lambda p, n, seed, split: data.tasks.make_countdown_dataset(p, n, seed=seed)}
+    gym = data.tasks._reasoning_gym.dataset_name(d.builtin_task)
+    if gym is not None:  # one pool for both splits, seeded by data.seed
+        makers[d.builtin_task] = lambda p, n, seed, split: data.tasks.make_reasoning_gym_dataset(
+            p, gym, split=split, train_size=d.builtin_train_size, val_size=d.builtin_val_size,
+            seed=d.seed, options=d.builtin_task_config)
     for paths, n, split, seed in ((d.train_files, d.builtin_train_size, "train", d.seed),
                                   (d.val_files, d.builtin_val_size, "test", d.seed + 1)):
         settings = {"task": d.builtin_task, "size": n, "seed": seed, "split": split,
                     "max_operand": d.builtin_max_operand}
+        if gym is not None:
+            settings.update(seed=d.seed, sizes=[d.builtin_train_size, d.builtin_val_size],
+                            task_config=d.builtin_task_config)
         for p in paths:
             if not os.path.exists(p) or _read_json(p + ".settings.json") != settings:
                 # several processes of a multi-host run may share the folder: write a private
@@ -444,6 +454,11 @@ class RLTrainer:
                 metrics["actor/entropy_rollout"] = float((out["entropys"] * mask).sum() / max(mask.sum(), 1))
                 diff = np.abs(out["old_log_probs"] - batch["rollout_log_probs"]) * mask
                 metrics["rollout/logprob_abs_diff/mean"] = float(diff.sum() / max(mask.sum(), 1))
+                real = diff[mask > 0]  # engine vs trainer log-prob of each generated token
+                if real.size:
+                    metrics["rollout/logprob_abs_diff/p99"] = float(np.percentile(real, 99))
+                    metrics["rollout/logprob_abs_diff/max"] = float(real.max())
+                    metrics["rollout/logprob_abs_diff/frac_gt_0.1"] = float((real > 0.1).mean())
         if c.algorithm.rollout_correction.enabled:
             with _timer(timing, "rollout_correction"):
                 metrics.update(B.rollout_correction(batch, c.algorithm.rollout_correction))
@@ -473,7 +488,7 @@ class RLTrainer:
         if self.global_step >= c.critic.warmup_steps_before_actor or not c.use_critic:
             with _timer(timing, "update_actor"):
                 metrics.update(self.call0("update_actor", view, mini_rows=c.actor.ppo_mini_batch_size * c.rollout.n,
-                                          seed=self._seed(3)))
+                                          seed=self._seed(3), on_policy=not c.rollout.use_rollout_log_probs))
             if self.fully_async:  # every trigger_parameter_sync_step steps, under the rollouter
                 if (self.global_step + 1) % c.async_training.trigger_parameter_sync_step == 0:
                     with _timer(timing, "update_weights"):

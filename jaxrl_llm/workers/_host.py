@@ -231,8 +231,8 @@ class HostWorker:
     def compute_values(self, batch):
         return self.critic.compute_values(batch)
 
-    def update_actor(self, batch, *, mini_rows: int, seed: int):
-        return self.actor.update(batch, mini_rows=mini_rows, seed=seed)
+    def update_actor(self, batch, *, mini_rows: int, seed: int, on_policy: bool = False):
+        return self.actor.update(batch, mini_rows=mini_rows, seed=seed, on_policy=on_policy)
 
     def update_critic(self, batch, *, mini_rows: int, seed: int):
         return self.critic.update(batch, mini_rows=mini_rows, seed=seed)

@@ -92,9 +92,13 @@ class _Trained:
             raise ValueError("set_base: the new base's parameter tree differs from the model's")
         self.frozen = (base,)
 
-    def _run_updates(self, batch, mini_rows, epochs, shuffle, seed, keys):
+    def _run_updates(self, batch, mini_rows, epochs, shuffle, seed, keys, first_flag=None):
+        """first_flag: a key that marks the rows of the first mini-batch (1) and all later ones (0)."""
         metrics = []
-        for mb in _iter_minibatches({k: batch[k] for k in keys}, mini_rows, epochs, shuffle, seed):
+        for i, mb in enumerate(_iter_minibatches({k: batch[k] for k in keys}, mini_rows, epochs,
+                                                 shuffle, seed)):
+            if first_flag is not None:
+                mb[first_flag] = np.full(len(mb[keys[0]]), 1 if i == 0 else 0, np.int32)
             micro = micro_size_for(mini_rows, self.micro_per_device, data_parallel_size(self.mesh))
             self.state, m = self._update(self.state, micro_batches(self.mesh, mb, micro), self.frozen)
             metrics.append(m)
@@ -127,8 +131,17 @@ class ActorWorker(_Trained):
         mask = m["response_mask"]
         glob = dict(global_token_count=denoms["tokens"], global_batch_size=denoms["seqs"])
         log_prob, entropy = response_log_probs(model, m, self.temperature, return_entropy=True)
+        old_log_prob = m["old_log_probs"]
+        if "first_minibatch" in m:
+            # On-policy data, first mini-batch: the params are those that computed old_log_probs,
+            # so old == current exactly; but a bf16 forward compiled with its backward rounds
+            # differently from the standalone forward (|dlog p| up to ~0.3), which would show as
+            # ppo_kl != 0 and clipped tokens. As verl's on-policy path does, take the old log-probs
+            # from this very forward: the ratio is exactly 1, the gradient unchanged.
+            old_log_prob = jnp.where(m["first_minibatch"][:, None] > 0,
+                                     jax.lax.stop_gradient(log_prob), old_log_prob)
         pg_loss, pg_metrics = algos.get_policy_loss(c.policy_loss)(
-            m["old_log_probs"], log_prob, m["advantages"], mask, c.loss_agg_mode,
+            old_log_prob, log_prob, m["advantages"], mask, c.loss_agg_mode,
             clip_ratio=c.clip_ratio, clip_ratio_low=c.clip_ratio_low,
             clip_ratio_high=c.clip_ratio_high, clip_ratio_c=c.clip_ratio_c,
             rollout_is_weights=m.get("rollout_is_weights"),
@@ -170,13 +183,16 @@ class ActorWorker(_Trained):
         adapters = nnx.to_pure_dict(self.state.params)
         return self._merge(base, adapters, None if dtype is None else jnp.dtype(dtype))
 
-    def update(self, batch, *, mini_rows: int, seed: int) -> dict[str, float]:
+    def update(self, batch, *, mini_rows: int, seed: int, on_policy: bool = False) -> dict[str, float]:
+        """on_policy: `old_log_probs` were computed by `compute_log_prob` with the current params
+        (not the rollout's), so the first mini-batch takes them from its own forward (exact ratio 1)."""
         keys = _SEQ_KEYS + ("responses", "response_mask", "old_log_probs", "advantages")
         if self.cfg.use_kl_loss:
             keys += ("ref_log_prob",)
         if "rollout_is_weights" in batch:  # algorithm.rollout_correction.rollout_is
             keys += ("rollout_is_weights",)
-        m = self._run_updates(batch, mini_rows, self.cfg.ppo_epochs, self.cfg.shuffle, seed, keys)
+        m = self._run_updates(batch, mini_rows, self.cfg.ppo_epochs, self.cfg.shuffle, seed, keys,
+                              first_flag="first_minibatch" if on_policy else None)
         return {f"actor/{k}": v for k, v in m.items() if k != "loss"}
 
 

@@ -59,6 +59,10 @@ def test_indivisible_mesh_is_a_clear_error(tiny_run):
 def test_rollout_log_probs_match_recomputed_old_log_probs(tiny_run):
     metrics, _, _ = _one_step(tiny_run())
     assert metrics["rollout/logprob_abs_diff/mean"] < 1e-4
+    # the tail of the per-token distribution too (p99, max) and the share of tokens off by > 0.1
+    assert metrics["rollout/logprob_abs_diff/max"] < 1e-3
+    assert metrics["rollout/logprob_abs_diff/mean"] <= metrics["rollout/logprob_abs_diff/p99"] <= metrics["rollout/logprob_abs_diff/max"]
+    assert metrics["rollout/logprob_abs_diff/frac_gt_0.1"] == 0.0
 
 
 def test_ray_backend_runs_a_grpo_job_and_writes_metrics(tiny_run, tmp_path):

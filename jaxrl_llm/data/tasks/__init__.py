@@ -13,13 +13,21 @@ from jaxrl_llm.data.tasks._arithmetic_tools import (
 )
 from jaxrl_llm.data.tasks._countdown import make_countdown_dataset, make_countdown_rows
 from jaxrl_llm.data.tasks._gsm8k import gsm8k_rows
+from jaxrl_llm.data.tasks._reasoning_gym import (
+    extract_reasoning_gym_answer,
+    make_reasoning_gym_dataset,
+    make_reasoning_gym_rows,
+)
 
 __all__ = [
+    "extract_reasoning_gym_answer",
     "gsm8k_rows",
     "make_arithmetic_dataset",
     "make_arithmetic_rows",
     "make_arithmetic_sft_rows",
     "make_countdown_dataset",
+    "make_reasoning_gym_dataset",
+    "make_reasoning_gym_rows",
     "make_tool_arithmetic_dataset",
     "make_tool_arithmetic_rows",
     "make_tool_arithmetic_sft_rows",
