@@ -273,6 +273,7 @@ def test_sanity_check_reports_a_mismatch(char_tok):
             out = await super().agenerate(*a, **k)
             out.token_ids = [self.tok.eos_token_id] + out.token_ids
             out.log_probs = [self.logprob] + out.log_probs
+            out.policy_versions = [self.version] + out.policy_versions
             return out
 
     for mode, flagged in (("strict", 1.0), ("disable", 0.0)):
