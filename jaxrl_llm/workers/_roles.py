@@ -136,8 +136,9 @@ class ActorWorker(_Trained):
             # On-policy data, first mini-batch: the params are those that computed old_log_probs,
             # so old == current exactly; but a bf16 forward compiled with its backward rounds
             # differently from the standalone forward (|dlog p| up to ~0.3), which would show as
-            # ppo_kl != 0 and clipped tokens. As verl's on-policy path does, take the old log-probs
-            # from this very forward: the ratio is exactly 1, the gradient unchanged.
+            # ppo_kl != 0 and clipped tokens. As verl's actor does for a one-mini-batch update
+            # (its `on_policy` case), take the old log-probs from this very forward: the ratio is
+            # exactly 1, the gradient unchanged.
             old_log_prob = jnp.where(m["first_minibatch"][:, None] > 0,
                                      jax.lax.stop_gradient(log_prob), old_log_prob)
         pg_loss, pg_metrics = algos.get_policy_loss(c.policy_loss)(
