@@ -103,11 +103,11 @@ def enable_compilation_cache() -> str | None:
 def completed_step(run) -> int | None:
     """The newest checkpoint's step when it already reaches `trainer.total_training_steps` (and
     `trainer.resume_mode` is auto): the run is complete. Else None."""
-    from jaxrl_llm.checkpoint import resolve_resume
+    from jaxrl_llm.checkpoint import checkpoint_root, resolve_resume
 
     if run.trainer.resume_mode != "auto" or run.trainer.val_only:
         return None
-    resume = resolve_resume("auto", os.path.join(run.trainer.default_local_dir, "checkpoints"))
+    resume = resolve_resume("auto", checkpoint_root(run.trainer.default_local_dir))
     if resume is not None and resume[1] >= run.trainer.total_training_steps:
         return resume[1]
     return None

@@ -18,11 +18,11 @@
 This package does not import optax or trainer code.
 """
 from ._driver import RolloutBatch, RolloutDriver
-from ._engine import PREFILL_BUCKETS, Engine
+from ._engine import PREFILL_BUCKETS, Engine, prefill_bucket
 from ._sampling import SamplingParams, sample
 from ._server import GenerateOutput, RolloutServer
 from ._state import DecodeState, Prefix, ResultTokens, SlotData
 
 __all__ = ["Engine", "RolloutDriver", "RolloutBatch", "RolloutServer", "GenerateOutput",
            "SamplingParams", "sample", "DecodeState", "Prefix", "ResultTokens", "SlotData",
-           "PREFILL_BUCKETS"]
+           "PREFILL_BUCKETS", "prefill_bucket"]

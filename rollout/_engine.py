@@ -47,6 +47,14 @@ PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 327
 _PREFIX_AXES = ("layers", None, "cache_length", "kv_heads", "head_dim")
 
 
+def prefill_bucket(n: int) -> int:
+    """The smallest of `PREFILL_BUCKETS` that holds `n` tokens (e.g. a `max_prefill_length`)."""
+    for b in PREFILL_BUCKETS:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} tokens exceed the largest prefill bucket, {PREFILL_BUCKETS[-1]}")
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -9,10 +9,19 @@ way of a resumed run.
 
 Exporting Hugging Face folders is left to `jaxrl_llm.models`.
 """
+import os
+
 from jaxrl_llm.checkpoint._manager import Checkpointer
 from jaxrl_llm.checkpoint._resume import (finalized_steps, newest_valid_step, resolve_resume,
                                           set_aside_steps)
 from jaxrl_llm.checkpoint._verify import COMPLETE_MARKER, verify_step
 
-__all__ = ["COMPLETE_MARKER", "Checkpointer", "finalized_steps", "newest_valid_step",
-           "resolve_resume", "set_aside_steps", "verify_step"]
+
+
+def checkpoint_root(run_dir: str) -> str:
+    """Where a run keeps its step directories: `<run_dir>/checkpoints`."""
+    return os.path.join(run_dir, "checkpoints")
+
+
+__all__ = ["COMPLETE_MARKER", "Checkpointer", "checkpoint_root", "finalized_steps",
+           "newest_valid_step", "resolve_resume", "set_aside_steps", "verify_step"]

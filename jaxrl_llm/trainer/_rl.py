@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm import algos, data, metrics as M, models, rewards
-from jaxrl_llm.checkpoint import resolve_resume, set_aside_steps
+from jaxrl_llm.checkpoint import checkpoint_root, resolve_resume, set_aside_steps
 from jaxrl_llm.config import RunConfig, SamplingConfig
 from jaxrl_llm.workers import HostWorker
 
@@ -216,7 +216,7 @@ class RLTrainer:
         or broken step directories are moved aside (so saves do not collide with them) and the
         metric logs drop the rows after it."""
         c = self.config
-        root = f"{self.run_dir}/checkpoints"
+        root = checkpoint_root(self.run_dir)
         resume = resolve_resume(c.trainer.resume_mode, root)
         step = -1 if resume is None else resume[1]
         if self.logger_enabled:  # one process moves files

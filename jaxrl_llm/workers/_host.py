@@ -19,7 +19,7 @@ from flax import nnx
 import rollout
 import sharding
 from jaxrl_llm import agent, models, rewards
-from jaxrl_llm.checkpoint import Checkpointer
+from jaxrl_llm.checkpoint import Checkpointer, checkpoint_root
 from jaxrl_llm.config import RunConfig
 
 from ._common import build_model, model_config_for
@@ -44,7 +44,7 @@ class HostWorker:
         self.server = self._agents = None  # the request-level server and agent loops (multi-turn)
         self._rollouter = None  # fully asynchronous training's background producer
         self.checkpointer = Checkpointer(
-            f"{c.trainer.default_local_dir}/checkpoints", max_to_keep=c.trainer.max_to_keep,
+            checkpoint_root(c.trainer.default_local_dir), max_to_keep=c.trainer.max_to_keep,
             async_save=c.trainer.async_save, enable=True)
 
     # -- info -------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ class HostWorker:
         self._model = None
         # agent rollouts prefill whole conversations (prompt + every turn so far) and then
         # generate what is left of the response budget
-        prefill = _bucket(c.data.max_prompt_length + (c.data.max_response_length if multi_turn else 0))
+        prefill = rollout.prefill_bucket(c.data.max_prompt_length + (c.data.max_response_length if multi_turn else 0))
         source = ((self.actor.graphdef, self.actor.params) if not lora.enabled
                   else models.merged_model(self.actor.model()))
         self.engine = rollout.Engine.from_model(
@@ -248,11 +248,6 @@ class HostWorker:
         stats.setdefault("time_s", time.perf_counter() - t0)
         return stats
 
-    def param_checksum(self) -> float:
-        """Sum of |actor params| (tests use it to see that an update changed the weights)."""
-        return float(sum(np.abs(np.asarray(jax.device_get(x), np.float64)).sum()
-                         for x in jax.tree.leaves(self.actor.params)))
-
     # -- checkpoints ---------------------------------------------------------------------------------
     def _ckpt_state(self):
         state = {"actor": self.actor.state}
@@ -271,7 +266,7 @@ class HostWorker:
 
     def restore_checkpoint(self, directory: str, step: int) -> dict:
         ckpt = self.checkpointer
-        if str(directory) != str(ckpt_dir(self.config)):
+        if os.path.abspath(directory) != os.path.abspath(checkpoint_root(self.config.trainer.default_local_dir)):
             ckpt = Checkpointer(directory, max_to_keep=None, async_save=False, enable=True)
         state, meta = ckpt.restore(step, target=self._ckpt_state())
         if self.actor.lora_spec is not None:
@@ -427,16 +422,4 @@ def _check_finite(tree, what: str) -> None:
             f"{jax.tree_util.keystr(bad[0])}); the last finite checkpoint is kept")
 
 
-def ckpt_dir(config: RunConfig) -> str:
-    return f"{config.trainer.default_local_dir}/checkpoints"
-
-
-def _bucket(n: int) -> int:
-    """Smallest prefill bucket (16, 32, 64, ...) that holds n tokens."""
-    b = 16
-    while b < n:
-        b *= 2
-    return b
-
-
-__all__ = ["HostWorker", "model_config_for", "ckpt_dir"]
+__all__ = ["HostWorker", "model_config_for"]

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.trainer import RLTrainer
+from trainer_helpers import param_checksum
 
 REQUIRED = ["actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm",
             "actor/lr", "critic/score/mean", "critic/advantages/mean", "response_length/mean",
@@ -16,9 +17,9 @@ def _one_step(run):
     trainer = RLTrainer(run)
     try:
         trainer.call0("start_rl", run.trainer.total_training_steps)
-        before = trainer.call0("param_checksum")
+        before = param_checksum(trainer)
         metrics = trainer.train_step()
-        after = trainer.call0("param_checksum")
+        after = param_checksum(trainer)
     finally:
         trainer.close()
     return metrics, before, after

@@ -23,3 +23,9 @@ def tiny_overrides(run_dir, **extra):
     return [f"{k}={v}" for k, v in o.items()]
 
 
+def param_checksum(trainer) -> float:
+    """Sum of |actor params| of the in-process worker (local backend): did an update change them?"""
+    import jax
+    import numpy as np
+    params = trainer.group.workers[0].actor.params
+    return float(sum(np.abs(np.asarray(jax.device_get(x), np.float64)).sum() for x in jax.tree.leaves(params)))
