@@ -245,7 +245,7 @@ def _critic_programs(run, cfg, mesh, seq, wanted, programs, groups, n_micro):
 
 
 def _engine_programs(run, cfg, graphdef, params, rollout_mesh, wanted, programs, groups):
-    prefill = _host._bucket(run.data.max_prompt_length)
+    prefill = rollout.prefill_bucket(run.data.max_prompt_length)
     engine = rollout.Engine.from_model(
         (graphdef, params), mesh=rollout_mesh, max_concurrent_decodes=run.rollout.max_concurrent_decodes,
         max_prefill_length=prefill, max_target_length=prefill + run.data.max_response_length,
