@@ -32,7 +32,7 @@ DESCRIPTIONS = {
     "DataConfig.train_files": "Training prompt files (parquet or jsonl, verl schema); comma-separated on the command line.",
     "DataConfig.val_files": "Validation prompt files; empty disables validation.",
     "DataConfig.builtin_task": "`arithmetic`, `arithmetic_tools` (multiplication with the calculator tool, for `rollout.multi_turn`), `countdown` or `reasoning_gym:<dataset>` (e.g. `reasoning_gym:chain_sum`; needs the `gym` extra): generate `train_files`/`val_files` if missing; `\"\"` = use your files.",
-    "DataConfig.builtin_task_config": "`reasoning_gym:<dataset>` only: a JSON object of the dataset's config options (e.g. `{\"min_terms\": 2, \"max_digits\": 2}`) plus `answer_extraction` (`answer_tag` or `last_number`, see docs/quickstart.md); size and seed come from `builtin_*_size` and `data.seed`.",
+    "DataConfig.builtin_task_config": "`reasoning_gym:<dataset>` only: a JSON object of the dataset's config options (e.g. `{\"min_terms\": 2, \"max_digits\": 2}`) plus `answer_extraction` (`answer_tag` or `last_number`, see docs/quickstart.md) and `system_prompt` (a system message before each question); size and seed come from `builtin_*_size` and `data.seed`.",
     "DataConfig.builtin_train_size": "Rows generated for the built-in task's training file.",
     "DataConfig.builtin_val_size": "Rows generated for the built-in task's validation file.",
     "DataConfig.builtin_max_operand": "Arithmetic task: operands drawn from [0, builtin_max_operand].",

@@ -459,6 +459,11 @@ class RLTrainer:
                     metrics["rollout/logprob_abs_diff/p99"] = float(np.percentile(real, 99))
                     metrics["rollout/logprob_abs_diff/max"] = float(real.max())
                     metrics["rollout/logprob_abs_diff/frac_gt_0.1"] = float((real > 0.1).mean())
+                    metrics["rollout/logprob_abs_diff/rms"] = float(np.sqrt(np.mean(real ** 2)))
+                    # verl's training/rollout_probs_diff_*: |p_engine - p_trainer| per token
+                    probs = np.abs(np.exp(out["old_log_probs"]) - np.exp(batch["rollout_log_probs"]))[mask > 0]
+                    metrics["rollout/probs_diff/mean"] = float(probs.mean())
+                    metrics["rollout/probs_diff/max"] = float(probs.max())
         if c.algorithm.rollout_correction.enabled:
             with _timer(timing, "rollout_correction"):
                 metrics.update(B.rollout_correction(batch, c.algorithm.rollout_correction))

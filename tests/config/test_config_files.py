@@ -1,5 +1,6 @@
 """Every shipped config loads and validates; bad overrides fail naming the field."""
 import glob
+import json
 import os
 
 import pytest
@@ -25,6 +26,20 @@ def test_every_config_file_loads_and_validates(path):
 def test_quickstart_variants_load(variant):
     run = load_config(os.path.join(ROOT, "configs/quickstart.py") + f":{variant}")
     assert run.trainer.backend == ("local" if "local" in variant else "ray")
+
+
+@pytest.mark.parametrize("variant", ["cpu", "fp32", "tools", "tools,cpu"])
+def test_smollm2_gym_variants_load(variant):
+    run = load_config(os.path.join(ROOT, "configs/grpo_smollm2_gym.py") + f":{variant}")
+    assert run.rollout.multi_turn.enable == ("tools" in variant)
+    assert run.model.dtype == ("float32" if variant == "fp32" else "bfloat16")
+    if "tools" in variant:  # the calculator is described in a system message; runs stay apart
+        assert os.path.exists(run.rollout.multi_turn.tool_config_path)
+        assert "<tool_call>" in json.loads(run.data.builtin_task_config)["system_prompt"]
+    assert run.trainer.default_local_dir == "runs/grpo_smollm2_gym" + "".join(
+        f"_{v}" for v in ("tools", "fp32", "cpu") if v in variant)
+    with pytest.raises(Exception, match="unknown variant"):
+        load_config(os.path.join(ROOT, "configs/grpo_smollm2_gym.py") + ":tool")
 
 
 def test_override_changes_the_typed_value():

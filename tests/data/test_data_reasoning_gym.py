@@ -94,6 +94,12 @@ def test_last_number_extraction_mode():
         assert _score(row, f"3 + 4 = 7, so the answer is {truth}.")["acc"] == 1.0
         assert _score(row, f"<answer>{truth}</answer> and 5")["acc"] == 1.0  # a tag wins
         assert _score(row, "no number here")["answered"] == 0.0
+    # a system_prompt option puts a system message before every question (same problems)
+    sys_rows = make_reasoning_gym_rows("chain_sum", split="train", train_size=10, val_size=0, seed=3,
+                                       options=dict(CHAIN, answer_extraction="last_number",
+                                                    system_prompt="Use the calculator."))
+    assert [r["prompt"] for r in sys_rows] == [
+        [{"role": "system", "content": "Use the calculator."}] + r["prompt"] for r in rows]
     assert extract_reasoning_gym_answer("5-3 is 2; total 1,000.", "last_number") == "1000"
     assert extract_reasoning_gym_answer("it is -45.", "last_number") == "-45"
     assert extract_reasoning_gym_answer("10-4", "last_number") == "4"
@@ -140,6 +146,9 @@ def test_config_and_data_errors_name_the_problem(tmp_path):
     with pytest.raises(ConfigError, match="answer_extraction='box'"):
         load_config(base, ["data.builtin_task=reasoning_gym:chain_sum",
                            'data.builtin_task_config={"answer_extraction": "box"}'])
+    with pytest.raises(ConfigError, match="system_prompt must be a non-empty string"):
+        load_config(base, ["data.builtin_task=reasoning_gym:chain_sum",
+                           'data.builtin_task_config={"system_prompt": 3}'])
     with pytest.raises(ConfigError, match="builtin_task_config is for"):
         load_config(base, ['data.builtin_task_config={"a": 1}'])
     with pytest.raises(ConfigError, match="reasoning_gym:<dataset>"):

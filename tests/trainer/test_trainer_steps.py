@@ -64,6 +64,11 @@ def test_rollout_log_probs_match_recomputed_old_log_probs(tiny_run):
     assert metrics["rollout/logprob_abs_diff/max"] < 1e-3
     assert metrics["rollout/logprob_abs_diff/mean"] <= metrics["rollout/logprob_abs_diff/p99"] <= metrics["rollout/logprob_abs_diff/max"]
     assert metrics["rollout/logprob_abs_diff/frac_gt_0.1"] == 0.0
+    m = {k.removeprefix("rollout/"): v for k, v in metrics.items() if k.startswith("rollout/")}
+    assert m["logprob_abs_diff/mean"] <= m["logprob_abs_diff/rms"] <= m["logprob_abs_diff/max"]
+    # verl's probability-space figure: |p - p'| <= |log p - log p'| for p, p' <= 1, token by token
+    assert 0 <= m["probs_diff/mean"] <= m["logprob_abs_diff/mean"]
+    assert m["probs_diff/mean"] <= m["probs_diff/max"] <= m["logprob_abs_diff/max"]
 
 
 def test_ray_backend_runs_a_grpo_job_and_writes_metrics(tiny_run, tmp_path):

@@ -10,7 +10,10 @@ questions, and splits it: the first `train_size` problems are the train split, t
 Row layout:
   data_source   "reasoning_gym/<dataset>" (the reward registry sends it to
                 `jaxrl_llm.rewards.reasoning_gym_score`)
-  prompt        [{"role": "user", "content": question + " " + instruction}]
+  prompt        [{"role": "user", "content": question + " " + instruction}]; with a
+                `system_prompt` task option, {"role": "system", "content": system_prompt}
+                comes first (e.g. a tool's description for a model whose chat template
+                does not render `tools=`, as in configs/grpo_smollm2_gym.py:tools)
   ability       "reasoning"
   reward_model  {"style": "rule", "ground_truth": the dataset's answer string}
   extra_info    {"split", "index", "dataset", "dataset_config" (JSON), "answer_extraction",
@@ -42,7 +45,7 @@ INSTRUCTIONS = {
     "answer_tag": "Put your final answer inside <answer></answer> tags.",
     "last_number": "End your response with the final answer.",
 }
-OUR_OPTIONS = ("answer_extraction",)  # task options that are ours, not the dataset's config
+OUR_OPTIONS = ("answer_extraction", "system_prompt")  # task options that are ours, not the dataset's
 _TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)  # reasoning_gym.utils.extract_answer
 _NUMBER = re.compile(r"(?<![\d.])[-+]?\d+(?:\.\d+)?")  # "5-3" gives 5 and 3, "-3." gives -3
 
@@ -67,9 +70,9 @@ def dataset_name(task: str) -> str | None:
     return name
 
 
-def parse_options(options: str | Mapping | None) -> tuple[dict, str]:
-    """(dataset config kwargs, answer_extraction) from the task options (a JSON object string or
-    a dict)."""
+def parse_options(options: str | Mapping | None) -> tuple[dict, str, str | None]:
+    """(dataset config kwargs, answer_extraction, system_prompt) from the task options (a JSON
+    object string or a dict)."""
     if options is None or options == "":
         options = {}
     if isinstance(options, str):
@@ -81,6 +84,10 @@ def parse_options(options: str | Mapping | None) -> tuple[dict, str]:
         raise DataError(f"data.builtin_task_config must be a JSON object, got {options!r}")
     kwargs = dict(options)
     mode = kwargs.pop("answer_extraction", "answer_tag")
+    system_prompt = kwargs.pop("system_prompt", None)
+    if system_prompt is not None and (not isinstance(system_prompt, str) or not system_prompt.strip()):
+        raise DataError(f"data.builtin_task_config: system_prompt must be a non-empty string, got "
+                        f"{system_prompt!r}")
     if mode not in INSTRUCTIONS:
         raise DataError(f"data.builtin_task_config: answer_extraction={mode!r} is not one of "
                         f"{sorted(INSTRUCTIONS)}")
@@ -88,7 +95,7 @@ def parse_options(options: str | Mapping | None) -> tuple[dict, str]:
         if key in kwargs:
             raise DataError(f"data.builtin_task_config: {key!r} comes from data.builtin_train_size/"
                             f"builtin_val_size and data.seed, not from the task options")
-    return kwargs, mode
+    return kwargs, mode, system_prompt
 
 
 def _jsonable(x: Any) -> Any:
@@ -143,7 +150,8 @@ def make_reasoning_gym_rows(name: str, *, split: str, train_size: int, val_size:
     distinct problems (see the module docstring)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    kwargs, mode = parse_options(options)
+    kwargs, mode, system_prompt = parse_options(options)
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     pool = _pool(name, train_size + val_size, seed, kwargs)
     part = pool[:train_size] if split == "train" else pool[train_size:]
     config_json = json.dumps(_jsonable(kwargs), sort_keys=True)
@@ -152,7 +160,7 @@ def make_reasoning_gym_rows(name: str, *, split: str, train_size: int, val_size:
         entry = _jsonable(entry)
         rows.append({
             "data_source": DATA_SOURCE_PREFIX + name,
-            "prompt": [{"role": "user", "content": f"{entry['question']} {INSTRUCTIONS[mode]}"}],
+            "prompt": system + [{"role": "user", "content": f"{entry['question']} {INSTRUCTIONS[mode]}"}],
             "ability": "reasoning",
             "reward_model": {"style": "rule", "ground_truth": str(entry["answer"])},
             "extra_info": {"split": split, "index": index, "dataset": name,
