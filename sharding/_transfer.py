@@ -52,16 +52,6 @@ def local_replica(x: jax.Array, local: NamedSharding) -> jax.Array:
     return jax.make_array_from_single_device_arrays(x.shape, local, [shards[d] for d in local.mesh.devices.flat])
 
 
-def _shard_shape(shape: tuple[int, ...], target: NamedSharding) -> tuple[int, ...]:
-    shard = target.shard_shape(shape)
-    for idx in target.devices_indices_map(shape).values():
-        got = tuple(len(range(*s.indices(n))) for s, n in zip(idx, shape))
-        if got != shard:
-            raise ValueError(f"transfer: target {target.spec} splits shape {shape} unevenly; every "
-                             "device must hold a shard of the same shape")
-    return shard
-
-
 @functools.lru_cache(maxsize=512)
 def _cut_fn(src: NamedSharding, tgt: NamedSharding, shape: tuple, dtype, out_dtype):
     """Step 1: x -> [T, k, *shard] on the source devices (row i: the shards source i sends)."""
@@ -69,7 +59,7 @@ def _cut_fn(src: NamedSharding, tgt: NamedSharding, shape: tuple, dtype, out_dty
     tgt_idx = list(tgt.devices_indices_map(shape).values())
     T, R = len(src_devs), len(tgt_idx)
     k = math.ceil(R / T)
-    shard = _shard_shape(shape, tgt)
+    shard = tgt.shard_shape(shape)  # the same for every device (NamedSharding divides evenly)
     line = NamedSharding(Mesh(np.asarray(src_devs), (_UNION_AXIS,)), PartitionSpec(_UNION_AXIS))
 
     def cut(x):
