@@ -108,8 +108,10 @@ class RolloutDriver:
 
     # ------------------------------------------------------------------ main entry
     def generate(self, prompts, *, n: int = 1, max_new_tokens: int,
-                 sampling: SamplingParams | None = None, seed=0) -> RolloutBatch:
-        """Generates `n` samples for each prompt (lists of token ids, unpadded)."""
+                 sampling: SamplingParams | None = None, seed=0, row_offset: int = 0) -> RolloutBatch:
+        """Generates `n` samples for each prompt (lists of token ids, unpadded). `row_offset`:
+        row r samples as row `row_offset + r` of a larger batch would (one engine replica per
+        host, each generating its share of the prompts)."""
         e = self.engine
         prompts = self._validate(prompts, n, max_new_tokens)
         sampling = e.sampling if sampling is None else sampling
@@ -128,7 +130,7 @@ class RolloutDriver:
                "lengths": jnp.zeros((rcap,), jnp.int32)}
         state = self._state if self._state is not None else e.init_decode_state()
         self._state = None  # donated below; restored only when the call finishes cleanly
-        run = _Run(self, prompts, n, t, sampling, key, params)
+        run = _Run(self, prompts, n, t, sampling, key, params, int(row_offset))
         state, out = run.loop(state, out)
         self._state = state
         return self._collect(out, n, len(prompts), t, run.stats)
@@ -153,8 +155,9 @@ class RolloutDriver:
 class _Run:
     """One `generate` call's host-side bookkeeping: which rows are pending, which prefixes live."""
 
-    def __init__(self, driver: RolloutDriver, prompts, n, max_new, sampling, key, params):
+    def __init__(self, driver: RolloutDriver, prompts, n, max_new, sampling, key, params, row_offset=0):
         self.d, self.e = driver, driver.engine
+        self.row_offset = row_offset
         self.prompts, self.n, self.max_new = prompts, n, max_new
         self.sampling, self.key, self.params = sampling, key, params
         self.rows = len(prompts) * n
@@ -196,9 +199,13 @@ class _Run:
             g = groups[id(prefix)]
             g[1].append(src), g[2].append(slot), g[3].append(row)
         for prefix, src, dst, rws in groups.values():
+            keys = dict(key=self.key)
+            if self.row_offset:  # each row's own stream: fold_in(key, row_offset + row)
+                keys = dict(row_keys=np.asarray(jax.random.key_data(jax.vmap(jax.random.fold_in, (None, 0))(
+                    self.key, jnp.asarray(rws, jnp.int32) + self.row_offset))))
             state = self.e.insert_rows(
                 state, prefix, src=np.asarray(src), dst=np.asarray(dst), rows=np.asarray(rws),
-                max_new=np.full(len(dst), self.max_new), sampling=self.sampling, key=self.key)
+                max_new=np.full(len(dst), self.max_new), sampling=self.sampling, **keys)
             self.stats["insert_calls"] += 1
         for row, p in zip(rows, prompt_of):  # a prompt's prefix dies with its last sample
             if row % self.n == self.n - 1:

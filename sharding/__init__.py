@@ -6,6 +6,8 @@
 - state: `state_shardings` / `tree_shardings` / `shard_state` / `init_sharded` from the
   `logical_axes` metadata on `nnx.Variable`s.
 - `reshard` (weight sync, zero-copy when layouts match), `reshard_with_stats`.
+- `transfer` (copies onto disjoint devices, also across processes), `replica_mesh` /
+  `local_replica` (one rollout replica per host).
 - activations: `use_rules` + `constrain`.
 - multi-host: `initialize_distributed`, `host_local_to_global`, `process_batch_slice`, `to_host`.
 
@@ -31,6 +33,7 @@ from sharding._rules import (
     logical_to_spec,
 )
 from sharding._state import init_sharded, shard_state, state_shardings, tree_shardings
+from sharding._transfer import REPLICA_AXIS, local_replica, replica_mesh, transfer
 
 __all__ = [
     "MESH_AXES", "MeshConfig", "make_mesh",
@@ -38,6 +41,7 @@ __all__ = [
     "logical_sharding",
     "state_shardings", "tree_shardings", "shard_state", "init_sharded",
     "reshard", "reshard_with_stats",
+    "transfer", "replica_mesh", "local_replica", "REPLICA_AXIS",
     "use_rules", "constrain", "current_mesh", "current_rules",
     "DistributedSpec", "resolve_distributed_env", "initialize_distributed", "expand_hostlist",
     "host_local_to_global", "global_batch_sharding", "process_batch_slice", "to_host",

@@ -262,9 +262,10 @@ class PlacementConfig:
     """Where the rollout engine lives. `colocated` (default, verl's hybrid engine): on the training
     devices, weights synced in place; `rollout_mesh` 1x1x1 means the training mesh itself, another
     shape re-meshes the same devices (e.g. fsdp for training, tensor-parallel decode). `separate`:
-    on its own devices (the last ones of this host), meshed by `rollout_mesh` (no -1); the training
-    roles get the rest; sync copies across meshes. `one_step_off_policy` (separate only) overlaps
-    the rollout of step k+1 with the training of step k (verl's one-step-off-policy recipe)."""
+    on its own devices, the last `rollout_mesh` devices (no -1) of every host (one engine replica
+    per host on several hosts); the training roles get the rest of every host; sync copies across
+    meshes. `one_step_off_policy` (separate only) overlaps the rollout of step k+1 with the
+    training of step k (verl's one-step-off-policy recipe), also on several hosts."""
 
     mode: str  # colocated | separate
     rollout_mesh: MeshSection

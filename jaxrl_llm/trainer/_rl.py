@@ -107,9 +107,6 @@ class RLTrainer:
         # trained groups with a token from an older policy version, last rollouter stats
         self._fed_batches = self._outstanding = self._stale_groups = 0
         self._rollouter_last: tuple[float, dict] | None = None
-        if self.overlap and num_hosts > 1:
-            raise ValueError("placement.one_step_off_policy runs on one host only (num_hosts=1); "
-                             f"got num_hosts={num_hosts}")
         if c.trainer.backend == "ray":
             # The controller's own JAX work (advantages) is tiny: keep it off the accelerators
             # that the Ray workers own. Workers get the original environment (RayGroup).
@@ -323,6 +320,8 @@ class RLTrainer:
             handle, examples, _ = self._pending
             with _timer(timing, "gen"):  # only the time this step waited for the rollout
                 gen = self.group.wait(handle)[0]
+                if gen.pop("deferred", False):  # several hosts: each holds its share; gather them
+                    gen.update(self.call0("collect_rollout"))
             self._pending = None
             timing["gen_async"] = gen.pop("time_s", 0.0)  # its full duration, mostly hidden
             metrics["rollout/off_policy_steps"] = 1.0
@@ -342,7 +341,8 @@ class RLTrainer:
                 self._sync(metrics)
             state = self.loader.get_state()
             nxt = next(self.loader)
-            handle = self.group.call_async("generate", **self._generate_kwargs(nxt, self.global_step + 1))
+            handle = self.group.call_async("generate", **self._generate_kwargs(nxt, self.global_step + 1),
+                                           gather=False)  # no collectives while the actor trains
             self._pending = (handle, nxt, state)
         return examples, gen
 

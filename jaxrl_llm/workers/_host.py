@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 import rollout
 import sharding
@@ -38,6 +39,11 @@ class HostWorker:
         self.config = c = config
         self.vocab_size, self.pad_token_id, self.stop_token_ids = vocab_size, pad_token_id, stop_token_ids
         self.mesh, self.rollout_mesh = _meshes(c)
+        # separate placement on several hosts: one rollout replica per host (its own devices),
+        # stacked into one mesh for the weight transfer; None on one host or colocated
+        replicas = _rollout_replicas(c) if jax.process_count() > 1 else None
+        self.replica_mesh = sharding.replica_mesh(replicas) if replicas else None
+        self._deferred = None  # this host's share of a rollout generated in the background
         self._model = build_model(c.model, vocab_size=vocab_size, mesh=self.mesh)
         self._sft = None
         self.actor = self.ref = self.critic = self.engine = self.driver = self.reward_model = None
@@ -84,9 +90,6 @@ class HostWorker:
         if c.async_training.enable and jax.process_count() > 1:
             raise ValueError("async_training runs on one host only for now (its rollouter drives the "
                              f"request-level server); this run has {jax.process_count()} processes")
-        if c.placement.one_step_off_policy and jax.process_count() > 1:
-            raise ValueError("placement.one_step_off_policy runs on one host only; this run has "
-                             f"{jax.process_count()} processes")
         self._sft_ran = self._sft is not None
         if self._sft is not None:
             self._model = self._sft.model()
@@ -116,13 +119,20 @@ class HostWorker:
         prefill = rollout.prefill_bucket(c.data.max_prompt_length + (c.data.max_response_length if multi_turn else 0))
         source = ((self.actor.graphdef, self.actor.params) if not lora.enabled
                   else models.merged_model(self.actor.model()))
+        layout = "auto"
+        if self.replica_mesh is not None:  # this host's replica, moved there by sharding.transfer
+            graphdef, abstract = nnx.split(models.abstract_model(self._model_config_for_rollout()), nnx.Param)
+            nnx.replace_by_pure_dict(abstract, self._to_replica(
+                self.actor.rollout_params(self._rollout_dtype())))
+            # the layout auto picks on one host for weights on other devices (no sharing there)
+            source, layout = (graphdef, abstract), "per_layer"
         self.engine = rollout.Engine.from_model(
             source, mesh=self.rollout_mesh,
             max_concurrent_decodes=c.rollout.max_concurrent_decodes,
             max_prefill_length=prefill, max_target_length=prefill + c.data.max_response_length,
             dtype=c.rollout.dtype or c.model.dtype, temperature=c.rollout.temperature,
             top_k=c.rollout.top_k, top_p=c.rollout.top_p, seed=c.trainer.seed,
-            stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id)
+            stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id, layer_layout=layout)
         self.driver = rollout.RolloutDriver(self.engine, steps_per_sync=c.rollout.steps_per_sync)
         if multi_turn or c.async_training.enable:
             self.server = rollout.RolloutServer(self.engine, steps_per_sync=c.rollout.steps_per_sync)
@@ -130,14 +140,35 @@ class HostWorker:
 
     # -- the RL step's calls -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, sampling: dict,
-                 seed: int) -> dict:
+                 seed: int, gather: bool = True) -> dict:
+        """verl's rollout fields for `n` samples of each prompt. With a rollout replica per host
+        each host generates its share of the prompts (row r samples as row r of one engine
+        would); `gather=False` (a rollout in the background: no collectives there) keeps the
+        share until `collect_rollout` gathers every host's, and returns only `time_s`."""
         t0 = time.perf_counter()
-        out = self.driver.generate(prompts, n=n, max_new_tokens=max_new_tokens,
-                                   sampling=rollout.SamplingParams(**sampling), seed=seed)
-        return {"responses": out.responses, "response_mask": out.response_mask,
-                "rollout_log_probs": out.rollout_log_probs, "response_lengths": out.response_lengths,
-                "finish_reasons": list(out.finish_reasons), "prompt_index": out.prompt_index,
-                "time_s": time.perf_counter() - t0}
+        sampling = rollout.SamplingParams(**sampling)
+        if self.replica_mesh is None:
+            out = self.driver.generate(prompts, n=n, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
+            return {"responses": out.responses, "response_mask": out.response_mask,
+                    "rollout_log_probs": out.rollout_log_probs, "response_lengths": out.response_lengths,
+                    "finish_reasons": list(out.finish_reasons), "prompt_index": out.prompt_index,
+                    "time_s": time.perf_counter() - t0}
+        per = -(-len(prompts) // jax.process_count())  # prompts per host (the last ones padded)
+        lo = jax.process_index() * per
+        share = (list(prompts[lo:lo + per]) + [prompts[0]] * per)[:per]
+        out = self.driver.generate(share, n=n, max_new_tokens=max_new_tokens, sampling=sampling,
+                                   seed=seed, row_offset=lo * n)
+        if not gather:
+            self._deferred = (out, len(prompts), n)
+            return {"time_s": time.perf_counter() - t0, "deferred": True}
+        return {**_gather_shares(out, len(prompts), n), "time_s": time.perf_counter() - t0}
+
+    def collect_rollout(self) -> dict:
+        """Every host's share of the last `generate(gather=False)`, as one batch (an all-gather
+        over the hosts: call it when that generate has returned)."""
+        out, num_prompts, n = self._deferred
+        self._deferred = None
+        return _gather_shares(out, num_prompts, n)
 
     def agent_generate(self, samples: list[dict], *, sampling: dict, seed: int) -> dict:
         """Agent rollouts of `samples` (`agent.AgentSample` fields) on the request-level server,
@@ -243,10 +274,32 @@ class HostWorker:
         # KV (computed with the old weights)
         target = self.server if self.server is not None else self.engine
         # LoRA: the merged W + (α/r)·A·B of the current adapters, computed now on device
-        stats = target.update_params(self.actor.rollout_params(self.engine.config.param_dtype))
+        params = self.actor.rollout_params(self.engine.config.param_dtype)
+        if self.replica_mesh is not None:  # to every host's replica first (a collective)
+            params = self._to_replica(params)
+        stats = target.update_params(params)
         stats = {k: v for k, v in stats.items() if isinstance(v, (int, float, bool))}
         stats.setdefault("time_s", time.perf_counter() - t0)
         return stats
+
+    def _model_config_for_rollout(self):
+        dtype = self._rollout_dtype()
+        return self._model_config().replace(dtype=dtype, param_dtype=dtype)
+
+    def _rollout_dtype(self):
+        c = self.config
+        return models.to_dtype(c.rollout.dtype or c.model.dtype)
+
+    def _to_replica(self, params) -> dict:
+        """The rollout weights (a pure dict or Param state on the training mesh, stacked layers)
+        on this host's replica, with the rollout's stacked shardings and dtype: one
+        `sharding.transfer` onto the replica mesh, of which this host keeps its replica."""
+        pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+        _, abstract = nnx.split(models.abstract_model(self._model_config_for_rollout()), nnx.Param)
+        local = nnx.to_pure_dict(sharding.state_shardings(abstract, self.rollout_mesh, sharding.ROLLOUT_RULES))
+        targets = jax.tree.map(lambda s: jax.sharding.NamedSharding(self.replica_mesh, s.spec), local)
+        moved = sharding.transfer(pure, targets, dtype=self._rollout_dtype())
+        return jax.tree.map(sharding.local_replica, moved, local)
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _ckpt_state(self):
@@ -365,8 +418,10 @@ def _meshes(c: RunConfig, devices=None):
 
     Colocated: the training mesh itself when `placement.rollout_mesh` is 1x1x1, else the same
     devices re-meshed to that shape (e.g. fsdp for training, tensor-parallel decode). Separate:
-    the last devices of the host for the rollout, the rest for training (disjoint).
-    `devices`: all of them (default: this run's; an ahead-of-time compile passes a topology's).
+    on every host the last `rollout_mesh` devices for that host's rollout replica, the rest of
+    every host for the one training mesh (disjoint; see `_split_separate`); the rollout mesh is
+    this process's replica. `devices`: all of them (default: this run's; an ahead-of-time
+    compile passes a topology's).
     """
     m = c.mesh
     train_cfg = sharding.MeshConfig(m.data, m.fsdp, m.tensor)
@@ -382,16 +437,53 @@ def _meshes(c: RunConfig, devices=None):
             raise ValueError(f"placement.rollout_mesh (colocated) must cover the {len(devices)} training "
                              f"devices: {e}") from None
         return mesh, rollout_mesh
-    if devices is None:
-        devices = jax.local_devices() if jax.process_count() == 1 else jax.devices()
-    devices = list(devices)
+    train, replicas = _split_separate(c, devices)
+    me = jax.process_index()
+    return train, replicas[me if me < len(replicas) else 0]
+
+
+def _rollout_replicas(c: RunConfig, devices=None) -> list | None:
+    """Separate placement: the rollout mesh of every host, in process order (None: colocated)."""
+    return None if c.placement.mode == "colocated" else _split_separate(c, devices)[1]
+
+
+def _split_separate(c: RunConfig, devices=None):
+    """(training mesh over every host's first devices, [rollout replica mesh of each host]).
+
+    The same split on every host: `rollout_mesh` is one host's replica, so decoding never
+    waits on another host and the trainer keeps the same share of every host (its data and
+    fsdp axes span the hosts as in colocated runs). One host: the last devices for the rollout.
+    """
+    m, r = c.mesh, c.placement.rollout_mesh
+    devices = list(jax.devices() if devices is None else devices)
+    hosts: dict[int, list] = {}
+    for d in devices:
+        hosts.setdefault(d.process_index, []).append(d)
     k = r.data * r.fsdp * r.tensor
-    if k >= len(devices):
-        raise ValueError(f"placement.rollout_mesh uses {k} devices but there are {len(devices)}: "
+    local = min(len(v) for v in hosts.values())
+    if k >= local:
+        per = " per host" if len(hosts) > 1 else ""
+        raise ValueError(f"placement.rollout_mesh uses {k} devices{per} but there are {local}: "
                          "leave some for training (placement.mode='separate'; on CPU, "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=N shows JAX N devices)")
-    train = sharding.make_mesh(train_cfg, devices=devices[:-k])
-    return train, sharding.make_mesh(sharding.MeshConfig(r.data, r.fsdp, r.tensor), devices=devices[-k:])
+    train_devices = [d for p in sorted(hosts) for d in hosts[p][:-k]]
+    train = sharding.make_mesh(sharding.MeshConfig(m.data, m.fsdp, m.tensor), devices=train_devices)
+    replicas = [sharding.make_mesh(sharding.MeshConfig(r.data, r.fsdp, r.tensor), devices=hosts[p][-k:])
+                for p in sorted(hosts)]
+    return train, replicas
+
+
+def _gather_shares(out, num_prompts: int, n: int) -> dict:
+    """verl's rollout fields of the whole batch from every host's share (`out`, this host's
+    `RolloutBatch`; shares are equal-sized, host order = prompt order, the padding dropped)."""
+    local = {"responses": out.responses, "response_mask": out.response_mask,
+             "rollout_log_probs": out.rollout_log_probs, "response_lengths": out.response_lengths,
+             "stop": np.asarray([r == "stop" for r in out.finish_reasons])}
+    rows = num_prompts * n
+    full = {k: np.asarray(v)[:rows] for k, v in multihost_utils.process_allgather(local, tiled=True).items()}
+    stop = full.pop("stop")
+    return {**full, "finish_reasons": ["stop" if s else "length" for s in stop],
+            "prompt_index": np.repeat(np.arange(num_prompts, dtype=np.int32), n)}
 
 
 @jax.jit

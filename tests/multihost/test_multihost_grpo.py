@@ -1,7 +1,8 @@
 """Multi-controller JAX: one GRPO step on an 8-device mesh spread over 2 processes x 4 CPU devices
 equals the same step in one process with 8 devices — with the local backend (every process runs
 `python -m jaxrl_llm.train` with --coordinator_address/--num_processes/--process_id) and with the
-Ray backend (one controller, 2 HostWorker actors that call jax.distributed.initialize).
+Ray backend (one controller, 2 HostWorker actors that call jax.distributed.initialize). And
+one-step-off-policy training with a rollout replica on each host equals it on one host.
 
 Each run is a subprocess (XLA reads the device count once per process); the single-process
 reference runs in-process on the 8 fake devices of tests/conftest.py.
@@ -132,3 +133,34 @@ def test_ray_backend_with_two_host_actors_matches_one_process_of_eight(reference
     assert len(logged) == 1
     _assert_same_metrics(logged[0], reference)
     assert (run_dir / "checkpoints" / "1" / "state").is_dir()
+
+
+# separate placement, one-step-off: 4 training devices (fsdp), 4 rollout devices
+_ONE_STEP_OFF = {"placement.mode": "separate", "placement.one_step_off_policy": True, "mesh.fsdp": 4,
+                 "placement.rollout_mesh.tensor": 2, "trainer.total_training_steps": 3}
+
+
+def test_one_step_off_policy_on_two_processes_matches_one_process(tmp_path):
+    """2 processes x 4 devices: on each host 2 devices train (one fsdp=4 mesh over both hosts) and
+    2 hold that host's rollout replica (tensor=2), which generates its half of the prompts while
+    the actor trains; weights reach the replicas by `sharding.transfer`. One process of 8: the
+    same training mesh and one engine of data=2 x tensor=2 (the two replicas as one). Step 3's
+    rollout is the first made with trained weights (one update old), so equal metrics there
+    mean the transferred weights are the trainer's."""
+    from jaxrl_llm.trainer import RLTrainer
+
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
+    RLTrainer(load_config(CONFIG, _overrides(ref_dir, **_ONE_STEP_OFF,
+                                             **{"placement.rollout_mesh.data": 2}))).fit()
+    want = _metrics(ref_dir)
+    port = portpicker.pick_unused_port()
+    cmds = [_cli(run_dir, **_ONE_STEP_OFF) + [
+        f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}"]
+        for i in range(2)]
+    _run_all(cmds, _env(4), tmp_path)
+    got = _metrics(run_dir)
+    assert len(got) == len(want) == 3
+    assert [m["rollout/off_policy_steps"] for m in got] == [0.0, 1.0, 1.0]
+    assert want[0]["actor/grad_norm"] > 0 and want[2]["rollout/logprob_abs_diff/mean"] > 1e-4
+    for g, w in zip(got, want):
+        _assert_same_metrics(g, w)

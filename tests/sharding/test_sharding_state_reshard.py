@@ -186,3 +186,29 @@ def test_reshard_structure_mismatch_is_a_clear_error(mesh):
     s = NamedSharding(mesh, P())
     with pytest.raises(ValueError, match="target_shardings must match"):
         sharding.reshard({"a": jnp.ones(2)}, {"b": s})
+
+
+def test_transfer_to_disjoint_replicas_sends_every_shard_and_casts():
+    """sharding.transfer (the multi-host weight sync): 2 training devices -> 3 replicas of
+    tensor=2 on the other 6 (more targets than sources: several ppermute rounds); each replica
+    gets the exact values, cast, in its own layout, without sharing the source's devices."""
+    devices = jax.devices()
+    train = sharding.make_mesh((1, 2, 1), devices=devices[:2])
+    replicas = [sharding.make_mesh((1, 1, 2), devices=devices[2 + 2 * i:4 + 2 * i]) for i in range(3)]
+    rmesh = sharding.replica_mesh(replicas)
+    assert dict(rmesh.shape) == {sharding.REPLICA_AXIS: 3, "data": 1, "fsdp": 1, "tensor": 2}
+    values = {"w": np.arange(4 * 6 * 8, dtype=np.float32).reshape(4, 6, 8) / 7,
+              "b": np.arange(8, dtype=np.float32)}
+    src = {"w": jax.device_put(values["w"], NamedSharding(train, P(None, "fsdp"))),
+           "b": jax.device_put(values["b"], NamedSharding(train, P()))}
+    specs = {"w": P(None, None, "tensor"), "b": P("tensor")}
+    moved = sharding.transfer(src, {k: NamedSharding(rmesh, s) for k, s in specs.items()}, dtype=jnp.bfloat16)
+    for mesh in replicas:
+        local = {k: sharding.local_replica(moved[k], NamedSharding(mesh, s)) for k, s in specs.items()}
+        for k, x in local.items():
+            assert x.dtype == jnp.bfloat16 and x.sharding.mesh == mesh
+            assert x.sharding.device_set == set(mesh.devices.flat)
+            np.testing.assert_array_equal(np.asarray(x, np.float32),
+                                          values[k].astype(jnp.bfloat16).astype(np.float32))
+    with pytest.raises(ValueError, match="disjoint devices"):
+        sharding.transfer(src, {k: NamedSharding(train, P()) for k in src})

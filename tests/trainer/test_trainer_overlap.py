@@ -3,6 +3,7 @@ mesh that re-meshes the training devices (fsdp training, tensor-parallel decode)
 import json
 import math
 import time
+import types
 
 import jax
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from jaxrl_llm.config import ConfigError, load_config
 from jaxrl_llm.trainer import RLTrainer
+from jaxrl_llm.workers import _host
 from trainer_helpers import QUICKSTART, param_checksum, tiny_overrides
 
 _SEPARATE = {"mesh.fsdp": 4, "placement.mode": "separate", "placement.rollout_mesh.tensor": 4,
@@ -87,13 +89,16 @@ def test_one_step_off_policy_fit_with_ray_backend(tmp_path):
     assert np.isfinite(steps[2]["actor/grad_norm"])
 
 
-def test_one_step_off_policy_needs_separate_placement_and_one_host(tmp_path, tiny_run):
+def test_one_step_off_policy_needs_separate_placement_and_training_devices_on_every_host(tmp_path, tiny_run):
     with pytest.raises(ConfigError, match="one_step_off_policy needs placement.mode='separate'"):
         load_config(f"{QUICKSTART}:tiny,local",
                     tiny_overrides(tmp_path / "run", **{"placement.one_step_off_policy": True}))
+    # several hosts (tests/multihost runs them): every host gives rollout_mesh devices to its own
+    # replica and the rest to training, so a replica may not take a whole host
     run = tiny_run(**_SEPARATE, **{"placement.one_step_off_policy": True})
-    with pytest.raises(ValueError, match="one_step_off_policy runs on one host only"):
-        RLTrainer(run, num_hosts=2)
+    hosts = [types.SimpleNamespace(process_index=p, id=4 * p + i) for p in range(2) for i in range(4)]
+    with pytest.raises(ValueError, match="rollout_mesh uses 4 devices per host but there are 4"):
+        _host._split_separate(run, hosts)
 
 
 def test_colocated_rollout_mesh_re_meshes_the_training_devices(tiny_run):
