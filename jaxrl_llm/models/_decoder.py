@@ -554,8 +554,10 @@ class CausalLM(nnx.Module):
         return w.T if layout == "ve" else w
 
     def logits(self, hidden):
-        w = self.unembed_matrix().astype(hidden.dtype)
-        out = jnp.einsum("...e,ev->...v", hidden, w, preferred_element_type=jnp.float32)
+        # contract with the matrix as stored (a tied [vocab, embed] embedding is not transposed)
+        w, layout = self.unembed()
+        spec = "...e,ve->...v" if layout == "ve" else "...e,ev->...v"
+        out = jnp.einsum(spec, hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
         return sharding.constrain(out, ("batch", "length", "vocab")) if out.ndim == 3 else out
 
     def hidden_states(self, input_ids, *, attention_mask=None, positions=None):

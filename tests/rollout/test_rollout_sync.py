@@ -203,3 +203,28 @@ def test_temperature_to_zero_matches_greedy_and_log_probs_are_pre_filter():
     toks, lp = _draw(logits, 2.0, 2, 1.0)
     full = np.asarray(jax.nn.log_softmax(logits / 2.0, -1))
     np.testing.assert_allclose(np.asarray(lp), np.take_along_axis(full[None], np.asarray(toks)[..., None], -1)[..., 0], atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [7, 1024])  # several vocabulary chunks, and one
+def test_sampled_frequencies_follow_the_filtered_softmax(monkeypatch, chunk):
+    monkeypatch.setattr(rollout._sampling, "_CHUNK", chunk)
+    logits = jax.random.normal(jax.random.key(3), (2, 48)) * 1.5
+    draws = jax.jit(jax.vmap(rollout.sample, in_axes=(None, 0, None, None, None)))
+    keys = jax.random.split(jax.random.key(4), 4096 * 2).reshape(4096, 2)
+    b = logits.shape[0]
+    for top_k, top_p in ((-1, 1.0), (6, 0.8)):
+        toks, _ = draws(logits, keys, jnp.full((b,), 0.7, jnp.float32), jnp.full((b,), top_k, jnp.int32),
+                        jnp.full((b,), top_p, jnp.float32))
+        scaled = np.asarray(logits, np.float64) / 0.7
+        for row in range(b):
+            p = np.exp(scaled[row] - scaled[row].max())
+            p /= p.sum()
+            order = np.argsort(-p)
+            keep = order[:top_k] if top_k > 0 else order
+            q = np.cumsum(p[keep]) / p[keep].sum()  # top-p over the top-k tokens' renormalised mass
+            keep = keep[: int(np.searchsorted(q, top_p) + 1)] if top_p < 1 else keep
+            want = np.zeros_like(p)
+            want[keep] = p[keep] / p[keep].sum()
+            got = np.bincount(np.asarray(toks[:, row]), minlength=48) / toks.shape[0]
+            assert np.abs(got - want).max() < 0.03, (top_k, top_p, row)
+            assert got[want == 0].sum() == 0
