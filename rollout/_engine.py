@@ -111,6 +111,9 @@ class Engine:
     that one copy, at no extra cost. Params given as `jax.ShapeDtypeStruct`s (with shardings)
     make an abstract engine for ahead-of-time compiles (`lower`): nothing is allocated, and
     "auto" decides as it would for arrays of those dtypes and shardings.
+    per_layer_fused: per_layer with each layer's q/k/v projections as one `qkv_proj` matmul and
+    gate/up as one `gate_up_proj` (fewer, larger decode matmuls; the fusion happens in the sync's
+    copy); never picked by auto.
     `engine.layer_layout` is the resolved layout;
     `engine.params` is in it (per_layer: `params["model"]["layers"] == {i: layer i}`), and
     `update_params` takes either layout.
@@ -232,7 +235,7 @@ class Engine:
 
     @property
     def _per_layer(self) -> bool:
-        return self._layout == "per_layer"
+        return self._layout != "stacked"  # per_layer or per_layer_fused: a cache per layer
 
     def _cache_tree(self, make_one, axes) -> KVCache:
         """A KVCache of `make_one(axes)` in the engine's layout (one per layer, or one stacked)."""
@@ -501,7 +504,7 @@ class Engine:
 
     @property
     def layer_layout(self) -> str:
-        """"stacked" or "per_layer": how the engine holds its weights and KV cache."""
+        """"stacked", "per_layer" or "per_layer_fused": how the engine holds its weights and KV cache."""
         return self._layout
 
     def update_params(self, params) -> dict:

@@ -67,12 +67,13 @@ def parse_args(argv=None):
     p.add_argument("--hbm-gbs", type=float, default=4800.0, help="HBM bandwidth, GB/s (H200: 4800)")
     p.add_argument("--tflops", type=float, default=989.0, help="dense bf16 peak, TFLOP/s (H200: 989)")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers generate peer")
+    p.add_argument("--peer-only", action="store_true", help="time only the transformers peer")
     p.add_argument("--peer-cache", nargs="+", default=["dynamic", "static"],
                    help="transformers cache_implementation(s) to time (dynamic = the default)")
     p.add_argument("--variants", nargs="+", default=["auto:1"],
                    help="decode settings ATTN:UNROLL to compare (see the module docstring)")
     p.add_argument("--layouts", nargs="+", default=["per_layer"],
-                   choices=["per_layer", "stacked", "auto"],
+                   choices=["per_layer", "per_layer_fused", "stacked", "auto"],
                    help="engine layer_layout(s) to compare (see the module docstring)")
     p.add_argument("--engine-opt", nargs="*", default=[], metavar="KEY=VALUE",
                    help="extra rollout.Engine keyword arguments (ints, floats, true/false, strings)")
@@ -349,7 +350,8 @@ def main(argv=None) -> list[dict]:
             peers = [] if args.no_peer else bench_peer(name, batch, args)
             for p in peers:
                 report.add(p)
-            for layout, variant in [(lay, v) for lay in args.layouts for v in args.variants]:
+            for layout, variant in [] if args.peer_only else [
+                    (lay, v) for lay in args.layouts for v in args.variants]:
                 gc.collect()  # the previous engine (a reference cycle through its jits) and its cache
                 try:
                     ours = bench_ours(name, batch, args, variant, layout)
