@@ -114,6 +114,9 @@ class Engine:
     per_layer_fused: per_layer with each layer's q/k/v projections as one `qkv_proj` matmul and
     gate/up as one `gate_up_proj` (fewer, larger decode matmuls; the fusion happens in the sync's
     copy); never picked by auto.
+    decode_compiler_options: XLA options for the decode programs only (`generate`, the decode
+    loop), e.g. {"xla_gpu_enable_triton_gemm": False} (cuBLAS for the skinny decode matmuls,
+    measured faster with per_layer_fused on an H200: docs/benchmarks.md §3).
     `engine.layer_layout` is the resolved layout;
     `engine.params` is in it (per_layer: `params["model"]["layers"] == {i: layer i}`), and
     `update_params` takes either layout.
@@ -123,7 +126,8 @@ class Engine:
                  max_concurrent_decodes: int, max_prefill_length: int, max_target_length: int,
                  dtype=None, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
                  seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
-                 layer_layout: str = "auto"):
+                 layer_layout: str = "auto", decode_compiler_options: dict | None = None):
+        self._decode_options = dict(decode_compiler_options or {})
         self._check_sizes(max_concurrent_decodes, max_prefill_length, max_target_length)
         if dtype is not None:
             dtype = to_dtype(dtype)
@@ -181,7 +185,7 @@ class Engine:
                    max_concurrent_decodes: int, max_prefill_length: int, max_target_length: int,
                    dtype=None, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
                    seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
-                   layer_layout: str = "auto") -> "Engine":
+                   layer_layout: str = "auto", decode_compiler_options: dict | None = None) -> "Engine":
         """An engine over an in-memory CausalLM (or `(graphdef, params, ...)` from `nnx.split`).
 
         mesh None: the params' own mesh when they are `NamedSharding`-placed on a
@@ -197,7 +201,7 @@ class Engine:
                    max_prefill_length=max_prefill_length, max_target_length=max_target_length,
                    dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                    stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tokenizer=tokenizer,
-                   layer_layout=layer_layout)
+                   layer_layout=layer_layout, decode_compiler_options=decode_compiler_options)
 
     @classmethod
     def from_pretrained(cls, path: str, *, max_concurrent_decodes: int, max_prefill_length: int,
@@ -266,10 +270,11 @@ class Engine:
         st = self._state_shardings
         self._prefill_jit = jax.jit(self._prefill_core, out_shardings=self._prefix_shardings)
         self._insert_jit = jax.jit(self._insert_core, donate_argnums=(0,), out_shardings=st)
+        opts = {"compiler_options": self._decode_options} if self._decode_options else {}
         self._generate_jit = jax.jit(self._generate_core, donate_argnums=(1,),
-                                     out_shardings=(st, self._replicated, self._replicated))
+                                     out_shardings=(st, self._replicated, self._replicated), **opts)
         self._loop_jit = jax.jit(self._loop_core, donate_argnums=(1, 2),
-                                 out_shardings=(st, None, self._replicated))
+                                 out_shardings=(st, None, self._replicated), **opts)
         self._extend_jit = jax.jit(self._extend_core, static_argnums=(4,),
                                    out_shardings=self._prefix_shardings)
         self._append_jit = jax.jit(self._append_core, donate_argnums=(1,), out_shardings=st)

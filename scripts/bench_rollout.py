@@ -77,6 +77,8 @@ def parse_args(argv=None):
                    help="engine layer_layout(s) to compare (see the module docstring)")
     p.add_argument("--engine-opt", nargs="*", default=[], metavar="KEY=VALUE",
                    help="extra rollout.Engine keyword arguments (ints, floats, true/false, strings)")
+    p.add_argument("--decode-xla-option", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="XLA options for the engine's decode programs only (decode_compiler_options)")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
     p.add_argument("--trace", default="", help="trace the two timed calls into this folder and "
                    "report decode-only kernel time per step (see the module docstring)")
@@ -177,6 +179,8 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
     model = init_model(cfg, seed=0)
     prefill_len = next(b for b in PREFILL_BUCKETS if b >= args.prompt_len)
     opts = _engine_opts(args.engine_opt)
+    if args.decode_xla_option:
+        opts["decode_compiler_options"] = _engine_opts(args.decode_xla_option)
     engine = rollout.Engine.from_model(
         model, max_concurrent_decodes=batch, max_prefill_length=prefill_len,
         max_target_length=max(prefill_len + 1, args.prompt_len + args.gen_len), temperature=1.0,
