@@ -115,8 +115,9 @@ class Engine:
     gate/up as one `gate_up_proj` (fewer, larger decode matmuls; the fusion happens in the sync's
     copy); never picked by auto.
     decode_compiler_options: XLA options for the decode programs only (`generate`, the decode
-    loop), e.g. {"xla_gpu_enable_triton_gemm": False} (cuBLAS for the skinny decode matmuls,
-    measured faster with per_layer_fused on an H200: docs/benchmarks.md §3).
+    loop). None: {"xla_gpu_enable_triton_gemm": False} (cuBLAS for the skinny decode matmuls)
+    for per_layer_fused on GPU, where it measured faster (docs/benchmarks.md §3), else none;
+    {} turns that off.
     `engine.layer_layout` is the resolved layout;
     `engine.params` is in it (per_layer: `params["model"]["layers"] == {i: layer i}`), and
     `update_params` takes either layout.
@@ -127,7 +128,6 @@ class Engine:
                  dtype=None, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
                  seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
                  layer_layout: str = "auto", decode_compiler_options: dict | None = None):
-        self._decode_options = dict(decode_compiler_options or {})
         self._check_sizes(max_concurrent_decodes, max_prefill_length, max_target_length)
         if dtype is not None:
             dtype = to_dtype(dtype)
@@ -154,6 +154,11 @@ class Engine:
         self._layout = resolve_layout(layer_layout, pure, self._layout_shardings, config.param_dtype)
         self._graphdef = self._graphdefs[self._layout]
         self._param_shardings = self._layout_shardings[self._layout]
+        if decode_compiler_options is None:  # measured: cuBLAS beats Triton on the fused decode
+            gpu = self._mesh.devices.flat[0].platform == "gpu"
+            decode_compiler_options = ({"xla_gpu_enable_triton_gemm": False}
+                                       if gpu and self._layout == "per_layer_fused" else {})
+        self._decode_options = dict(decode_compiler_options)
         self._relayout = Relayout(self._layout, self._param_shardings, config.param_dtype, self._mesh)
         self._state_shardings = self._decode_state_shardings()
         self._replicated = NamedSharding(self._mesh, PartitionSpec())
