@@ -65,7 +65,7 @@ def test_zero_copy_sync_shares_the_trainers_buffers(train_params):
         np.asarray(params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][...][1].astype(jnp.bfloat16)))
 
 
-@pytest.mark.parametrize("layer_layout", ["per_layer", "stacked"])
+@pytest.mark.parametrize("layer_layout", ["per_layer", "per_layer_fused", "stacked"])
 def test_handing_the_engine_its_own_params_moves_zero_bytes(train_params, layer_layout):
     _, (graphdef, params) = train_params
     engine = rollout.Engine.from_model((graphdef, params), max_concurrent_decodes=8,
@@ -100,6 +100,13 @@ def test_resharded_sync_fsdp_to_tensor_gives_identical_generations(train_params)
         b = rollout.RolloutDriver(tp).generate(PROMPTS, n=2, max_new_tokens=8, sampling=GREEDY)
         np.testing.assert_array_equal(a.responses, b.responses)
         np.testing.assert_allclose(a.rollout_log_probs, b.rollout_log_probs, atol=1e-4)
+    # the fused projections on the tensor-sharded mesh: same tokens and log-probs
+    fused = rollout.Engine.from_model((graphdef, params), mesh=sharding.make_mesh((1, 2, 4)),
+                                      max_concurrent_decodes=4, max_prefill_length=16,
+                                      max_target_length=32, layer_layout="per_layer_fused")
+    c = rollout.RolloutDriver(fused).generate(PROMPTS, n=2, max_new_tokens=8, sampling=GREEDY)
+    np.testing.assert_array_equal(a.responses, c.responses)
+    np.testing.assert_allclose(a.rollout_log_probs, c.rollout_log_probs, atol=1e-4)
 
     # New weights take effect and the KV cache buffers survive the sync (tp: the 1x2x4 engine).
     driver = rollout.RolloutDriver(tp)
