@@ -111,6 +111,13 @@ class Engine:
     that one copy, at no extra cost. Params given as `jax.ShapeDtypeStruct`s (with shardings)
     make an abstract engine for ahead-of-time compiles (`lower`): nothing is allocated, and
     "auto" decides as it would for arrays of those dtypes and shardings.
+    per_layer_fused: per_layer with each layer's q/k/v projections as one `qkv_proj` matmul and
+    gate/up as one `gate_up_proj` (fewer, larger decode matmuls; the fusion happens in the sync's
+    copy); never picked by auto.
+    decode_compiler_options: XLA options for the decode programs only (`generate`, the decode
+    loop). None: {"xla_gpu_enable_triton_gemm": False} (cuBLAS for the skinny decode matmuls)
+    for per_layer_fused on GPU, where it measured faster (docs/benchmarks.md §3), else none;
+    {} turns that off.
     `engine.layer_layout` is the resolved layout;
     `engine.params` is in it (per_layer: `params["model"]["layers"] == {i: layer i}`), and
     `update_params` takes either layout.
@@ -120,7 +127,7 @@ class Engine:
                  max_concurrent_decodes: int, max_prefill_length: int, max_target_length: int,
                  dtype=None, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
                  seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
-                 layer_layout: str = "auto"):
+                 layer_layout: str = "auto", decode_compiler_options: dict | None = None):
         self._check_sizes(max_concurrent_decodes, max_prefill_length, max_target_length)
         if dtype is not None:
             dtype = to_dtype(dtype)
@@ -147,6 +154,11 @@ class Engine:
         self._layout = resolve_layout(layer_layout, pure, self._layout_shardings, config.param_dtype)
         self._graphdef = self._graphdefs[self._layout]
         self._param_shardings = self._layout_shardings[self._layout]
+        if decode_compiler_options is None:  # measured: cuBLAS beats Triton on the fused decode
+            gpu = self._mesh.devices.flat[0].platform == "gpu"
+            decode_compiler_options = ({"xla_gpu_enable_triton_gemm": False}
+                                       if gpu and self._layout == "per_layer_fused" else {})
+        self._decode_options = dict(decode_compiler_options)
         self._relayout = Relayout(self._layout, self._param_shardings, config.param_dtype, self._mesh)
         self._state_shardings = self._decode_state_shardings()
         self._replicated = NamedSharding(self._mesh, PartitionSpec())
@@ -178,7 +190,7 @@ class Engine:
                    max_concurrent_decodes: int, max_prefill_length: int, max_target_length: int,
                    dtype=None, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
                    seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
-                   layer_layout: str = "auto") -> "Engine":
+                   layer_layout: str = "auto", decode_compiler_options: dict | None = None) -> "Engine":
         """An engine over an in-memory CausalLM (or `(graphdef, params, ...)` from `nnx.split`).
 
         mesh None: the params' own mesh when they are `NamedSharding`-placed on a
@@ -194,7 +206,7 @@ class Engine:
                    max_prefill_length=max_prefill_length, max_target_length=max_target_length,
                    dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                    stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tokenizer=tokenizer,
-                   layer_layout=layer_layout)
+                   layer_layout=layer_layout, decode_compiler_options=decode_compiler_options)
 
     @classmethod
     def from_pretrained(cls, path: str, *, max_concurrent_decodes: int, max_prefill_length: int,
@@ -232,7 +244,7 @@ class Engine:
 
     @property
     def _per_layer(self) -> bool:
-        return self._layout == "per_layer"
+        return self._layout != "stacked"  # per_layer or per_layer_fused: a cache per layer
 
     def _cache_tree(self, make_one, axes) -> KVCache:
         """A KVCache of `make_one(axes)` in the engine's layout (one per layer, or one stacked)."""
@@ -263,10 +275,11 @@ class Engine:
         st = self._state_shardings
         self._prefill_jit = jax.jit(self._prefill_core, out_shardings=self._prefix_shardings)
         self._insert_jit = jax.jit(self._insert_core, donate_argnums=(0,), out_shardings=st)
+        opts = {"compiler_options": self._decode_options} if self._decode_options else {}
         self._generate_jit = jax.jit(self._generate_core, donate_argnums=(1,),
-                                     out_shardings=(st, self._replicated, self._replicated))
+                                     out_shardings=(st, self._replicated, self._replicated), **opts)
         self._loop_jit = jax.jit(self._loop_core, donate_argnums=(1, 2),
-                                 out_shardings=(st, None, self._replicated))
+                                 out_shardings=(st, None, self._replicated), **opts)
         self._extend_jit = jax.jit(self._extend_core, static_argnums=(4,),
                                    out_shardings=self._prefix_shardings)
         self._append_jit = jax.jit(self._append_core, donate_argnums=(1,), out_shardings=st)
@@ -501,7 +514,7 @@ class Engine:
 
     @property
     def layer_layout(self) -> str:
-        """"stacked" or "per_layer": how the engine holds its weights and KV cache."""
+        """"stacked", "per_layer" or "per_layer_fused": how the engine holds its weights and KV cache."""
         return self._layout
 
     def update_params(self, params) -> dict:

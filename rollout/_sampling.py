@@ -47,8 +47,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def _filter_mask(scaled, top_k, top_p):
-    """bool[b, v]: tokens that survive top-k then top-p. scaled f32[b, v]; top_k int32[b]; top_p f32[b]."""
+def _filter_threshold(scaled, top_k, top_p):
+    """f32[b]: the smallest scaled logit that survives top-k then top-p (a token survives when its
+    scaled logit is >= the threshold). scaled f32[b, v]; top_k int32[b]; top_p f32[b]."""
     v = scaled.shape[-1]
     sorted_desc = -jnp.sort(-scaled, axis=-1)  # [b, v]
     rank = jnp.arange(v, dtype=jnp.int32)[None, :]
@@ -59,8 +60,20 @@ def _filter_mask(scaled, top_k, top_p):
     before = jnp.cumsum(probs, axis=-1) - probs  # probability mass of strictly better tokens
     keep_sorted = in_k & ((before < top_p[:, None]) | (rank == 0))
     n_keep = jnp.sum(keep_sorted, axis=-1)  # >= 1
-    threshold = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
-    return scaled >= threshold
+    return jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)[:, 0]
+
+
+# Vocabulary chunk of the two-level inverse-CDF draw (see `sample`).
+_CHUNK = 1024
+
+
+def _first_over(cdf, target, weights):
+    """Per row: the first index i with cdf[i] > target, never one of zero weight (rounding can put
+    target at or past the last cumulative sum: then the last index of non-zero weight)."""
+    n = cdf.shape[-1]
+    idx = jnp.sum((cdf <= target[:, None]).astype(jnp.int32), axis=-1)
+    last = jnp.max(jnp.where(weights > 0, jnp.arange(n, dtype=jnp.int32)[None, :], 0), axis=-1)
+    return jnp.minimum(idx, last)
 
 
 def sample(logits, keys, temperature, top_k, top_p):
@@ -72,16 +85,44 @@ def sample(logits, keys, temperature, top_k, top_p):
       temperature: f32[b] (0 = greedy); top_k: int32[b] (<= 0 = off); top_p: f32[b] (1 = off).
     Returns:
       (tokens int32[b], log_probs f32[b]) with log_probs as the module docstring defines.
+
+    The draw is inverse-CDF sampling with one uniform number per row, in two levels so that no
+    [b, v] cumulative sum or per-token random number is made: the vocabulary is cut into chunks
+    of `_CHUNK`; one pass over the logits gives each chunk's maximum and exp-sum (of the kept
+    tokens and of all); the cumulative chunk sums pick the chunk; a cumulative sum over that one
+    chunk picks the token. Greedy is the first maximum (`argmax`), found the same way. The
+    log-prob is `scaled[token] - logsumexp(scaled)` from the same sums: no [b, v] log-softmax.
     """
     logits = logits.astype(jnp.float32)
+    b, v = logits.shape
     greedy = temperature <= 0.0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-    log_probs_all = jax.nn.log_softmax(scaled, axis=-1)
-    needs_filter = jnp.any(((top_k > 0) & (top_k < logits.shape[-1])) | (top_p < 1.0))
-    keep = jax.lax.cond(needs_filter, _filter_mask, lambda s, k, p: jnp.ones(s.shape, jnp.bool_),
-                        scaled, top_k, top_p)
-    filtered = jnp.where(keep, scaled, _NEG_INF)
-    sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, filtered)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
-    log_probs = jnp.take_along_axis(log_probs_all, tokens[:, None], axis=-1)[:, 0]
+    needs_filter = jnp.any(((top_k > 0) & (top_k < v)) | (top_p < 1.0))
+    threshold = jax.lax.cond(needs_filter, _filter_threshold,
+                             lambda s, k, p: jnp.full((s.shape[0],), _NEG_INF, jnp.float32),
+                             scaled, top_k, top_p)
+    c = min(_CHUNK, v)
+    n = -(-v // c)
+    x = jnp.pad(scaled, [(0, 0), (0, n * c - v)], constant_values=_NEG_INF).reshape(b, n, c)
+    chunk_max = jnp.max(x, axis=-1)  # [b, n]
+    m = jnp.max(chunk_max, axis=-1)  # [b]
+    e = jnp.exp(x - m[:, None, None])
+    sums_all = jnp.sum(e, axis=-1)  # [b, n]
+    sums_kept = jnp.sum(jnp.where(x >= threshold[:, None, None], e, 0.0), axis=-1)
+    # the chunk: first whose cumulative kept mass exceeds u * total
+    cdf = jnp.cumsum(sums_kept, axis=-1)
+    u = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
+    target = u * cdf[:, -1]
+    chunk = _first_over(cdf, target, sums_kept)
+    below = jnp.where(chunk > 0, jnp.take_along_axis(cdf, jnp.maximum(chunk - 1, 0)[:, None], -1)[:, 0], 0.0)
+    xs = jnp.take_along_axis(x, chunk[:, None, None], axis=1)[:, 0]  # [b, c]
+    es = jnp.where(xs >= threshold[:, None], jnp.exp(xs - m[:, None]), 0.0)
+    sampled = chunk * c + _first_over(below[:, None] + jnp.cumsum(es, axis=-1), target, es)
+    # greedy: the first chunk holding the maximum, then the first maximum in it (= argmax)
+    best = jnp.argmax(chunk_max, axis=-1).astype(jnp.int32)
+    best_x = jnp.take_along_axis(x, best[:, None, None], axis=1)[:, 0]
+    argmax = best * c + jnp.argmax(best_x, axis=-1).astype(jnp.int32)
+    tokens = jnp.where(greedy, argmax, sampled).astype(jnp.int32)
+    picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+    log_probs = (picked - m) - jnp.log(jnp.sum(sums_all, axis=-1))
     return tokens, log_probs

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 import sharding
-from jaxrl_llm.models import LAYER_LAYOUTS, stack_layers, unstack_layers
+from jaxrl_llm.models import LAYER_LAYOUTS, convert_layers
 
 
 def _is_floating(x) -> bool:
@@ -37,7 +37,7 @@ def resolve_layout(layer_layout: str, pure, layout_shardings: dict, dtype) -> st
     if layer_layout in LAYER_LAYOUTS:
         return layer_layout
     if layer_layout != "auto":
-        raise ValueError(f"layer_layout must be 'auto', 'stacked' or 'per_layer', got {layer_layout!r}")
+        raise ValueError(f"layer_layout must be 'auto' or one of {LAYER_LAYOUTS}, got {layer_layout!r}")
     if layout_of(pure, layout_shardings) != "stacked":
         return "per_layer"
     dtype = jnp.dtype(dtype)
@@ -61,10 +61,9 @@ class Relayout:
     def __init__(self, layout: str, shardings: Any, dtype, mesh: jax.sharding.Mesh):
         self._shardings, self._mesh = shardings, mesh
         self._dtype = jnp.dtype(dtype)
-        relayout = unstack_layers if layout == "per_layer" else stack_layers
-
         def convert(p):
-            return relayout(jax.tree.map(lambda x: x.astype(self._dtype) if _is_floating(x) else x, p))
+            return convert_layers(jax.tree.map(lambda x: x.astype(self._dtype) if _is_floating(x) else x, p),
+                                  layout)
 
         self._jit = jax.jit(convert, out_shardings=shardings)
 

@@ -1,30 +1,48 @@
-"""Rollout throughput benchmark: our engine + RL driver vs Hugging Face `generate` on one GPU.
+"""Rollout decode benchmark: our engine + RL driver vs Hugging Face `generate`, on one GPU.
 
     python scripts/bench_rollout.py                       # Qwen2.5-0.5B/1.5B shapes, batch 64/256
+    python scripts/bench_rollout.py --models 1.5b --batches 256 --gen-len 256 --trace $OUT
     python scripts/bench_rollout.py --models 0.5b --batches 64 --no-peer
     python scripts/bench_rollout.py --tiny                # CPU smoke run in seconds (tests call it)
-    python scripts/bench_rollout.py --models 1.5b --batches 256 --variants einsum:1 reduce:1 reduce:0
+    python scripts/bench_rollout.py --models 1.5b --batches 256 --variants einsum:1 cudnn:1
     python scripts/bench_rollout.py --models 1.5b --batches 256 --no-peer --layouts stacked per_layer
+
+Random-init bf16 models with Qwen2.5 shapes; every prompt is `--prompt-len` random tokens and
+generates exactly the requested number of tokens (no stop tokens), sampling at temperature 1.
+
+What is timed (every call warm: each shape is compiled by an untimed call first):
+- `total_s`: one whole `RolloutDriver.generate` call of `--gen-len` tokens (prefill, insert and
+  decode); `tokens_per_s` = generated tokens / total_s (whole call).
+- `ms_per_step` (decode only) = (T(gen_len) - T(short_len)) / (gen_len - short_len): the
+  difference of two whole calls that differ only in the number of decode steps, so prefill,
+  insert and per-call host work cancel. `short_len` defaults to just over half of gen_len's
+  power-of-two bucket, so both calls share compiled shapes. `decode_context` is the mean context
+  of those steps.
+- `prefill_s` = T(short_len) - (short_len - 1) * step: prefill + insert of all prompts plus the
+  per-call host work (derived, not timed alone).
+- `bytes_per_step` = weight bytes + KV bytes read at `decode_context` (the least a step must read);
+  `flops_per_step` = 2 * batch * (matmul params) + 4 * batch * context * heads * head_dim * layers;
+  `roofline_ms` = max(bytes / `--hbm-gbs`, flops / `--tflops`); `roofline_fraction` =
+  roofline_ms / ms_per_step; `hbm_fraction` = bytes / step time / HBM bandwidth.
+- The peer (`peer`, one record per `--peer-cache`): transformers `generate` in torch (bf16,
+  sampling, `min_new_tokens` = `max_new_tokens`), each length called twice and the second call
+  timed; `decode_ms_per_step` from the same two lengths, `total_s` the whole gen_len call.
+  `vs_peer[cache]` = {"decode_only": peer decode ms / ours, "whole_call": peer total_s / ours}.
+- `--trace DIR`: after timing, traces both calls with `jax.profiler` and reports the difference
+  of their device-kernel times per kind and per kernel divided by the step difference
+  (`decode_trace`: decode-only kernel ms per step, prefill excluded).
 
 `--variants ATTN:UNROLL ...` times the decode path under each setting of
 `ModelConfig.decode_attention` (auto | einsum | reduce | cudnn | pallas) and `.decode_unroll`
-(layers per scan iteration; 0 = all; the stacked layout only); the default `auto:1` is the
-library's default. `--layouts` picks the engine's `layer_layout` (per_layer: separate weight and
-KV-cache arrays per layer, unrolled; stacked: `[L, ...]` arrays under a scan; auto: what the
-engine would choose for these params, i.e. stacked, since it could share the model's bf16
-buffers); every (layout, variant) pair is timed.
-
-Random-init bf16 models with Qwen2.5 shapes; every prompt is `--prompt-len` random tokens and
-generates exactly `--gen-len` tokens (no stop tokens). Prints one JSON object per line with:
-tokens_per_s, ms_per_step (decode only), hbm_fraction = (weight bytes + KV bytes read per step)
-/ step time / HBM bandwidth, compile_s, peak_bytes, and the same workload through transformers'
-`generate` in torch (`peer`) when torch + CUDA are available.
+(stacked layout only); `--layouts` picks the engine's `layer_layout`. Prints one JSON object per
+line (and `--out` writes the list).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import os
+import sys
 import time
 
 import jax
@@ -36,23 +54,34 @@ from jaxrl_llm.models import QWEN25_SHAPES
 
 QWEN25 = {k: QWEN25_SHAPES[k] for k in ("0.5b", "1.5b", "tiny")}
 
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["0.5b", "1.5b"], choices=sorted(QWEN25))
     p.add_argument("--batches", nargs="+", type=int, default=[64, 256])
     p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--gen-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=256)
+    p.add_argument("--short-len", type=int, default=0, help="the shorter call of the decode-only "
+                   "difference (0: just over half of gen-len's power-of-two bucket)")
     p.add_argument("--steps-per-sync", type=int, default=32)
     p.add_argument("--hbm-gbs", type=float, default=4800.0, help="HBM bandwidth, GB/s (H200: 4800)")
+    p.add_argument("--tflops", type=float, default=989.0, help="dense bf16 peak, TFLOP/s (H200: 989)")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers generate peer")
+    p.add_argument("--peer-only", action="store_true", help="time only the transformers peer")
+    p.add_argument("--peer-cache", nargs="+", default=["dynamic", "static"],
+                   help="transformers cache_implementation(s) to time (dynamic = the default)")
     p.add_argument("--variants", nargs="+", default=["auto:1"],
                    help="decode settings ATTN:UNROLL to compare (see the module docstring)")
     p.add_argument("--layouts", nargs="+", default=["per_layer"],
-                   choices=["per_layer", "stacked", "auto"],
+                   choices=["per_layer", "per_layer_fused", "stacked", "auto"],
                    help="engine layer_layout(s) to compare (see the module docstring)")
+    p.add_argument("--engine-opt", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="extra rollout.Engine keyword arguments (ints, floats, true/false, strings)")
+    p.add_argument("--decode-xla-option", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="XLA options for the engine's decode programs only (decode_compiler_options)")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
-    p.add_argument("--trace", default="", help="write a jax.profiler perfetto trace of each timed "
-                   "run into this folder (trace_<layout>_<attn>_<unroll>.json.gz)")
+    p.add_argument("--trace", default="", help="trace the two timed calls into this folder and "
+                   "report decode-only kernel time per step (see the module docstring)")
     p.add_argument("--check", action="store_true", help="first compare each variant's one-token "
                    "decode with an fp32 einsum reference on a small bf16 model (relative error)")
     p.add_argument("--tiny", "--dry-run", dest="tiny", action="store_true",
@@ -61,7 +90,33 @@ def parse_args(argv=None):
     if args.tiny:
         args.models, args.batches, args.prompt_len, args.gen_len = ["tiny"], [4], 16, 8
         args.steps_per_sync, args.no_peer = 4, True
+    if not args.short_len:
+        bucket = 1 << max(0, max(args.gen_len, 16) - 1).bit_length()  # the driver's output buffer
+        args.short_len = bucket // 2 + 1 if args.gen_len > 16 else max(1, args.gen_len // 2)
+    if not 1 <= args.short_len < args.gen_len:
+        p.error(f"--short-len={args.short_len} must be in [1, gen-len={args.gen_len})")
     return args
+
+
+def _engine_opts(items) -> dict:
+    out = {}
+    for item in items:
+        key, sep, val = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-opt takes KEY=VALUE, got {item!r}")
+        low = val.lower()
+        if low in ("true", "false"):
+            out[key] = low == "true"
+        else:
+            for cast in (int, float):
+                try:
+                    out[key] = cast(val)
+                    break
+                except ValueError:
+                    pass
+            else:
+                out[key] = val
+    return out
 
 
 def _config(name, dtype, variant="auto:1"):
@@ -77,6 +132,43 @@ def _peak_bytes():
     return stats.get("peak_bytes_in_use")
 
 
+def step_cost(c, n_params: int, batch: int, context: float, *, hbm_gbs: float, tflops: float) -> dict:
+    """Least bytes and FLOPs of one decode step of `batch` rows at mean `context` cached tokens,
+    and the roofline time max(bytes / HBM, FLOPs / peak) in ms."""
+    itemsize = jnp.dtype(c.dtype).itemsize
+    weight_bytes = n_params * jnp.dtype(c.param_dtype).itemsize
+    kv_bytes = batch * context * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * itemsize
+    # the embedding lookup is a gather, not a matmul; a tied embedding is also the unembed matmul
+    matmul_params = n_params - (0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size)
+    flops = (2 * batch * matmul_params
+             + 4 * batch * context * c.num_attention_heads * c.head_dim * c.num_hidden_layers)
+    bytes_ = weight_bytes + kv_bytes
+    mem_ms, flop_ms = bytes_ / (hbm_gbs * 1e9) * 1e3, flops / (tflops * 1e12) * 1e3
+    return {"bytes_per_step": int(bytes_), "weight_bytes": int(weight_bytes), "kv_read_bytes": int(kv_bytes),
+            "flops_per_step": int(flops), "roofline_ms": max(mem_ms, flop_ms),
+            "bound": "memory" if mem_ms >= flop_ms else "compute"}
+
+
+def _trace_diff(paths, steps: int) -> dict:
+    """Decode-only kernel time per step: (long trace - short trace) / steps, per kind and kernel."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import trace_summary
+
+    short, long_ = (trace_summary.summarize(trace_summary.load_events(p), top=10**6) for p in paths)
+    kinds = {k: (long_["by_kind_ms"].get(k, 0.0) - short["by_kind_ms"].get(k, 0.0)) / steps
+             for k in long_["by_kind_ms"]}
+    s_names = {k["name"]: k for k in short["top_kernels"]}
+    kernels = []
+    for k in long_["top_kernels"]:
+        s = s_names.get(k["name"], {"ms": 0.0, "calls": 0.0})
+        kernels.append({"name": k["name"], "kind": k["kind"], "ms": (k["ms"] - s["ms"]) / steps,
+                        "calls": (k["calls"] - s["calls"]) / steps})
+    kernels.sort(key=lambda k: -k["ms"])
+    return {"kernel_ms": (long_["kernel_ms"] - short["kernel_ms"]) / steps,
+            "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top_kernels": kernels[:30], "files": [os.path.basename(p) for p in paths]}
+
+
 def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
     import rollout
     from jaxrl_llm.models import init_model
@@ -86,49 +178,62 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
     cfg = _config(name, dtype, variant)
     model = init_model(cfg, seed=0)
     prefill_len = next(b for b in PREFILL_BUCKETS if b >= args.prompt_len)
+    opts = _engine_opts(args.engine_opt)
+    if args.decode_xla_option:
+        opts["decode_compiler_options"] = _engine_opts(args.decode_xla_option)
     engine = rollout.Engine.from_model(
         model, max_concurrent_decodes=batch, max_prefill_length=prefill_len,
         max_target_length=max(prefill_len + 1, args.prompt_len + args.gen_len), temperature=1.0,
-        layer_layout=layout)
+        layer_layout=layout, **opts)
     del model
     driver = rollout.RolloutDriver(engine, steps_per_sync=args.steps_per_sync,
                                    max_prefill_batch=min(batch, 64))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, args.prompt_len).tolist() for _ in range(batch)]
     sp = rollout.SamplingParams(temperature=1.0)
+    long_, short = args.gen_len, args.short_len
 
     def run(gen):
         t0 = time.perf_counter()
         out = driver.generate(prompts, n=1, max_new_tokens=gen, sampling=sp, seed=0)
         return time.perf_counter() - t0, out
 
-    compile_s, _ = run(args.gen_len)  # first call compiles prefill, insert and the decode loop
-    run(1)  # a 1-token run has other output-buffer shapes: compile those before timing
-    prefill_s, _ = run(1)  # prefill + insert + one decode step
-    if args.trace:
-        total_s, out = perfetto_trace(lambda: run(args.gen_len), os.path.join(
-            args.trace, f"trace_{engine.layer_layout}_{attn}_{unroll}.json.gz"))
-    else:
-        total_s, out = run(args.gen_len)
+    first_s, _ = run(long_)  # compiles prefill, insert and the decode loop (short shares shapes)
+    run(short)
+    short_s, _ = run(short)
+    total_s, out = run(long_)
     gen_tokens = int(out.response_lengths.sum())
-    step_s = max(total_s - prefill_s, 1e-9) / max(args.gen_len - 1, 1)
+    step_s = max(total_s - short_s, 1e-9) / (long_ - short)
     c = engine.config
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))
-    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * jnp.dtype(c.dtype).itemsize
-    avg_ctx = args.prompt_len + args.gen_len / 2
-    bytes_per_step = weight_bytes + batch * avg_ctx * kv_per_token
-    return {
+    n_params = sum(x.size for x in jax.tree.leaves(engine.params))
+    context = args.prompt_len + (short + long_) / 2  # mean cached tokens over the timed steps
+    cost = step_cost(c, n_params, batch, context, hbm_gbs=args.hbm_gbs, tflops=args.tflops)
+    rec = {
         "engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
-        "decode_attention": cfg.decode_attention, "decode_unroll": cfg.decode_unroll, "layer_layout": engine.layer_layout,
-        "prompt_len": args.prompt_len, "gen_len": args.gen_len, "dtype": str(jnp.dtype(dtype)),
+        "decode_attention": cfg.decode_attention, "decode_unroll": cfg.decode_unroll,
+        "layer_layout": engine.layer_layout, "engine_opts": opts,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "prompt_len": args.prompt_len, "gen_len": long_, "short_len": short, "dtype": str(jnp.dtype(dtype)),
         "device": str(jax.devices()[0].device_kind), "generated_tokens": gen_tokens,
-        "tokens_per_s": gen_tokens / total_s, "total_s": total_s, "prefill_s": prefill_s,
-        "ms_per_step": step_s * 1e3, "compile_s": compile_s - total_s,
-        "hbm_fraction": bytes_per_step / step_s / (args.hbm_gbs * 1e9),
-        "bytes_per_step": int(bytes_per_step), "weight_bytes": int(weight_bytes),
+        "ms_per_step": step_s * 1e3, "decode_tokens_per_s": batch / step_s,
+        "decode_context": context, "prefill_s": max(short_s - (short - 1) * step_s, 0.0),
+        "total_s": total_s, "short_s": short_s, "tokens_per_s": gen_tokens / total_s,
+        "compile_s": first_s - total_s, **cost,
+        "roofline_fraction": cost["roofline_ms"] / (step_s * 1e3),
+        "hbm_fraction": cost["bytes_per_step"] / step_s / (args.hbm_gbs * 1e9),
         "kv_cache_bytes": int(engine.kv_cache_bytes()), "peak_bytes": _peak_bytes(),
         "decode_loops": out.stats["decode_loops"], "steps_per_sync": args.steps_per_sync,
     }
+    if args.trace:
+        tag = f"{engine.layer_layout}_{variant.replace(':', '_')}_b{batch}"
+        paths = [os.path.join(args.trace, f"trace_{tag}_{n}.json.gz") for n in (short, long_)]
+        for gen, path in zip((short, long_), paths):
+            perfetto_trace(lambda gen=gen: run(gen), path)
+        try:
+            rec["decode_trace"] = _trace_diff(paths, long_ - short)
+        except ValueError as e:  # e.g. no device track (a CPU run)
+            rec["decode_trace"] = {"error": str(e)}
+    return rec
 
 
 def check_variants(variants, layouts=("stacked",)) -> list[dict]:
@@ -175,38 +280,66 @@ def check_variants(variants, layouts=("stacked",)) -> list[dict]:
     return out
 
 
-def bench_peer(name, batch, args):
-    """The same workload through transformers' generate (torch, CUDA, bf16, sampling at T=1)."""
+def bench_peer(name, batch, args) -> list[dict]:
+    """The same workload through transformers' generate (torch, CUDA, bf16, sampling at T=1), one
+    record per cache implementation, timed warm (see the module docstring)."""
     try:
         import torch
         import transformers
     except ImportError as e:
-        return {"engine": "transformers.generate", "skipped": f"not installed: {e}"}
+        return [{"engine": "transformers.generate", "skipped": f"not installed: {e}"}]
     if not torch.cuda.is_available():
-        return {"engine": "transformers.generate", "skipped": "no CUDA device for torch"}
+        return [{"engine": "transformers.generate", "skipped": "no CUDA device for torch"}]
     cfg = transformers.Qwen2Config(**QWEN25[name], max_position_embeddings=32768, rope_theta=1e6)
     model = transformers.Qwen2ForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (batch, args.prompt_len), device="cuda")
-    kw = dict(max_new_tokens=args.gen_len, min_new_tokens=args.gen_len, do_sample=True,
-              pad_token_id=0, attention_mask=torch.ones_like(ids))
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        model.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
-        torch.cuda.synchronize()
-        warm = time.perf_counter() - t0
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        out = model.generate(ids, **kw)
-        torch.cuda.synchronize()
-        total = time.perf_counter() - t0
-    gen = int((out.shape[1] - args.prompt_len) * batch)
-    peak = int(torch.cuda.max_memory_allocated())
-    del model, out
+    long_, short = args.gen_len, args.short_len
+    records = []
+    for cache in args.peer_cache:
+        kw = dict(do_sample=True, pad_token_id=0, attention_mask=torch.ones_like(ids))
+        if cache != "dynamic":
+            kw["cache_implementation"] = cache
+
+        def call(n):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0, out
+
+        rec = {"engine": "transformers.generate", "cache_implementation": cache,
+               "model": f"qwen2.5-{name}", "batch": batch, "transformers": transformers.__version__,
+               "torch": torch.__version__, "gen_len": long_, "short_len": short}
+        try:
+            with torch.inference_mode():
+                torch.cuda.reset_peak_memory_stats()
+                warm_s = call(short)[0] + call(long_)[0]  # compiles / allocates: untimed
+                short_s, _ = call(short)
+                total_s, out = call(long_)
+            gen = int((out.shape[1] - args.prompt_len) * batch)
+            step = (total_s - short_s) / (long_ - short)
+            rec.update({"decode_ms_per_step": step * 1e3, "total_s": total_s, "short_s": short_s,
+                        "tokens_per_s": gen / total_s, "generated_tokens": gen,
+                        "prefill_s": max(short_s - (short - 1) * step, 0.0), "warmup_s": warm_s,
+                        "peak_bytes": int(torch.cuda.max_memory_allocated())})
+            del out
+        except Exception as e:  # noqa: BLE001 - a peer setting that fails is a result
+            rec["error"] = repr(e)[-1000:]
+        records.append(rec)
+    del model
     torch.cuda.empty_cache()  # hand the memory back before JAX allocates its pool
-    return {"engine": "transformers.generate", "model": f"qwen2.5-{name}", "batch": batch,
-            "transformers": transformers.__version__, "torch": torch.__version__,
-            "tokens_per_s": gen / total, "total_s": total, "ms_per_step": total / args.gen_len * 1e3,
-            "warmup_s": warm, "peak_bytes": peak}
+    return records
+
+
+def compare(ours: dict, peers: list[dict]) -> dict:
+    """Like-for-like ratios (peer time / ours): decode-only ms per step, and whole gen_len call."""
+    out = {}
+    for p in peers:
+        if "decode_ms_per_step" in p and "ms_per_step" in ours:
+            out[p["cache_implementation"]] = {
+                "decode_only": p["decode_ms_per_step"] / ours["ms_per_step"],
+                "whole_call": p["total_s"] / ours["total_s"]}
+    return out
 
 
 def main(argv=None) -> list[dict]:
@@ -218,8 +351,11 @@ def main(argv=None) -> list[dict]:
             report.add(r)
     for name in args.models:
         for batch in args.batches:
-            peer = None if args.no_peer else bench_peer(name, batch, args)
-            for layout, variant in [(lay, v) for lay in args.layouts for v in args.variants]:
+            peers = [] if args.no_peer else bench_peer(name, batch, args)
+            for p in peers:
+                report.add(p)
+            for layout, variant in [] if args.peer_only else [
+                    (lay, v) for lay in args.layouts for v in args.variants]:
                 gc.collect()  # the previous engine (a reference cycle through its jits) and its cache
                 try:
                     ours = bench_ours(name, batch, args, variant, layout)
@@ -228,10 +364,8 @@ def main(argv=None) -> list[dict]:
                         raise
                     ours = {"engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
                             "variant": variant, "layer_layout": layout, "error": repr(e)[-2000:]}
-                if peer is not None:
-                    ours["peer"] = peer
-                    if "tokens_per_s" in peer and "tokens_per_s" in ours:
-                        ours["speedup_vs_peer"] = ours["tokens_per_s"] / peer["tokens_per_s"]
+                if peers:
+                    ours["vs_peer"] = compare(ours, peers)
                 report.add(ours)
     return report.records
 

@@ -177,7 +177,7 @@ def _decode_attention_impl(config: ModelConfig, t: int, dtype, head_dim: int) ->
 
 
 class Attention(nnx.Module):
-    def __init__(self, c: ModelConfig, n: int | None, rngs: nnx.Rngs):
+    def __init__(self, c: ModelConfig, n: int | None, rngs: nnx.Rngs, *, fused: bool = False):
         e, h, kvh, d, pd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.param_dtype
 
         def param(shape, axes):
@@ -186,14 +186,21 @@ class Attention(nnx.Module):
         def zeros(shape, axes):
             return _zeros(*_lead(n, shape, axes), pd)
 
-        self.q_proj = nnx.Dict(kernel=param((e, h, d), ("embed", "heads", "head_dim")))
-        self.k_proj = nnx.Dict(kernel=param((e, kvh, d), ("embed", "kv_heads", "head_dim")))
-        self.v_proj = nnx.Dict(kernel=param((e, kvh, d), ("embed", "kv_heads", "head_dim")))
+        if fused:  # one [e, kvh, g + 2, d] matmul: each kv head's g query heads, its key, its value
+            g = h // kvh
+            self.qkv_proj = nnx.Dict(kernel=param((e, kvh, g + 2, d), ("embed", "kv_heads", None, "head_dim")))
+            if c.attention_bias:
+                self.qkv_proj["bias"] = zeros((kvh, g + 2, d), ("kv_heads", None, "head_dim"))
+        else:
+            self.q_proj = nnx.Dict(kernel=param((e, h, d), ("embed", "heads", "head_dim")))
+            self.k_proj = nnx.Dict(kernel=param((e, kvh, d), ("embed", "kv_heads", "head_dim")))
+            self.v_proj = nnx.Dict(kernel=param((e, kvh, d), ("embed", "kv_heads", "head_dim")))
         self.o_proj = nnx.Dict(kernel=param((h, d, e), ("heads", "head_dim", "embed")))
         if c.attention_bias:
-            self.q_proj["bias"] = zeros((h, d), ("heads", "head_dim"))
-            self.k_proj["bias"] = zeros((kvh, d), ("kv_heads", "head_dim"))
-            self.v_proj["bias"] = zeros((kvh, d), ("kv_heads", "head_dim"))
+            if not fused:
+                self.q_proj["bias"] = zeros((h, d), ("heads", "head_dim"))
+                self.k_proj["bias"] = zeros((kvh, d), ("kv_heads", "head_dim"))
+                self.v_proj["bias"] = zeros((kvh, d), ("kv_heads", "head_dim"))
             if c.model_type == "llama":
                 self.o_proj["bias"] = zeros((e,), ("embed",))
         if c.qk_norm:
@@ -211,9 +218,16 @@ class Attention(nnx.Module):
         return sharding.constrain(y, ("batch", "length") + out_axes)
 
     def qkv(self, x, positions, inv_freq):
-        q = self._proj(self.q_proj, x, ("heads", "head_dim"))
-        k = self._proj(self.k_proj, x, ("kv_heads", "head_dim"))
-        v = self._proj(self.v_proj, x, ("kv_heads", "head_dim"))
+        if hasattr(self, "qkv_proj"):  # the fused layout: slices of one matmul's output
+            b, t, _ = x.shape
+            y = self._proj(self.qkv_proj, x, ("kv_heads", None, "head_dim"))  # [b, t, kvh, g + 2, d]
+            g = y.shape[3] - 2
+            q = y[:, :, :, :g].reshape(b, t, -1, y.shape[-1])
+            k, v = y[:, :, :, g], y[:, :, :, g + 1]
+        else:
+            q = self._proj(self.q_proj, x, ("heads", "head_dim"))
+            k = self._proj(self.k_proj, x, ("kv_heads", "head_dim"))
+            v = self._proj(self.v_proj, x, ("kv_heads", "head_dim"))
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
@@ -227,10 +241,13 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, c: ModelConfig, n: int | None, rngs: nnx.Rngs):
+    def __init__(self, c: ModelConfig, n: int | None, rngs: nnx.Rngs, *, fused: bool = False):
         e, f, pd = c.hidden_size, c.intermediate_size, c.param_dtype
-        self.gate_proj = nnx.Dict(kernel=_param(rngs, *_lead(n, (e, f), ("embed", "mlp")), pd))
-        self.up_proj = nnx.Dict(kernel=_param(rngs, *_lead(n, (e, f), ("embed", "mlp")), pd))
+        if fused:  # gate and up as one [e, 2, f] matmul
+            self.gate_up_proj = nnx.Dict(kernel=_param(rngs, *_lead(n, (e, 2, f), ("embed", None, "mlp")), pd))
+        else:
+            self.gate_proj = nnx.Dict(kernel=_param(rngs, *_lead(n, (e, f), ("embed", "mlp")), pd))
+            self.up_proj = nnx.Dict(kernel=_param(rngs, *_lead(n, (e, f), ("embed", "mlp")), pd))
         self.down_proj = nnx.Dict(kernel=_param(rngs, *_lead(n, (f, e), ("mlp", "embed")), pd))
         self.lora_scale = None  # α/r once `add_lora` gave the projections adapters
 
@@ -238,8 +255,12 @@ class MLP(nnx.Module):
         return jnp.einsum(spec, x, p["kernel"][...].astype(x.dtype)) + lora_delta(p, x, 1, self.lora_scale)
 
     def __call__(self, x):
-        gate = self._lin(self.gate_proj, x, "bte,ef->btf")
-        up = self._lin(self.up_proj, x, "bte,ef->btf")
+        if hasattr(self, "gate_up_proj"):
+            y = self._lin(self.gate_up_proj, x, "bte,eif->btif")
+            gate, up = y[:, :, 0], y[:, :, 1]
+        else:
+            gate = self._lin(self.gate_proj, x, "bte,ef->btf")
+            up = self._lin(self.up_proj, x, "bte,ef->btf")
         h = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
         return self._lin(self.down_proj, h, "btf,fe->bte")
 
@@ -248,12 +269,12 @@ class DecoderLayers(nnx.Module):
     """All decoder layers; every parameter has a leading `layers` axis of size num_hidden_layers.
     With `stacked=False`, one layer without that axis (an element of the per-layer layout)."""
 
-    def __init__(self, c: ModelConfig, rngs: nnx.Rngs, *, stacked: bool = True):
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs, *, stacked: bool = True, fused: bool = False):
         n, e = (c.num_hidden_layers if stacked else None), c.hidden_size
         self.input_layernorm = RMSNorm(*_lead(n, (e,), ("embed",)), c.rms_norm_eps, c.param_dtype)
-        self.self_attn = Attention(c, n, rngs)
+        self.self_attn = Attention(c, n, rngs, fused=fused)
         self.post_attention_layernorm = RMSNorm(*_lead(n, (e,), ("embed",)), c.rms_norm_eps, c.param_dtype)
-        self.mlp = MLP(c, n, rngs)
+        self.mlp = MLP(c, n, rngs, fused=fused)
 
     def layer(self, x, positions, inv_freq, kv_fn):
         """One layer on a per-layer view of the parameters. kv_fn(k, v) -> (k_all, v_all, mask, extra);
@@ -287,7 +308,7 @@ def causal_padding_mask(attention_mask):
     return causal[None] & attention_mask.astype(jnp.bool_)[:, None, :]
 
 
-LAYER_LAYOUTS = ("stacked", "per_layer")
+LAYER_LAYOUTS = ("stacked", "per_layer", "per_layer_fused")
 
 
 def _check_layout(layer_layout: str) -> str:
@@ -313,13 +334,16 @@ class Transformer(nnx.Module):
         if _check_layout(layer_layout) == "stacked":
             self.layers = DecoderLayers(c, rngs)
         else:
-            self.layers = nnx.List([DecoderLayers(c, rngs, stacked=False)
+            fused = layer_layout == "per_layer_fused"
+            self.layers = nnx.List([DecoderLayers(c, rngs, stacked=False, fused=fused)
                                     for _ in range(c.num_hidden_layers)])
         self.norm = RMSNorm((c.hidden_size,), ("embed",), c.rms_norm_eps, c.param_dtype)
 
     @property
     def layer_layout(self) -> str:
-        return "stacked" if isinstance(self.layers, DecoderLayers) else "per_layer"
+        if isinstance(self.layers, DecoderLayers):
+            return "stacked"
+        return "per_layer_fused" if hasattr(self.layers[0].self_attn, "qkv_proj") else "per_layer"
 
     def embed(self, input_ids):
         x = jnp.take(self.embed_tokens["embedding"][...], input_ids, axis=0).astype(self.config.dtype)
@@ -330,7 +354,7 @@ class Transformer(nnx.Module):
         kv_fn(layer_index, carry_extra, k, v) -> (k_all, v_all, mask, carry_extra); the index is a
         traced int32 when stacked, a Python int when per layer."""
         inv_freq = rope_inv_freq(self.config)
-        if self.layer_layout == "per_layer":
+        if self.layer_layout != "stacked":
             for i, layer in enumerate(self.layers):
                 x, carry_extra = layer.layer(x, positions, inv_freq,
                                              lambda k, v, i=i, e=carry_extra: kv_fn(i, e, k, v))
@@ -405,7 +429,7 @@ class Transformer(nnx.Module):
         else:
             dense = causal_padding_mask(attention_mask)
             mask = lambda k, v: dense  # noqa: E731
-        if self.layer_layout == "per_layer":
+        if self.layer_layout != "stacked":
             def kv_fn(i, cache, k, v):
                 return k, v, mask(k, v), KVCache(cache.k + (k.astype(c.dtype),), cache.v + (v.astype(c.dtype),))
 
@@ -431,7 +455,7 @@ class Transformer(nnx.Module):
         first new token is written. Query j of row b sees cache slots <= cache_index[b] + j.
         Returns (hidden [b, t, e], updated KVCache).
         """
-        per_layer = self.layer_layout == "per_layer"
+        per_layer = self.layer_layout != "stacked"
         if cache.per_layer != per_layer:
             raise ValueError(f"decode: the KV cache is {'per layer' if cache.per_layer else 'stacked'}"
                              f" but the model's layers are {self.layer_layout}; build the cache in "
@@ -522,6 +546,72 @@ def unstack_layers(params: dict) -> dict:
     return {**params, "model": {**params["model"], "layers": per}}
 
 
+def _fuse_layer(layer: dict) -> dict:
+    attn, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
+    q, k, v = attn.pop("q_proj"), attn.pop("k_proj"), attn.pop("v_proj")
+    kvh = k["kernel"].shape[-2]
+
+    def group(x, lead):  # [..., h, d] -> [..., kvh, g, d]
+        return x.reshape(x.shape[:lead] + (kvh, -1) + x.shape[-1:])
+
+    qkv = {"kernel": jnp.concatenate([group(q["kernel"], 1), k["kernel"][:, :, None], v["kernel"][:, :, None]],
+                                     axis=2)}
+    if "bias" in q:
+        qkv["bias"] = jnp.concatenate([group(q["bias"], 0), k["bias"][:, None], v["bias"][:, None]], axis=1)
+    gate, up = mlp.pop("gate_proj"), mlp.pop("up_proj")
+    return {**layer, "self_attn": {"qkv_proj": qkv, **attn},
+            "mlp": {"gate_up_proj": {"kernel": jnp.stack([gate["kernel"], up["kernel"]], axis=1)}, **mlp}}
+
+
+def _unfuse_layer(layer: dict) -> dict:
+    attn, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
+    qkv, gate_up = attn.pop("qkv_proj"), mlp.pop("gate_up_proj")["kernel"]
+    g = qkv["kernel"].shape[2] - 2
+
+    def heads(x):  # [..., kvh, g, d] -> [..., h, d]
+        return x.reshape(x.shape[:-3] + (-1, x.shape[-1]))
+
+    kern = qkv["kernel"]
+    out = {"q_proj": {"kernel": heads(kern[:, :, :g])}, "k_proj": {"kernel": kern[:, :, g]},
+           "v_proj": {"kernel": kern[:, :, g + 1]}}
+    if "bias" in qkv:
+        bias = qkv["bias"]
+        out["q_proj"]["bias"], out["k_proj"]["bias"], out["v_proj"]["bias"] = heads(bias[:, :g]), bias[:, g], bias[:, g + 1]
+    return {**layer, "self_attn": {**out, **attn},
+            "mlp": {"gate_proj": {"kernel": gate_up[:, 0]}, "up_proj": {"kernel": gate_up[:, 1]}, **mlp}}
+
+
+def params_layout(params: dict) -> str:
+    """The layer layout of a pure param dict: "stacked", "per_layer" or "per_layer_fused"."""
+    layers = params["model"]["layers"]
+    if "self_attn" in layers:
+        return "stacked"
+    return "per_layer_fused" if "qkv_proj" in layers[0]["self_attn"] else "per_layer"
+
+
+def convert_layers(params: dict, layout: str) -> dict:
+    """A pure param dict in any layer layout -> the same weights in `layout` (copies: run it inside
+    a jit, fused with a cast). per_layer_fused concatenates each layer's q/k/v kernels (and biases)
+    into `qkv_proj` [e, kvh, g + 2, d] (kv head j: its g query heads, its key, its value) and
+    stacks gate/up into `gate_up_proj` [e, 2, f]."""
+    source = params_layout(params)
+    if source == _check_layout(layout):
+        return params
+    if source == "stacked":
+        params = unstack_layers(params)
+    elif source == "per_layer_fused":
+        layers = params["model"]["layers"]
+        params = {**params, "model": {**params["model"],
+                                      "layers": {i: _unfuse_layer(layers[i]) for i in range(len(layers))}}}
+    if layout == "stacked":
+        return stack_layers(params)
+    if layout == "per_layer_fused":
+        layers = params["model"]["layers"]
+        return {**params, "model": {**params["model"],
+                                    "layers": {i: _fuse_layer(layers[i]) for i in range(len(layers))}}}
+    return params
+
+
 def stack_layers(params: dict) -> dict:
     """The inverse of `unstack_layers` (per-layer pure dict -> stacked)."""
     per = params["model"]["layers"]
@@ -554,8 +644,10 @@ class CausalLM(nnx.Module):
         return w.T if layout == "ve" else w
 
     def logits(self, hidden):
-        w = self.unembed_matrix().astype(hidden.dtype)
-        out = jnp.einsum("...e,ev->...v", hidden, w, preferred_element_type=jnp.float32)
+        # contract with the matrix as stored (a tied [vocab, embed] embedding is not transposed)
+        w, layout = self.unembed()
+        spec = "...e,ve->...v" if layout == "ve" else "...e,ev->...v"
+        out = jnp.einsum(spec, hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
         return sharding.constrain(out, ("batch", "length", "vocab")) if out.ndim == 3 else out
 
     def hidden_states(self, input_ids, *, attention_mask=None, positions=None):

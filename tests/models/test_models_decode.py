@@ -110,3 +110,36 @@ def test_decode_rejects_a_cache_in_the_other_layout(pair, ids):
         per.decode(ids[:, :1], positions=ids[:, :1], cache=pre, cache_index=jnp.zeros(3, jnp.int32))
     with pytest.raises(ValueError, match="layer_layout"):
         models.init_model(CONFIG, layer_layout="unrolled")
+
+
+@pytest.mark.parametrize("config", [CONFIG, CONFIG.replace(model_type="qwen2", qk_norm=False, attention_bias=True)],
+                         ids=["qwen3_qk_norm", "qwen2_bias"])
+def test_fused_projection_layout_equals_stacked_and_round_trips(config, ids):
+    """per_layer_fused (one qkv and one gate/up matmul per layer): same logits, cache and decode
+    step as the stacked model; convert_layers back to stacked is exact."""
+    stacked = models.init_model(config, seed=3)
+    pure = nnx.to_pure_dict(nnx.state(stacked, nnx.Param))
+    if config.attention_bias:  # non-zero biases, so their fusion is checked too
+        pure = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(0), x.shape, x.dtype), pure)
+        stacked = nnx.merge(nnx.split(stacked, nnx.Param)[0], pure)
+    fused_pure = models.convert_layers(pure, "per_layer_fused")
+    assert models.params_layout(fused_pure) == "per_layer_fused"
+    assert set(fused_pure["model"]["layers"][0]["self_attn"]) >= {"qkv_proj", "o_proj"}
+    graphdef, _ = nnx.split(models.abstract_model(config, layer_layout="per_layer_fused"), nnx.Param)
+    fused = nnx.merge(graphdef, fused_pure)
+    assert fused.model.layer_layout == "per_layer_fused"
+    np.testing.assert_allclose(fused(ids), stacked(ids), atol=1e-5, rtol=0)
+    _, cache_s = stacked.prefill(ids[:, :8])
+    _, cache_f = fused.prefill(ids[:, :8])
+    np.testing.assert_allclose(np.stack(cache_f.k), cache_s.k, atol=1e-5, rtol=0)
+    index = jnp.full((3,), 8, jnp.int32)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, 4), (0, 0), (0, 0)])  # noqa: E731
+    h_s, _ = stacked.decode(ids[:, 8:9], positions=index[:, None], cache_index=index,
+                            cache=KVCache(jax.vmap(pad)(cache_s.k), jax.vmap(pad)(cache_s.v)))
+    h_f, _ = fused.decode(ids[:, 8:9], positions=index[:, None], cache_index=index,
+                          cache=KVCache(tuple(map(pad, cache_f.k)), tuple(map(pad, cache_f.v))))
+    np.testing.assert_allclose(h_f, h_s, atol=1e-5, rtol=0)
+    back = models.convert_layers(fused_pure, "stacked")
+    assert jax.tree.structure(back) == jax.tree.structure(pure)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(pure)):
+        np.testing.assert_array_equal(a, b)

@@ -1,6 +1,8 @@
 """scripts/bench_rollout.py --tiny runs on CPU and reports every field the GPU run reports."""
 import json
 
+import pytest
+
 
 def test_bench_rollout_tiny_prints_json_with_all_metrics(capsys, load_script):
     bench = load_script("bench_rollout")
@@ -9,8 +11,12 @@ def test_bench_rollout_tiny_prints_json_with_all_metrics(capsys, load_script):
     assert printed == json.loads(json.dumps(results))
     r = printed[0]
     for key in ("tokens_per_s", "ms_per_step", "hbm_fraction", "compile_s", "peak_bytes",
-                "kv_cache_bytes", "weight_bytes"):
+                "kv_cache_bytes", "weight_bytes", "prefill_s", "flops_per_step", "roofline_ms",
+                "roofline_fraction"):
         assert key in r, key
     assert r["generated_tokens"] == 4 * 8
     assert r["layer_layout"] == "per_layer"  # the default: the fast decode layout
     assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and 0 < r["hbm_fraction"]
+    assert (r["gen_len"], r["short_len"]) == (8, 4)  # decode-only = the difference of the two calls
+    assert r["bytes_per_step"] == r["weight_bytes"] + r["kv_read_bytes"]
+    assert r["roofline_fraction"] == pytest.approx(r["roofline_ms"] / r["ms_per_step"])

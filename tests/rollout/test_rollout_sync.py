@@ -65,7 +65,7 @@ def test_zero_copy_sync_shares_the_trainers_buffers(train_params):
         np.asarray(params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][...][1].astype(jnp.bfloat16)))
 
 
-@pytest.mark.parametrize("layer_layout", ["per_layer", "stacked"])
+@pytest.mark.parametrize("layer_layout", ["per_layer", "per_layer_fused", "stacked"])
 def test_handing_the_engine_its_own_params_moves_zero_bytes(train_params, layer_layout):
     _, (graphdef, params) = train_params
     engine = rollout.Engine.from_model((graphdef, params), max_concurrent_decodes=8,
@@ -100,6 +100,13 @@ def test_resharded_sync_fsdp_to_tensor_gives_identical_generations(train_params)
         b = rollout.RolloutDriver(tp).generate(PROMPTS, n=2, max_new_tokens=8, sampling=GREEDY)
         np.testing.assert_array_equal(a.responses, b.responses)
         np.testing.assert_allclose(a.rollout_log_probs, b.rollout_log_probs, atol=1e-4)
+    # the fused projections on the tensor-sharded mesh: same tokens and log-probs
+    fused = rollout.Engine.from_model((graphdef, params), mesh=sharding.make_mesh((1, 2, 4)),
+                                      max_concurrent_decodes=4, max_prefill_length=16,
+                                      max_target_length=32, layer_layout="per_layer_fused")
+    c = rollout.RolloutDriver(fused).generate(PROMPTS, n=2, max_new_tokens=8, sampling=GREEDY)
+    np.testing.assert_array_equal(a.responses, c.responses)
+    np.testing.assert_allclose(a.rollout_log_probs, c.rollout_log_probs, atol=1e-4)
 
     # New weights take effect and the KV cache buffers survive the sync (tp: the 1x2x4 engine).
     driver = rollout.RolloutDriver(tp)
@@ -203,3 +210,28 @@ def test_temperature_to_zero_matches_greedy_and_log_probs_are_pre_filter():
     toks, lp = _draw(logits, 2.0, 2, 1.0)
     full = np.asarray(jax.nn.log_softmax(logits / 2.0, -1))
     np.testing.assert_allclose(np.asarray(lp), np.take_along_axis(full[None], np.asarray(toks)[..., None], -1)[..., 0], atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [7, 1024])  # several vocabulary chunks, and one
+def test_sampled_frequencies_follow_the_filtered_softmax(monkeypatch, chunk):
+    monkeypatch.setattr(rollout._sampling, "_CHUNK", chunk)
+    logits = jax.random.normal(jax.random.key(3), (2, 48)) * 1.5
+    draws = jax.jit(jax.vmap(rollout.sample, in_axes=(None, 0, None, None, None)))
+    keys = jax.random.split(jax.random.key(4), 4096 * 2).reshape(4096, 2)
+    b = logits.shape[0]
+    for top_k, top_p in ((-1, 1.0), (6, 0.8)):
+        toks, _ = draws(logits, keys, jnp.full((b,), 0.7, jnp.float32), jnp.full((b,), top_k, jnp.int32),
+                        jnp.full((b,), top_p, jnp.float32))
+        scaled = np.asarray(logits, np.float64) / 0.7
+        for row in range(b):
+            p = np.exp(scaled[row] - scaled[row].max())
+            p /= p.sum()
+            order = np.argsort(-p)
+            keep = order[:top_k] if top_k > 0 else order
+            q = np.cumsum(p[keep]) / p[keep].sum()  # top-p over the top-k tokens' renormalised mass
+            keep = keep[: int(np.searchsorted(q, top_p) + 1)] if top_p < 1 else keep
+            want = np.zeros_like(p)
+            want[keep] = p[keep] / p[keep].sum()
+            got = np.bincount(np.asarray(toks[:, row]), minlength=48) / toks.shape[0]
+            assert np.abs(got - want).max() < 0.03, (top_k, top_p, row)
+            assert got[want == 0].sum() == 0
