@@ -494,13 +494,16 @@ class Engine:
 
     def shares_weights(self, source) -> bool:
         """Whether `update_params(source)` would keep `source`'s buffers (zero copy, nothing runs)
-        for trainer params like `source` (arrays or ShapeDtypeStructs with shardings)."""
+        for trainer params like `source` (a State, pure dict or CausalLM of arrays or of
+        ShapeDtypeStructs with shardings)."""
+        source = _pure(source)
         layout = layout_of(source, self._layout_shardings)
         dtype = jnp.dtype(self.config.param_dtype)
         return (layout == self._layout == "stacked"
                 and resolve_layout("auto", source, self._layout_shardings, dtype) == "stacked")
 
     def _lower_sync(self, source):
+        source = _pure(source)
         if layout_of(source, self._layout_shardings) != self._layout:
             return self._relayout.lower(source)
         if self.shares_weights(source):
