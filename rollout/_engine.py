@@ -43,6 +43,7 @@ from ._state import DecodeState, Prefix, ResultTokens
 from ._weights import Relayout, layout_of, resolve_layout
 
 # JetStream's padding buckets (token_utils.pad_tokens); max_prefill_length must be one of them.
+PROGRAM_NAMES = ("prefill", "insert", "generate", "decode_loop", "weight_sync")  # Engine.lower's
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _PREFIX_AXES = ("layers", None, "cache_length", "kv_heads", "head_dim")
 
@@ -457,7 +458,7 @@ class Engine:
                             nnx.to_pure_dict(abstract), self._param_shardings)
 
     def lower(self, *, prefill_rows: int, insert_rows: int, out_rows: int, out_tokens: int,
-              sync_from=None) -> dict:
+              sync_from=None, programs=None) -> dict:
         """The engine's programs lowered for its mesh over abstract inputs (nothing allocated):
         "prefill" (`prefill_rows` prompts at max_prefill_length), "insert" (`insert_rows` of them
         into the slots), "generate" (one decode step of every slot) and "decode_loop" (the RL
@@ -465,7 +466,13 @@ class Engine:
         engine's `params` (abstract on an abstract engine). `sync_from`: abstract trainer params
         (a pure dict with shardings on the same devices) adds "weight_sync", the one program
         `update_params` runs for them (cast + reshard, or cast + relayout), or None when
-        `update_params` would share them (zero copy). Returns {name: jax.stages.Lowered | None}."""
+        `update_params` would share them (zero copy, see `shares_weights`). `programs`: the names to
+        lower (None: all; tracing each costs seconds). Returns {name: jax.stages.Lowered | None}."""
+        wanted = set(PROGRAM_NAMES if programs is None else programs)
+        unknown = wanted - set(PROGRAM_NAMES)
+        if unknown:
+            raise ValueError(f"Engine.lower: unknown programs {sorted(unknown)}; choose from {PROGRAM_NAMES}")
+
         def sds(shape, dtype, shardings=None):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=shardings or self._replicated)
 
@@ -473,32 +480,48 @@ class Engine:
         with sharding.use_rules(self._mesh, self._rules):
             state = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), jax.eval_shape(self._init_core),
                                  self._state_shardings)
-            prefix = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), jax.eval_shape(
-                self._prefill_core, params, sds((prefill_rows, self._max_prefill), jnp.int32),
-                sds((prefill_rows,), jnp.int32)), self._prefix_shardings)
+
+            def prefix():  # what prefill hands to insert
+                return jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), jax.eval_shape(
+                    self._prefill_core, params, sds((prefill_rows, self._max_prefill), jnp.int32),
+                    sds((prefill_rows,), jnp.int32)), self._prefix_shardings)
+
             i32 = functools.partial(sds, dtype=jnp.int32)
             m = insert_rows
             out = {"tokens": i32((out_rows, out_tokens)), "lengths": i32((out_rows,)),
                    "log_probs": sds((out_rows, out_tokens), jnp.float32)}
-            return {
-                "prefill": self._prefill_jit.lower(params, i32((prefill_rows, self._max_prefill)),
-                                                   i32((prefill_rows,))),
-                "insert": self._insert_jit.lower(
-                    state, prefix, i32((m,)), i32((m,)), i32((m,)), i32((m,)), sds((), jnp.float32),
+            lower = {
+                "prefill": lambda: self._prefill_jit.lower(params, i32((prefill_rows, self._max_prefill)),
+                                                           i32((prefill_rows,))),
+                "insert": lambda: self._insert_jit.lower(
+                    state, prefix(), i32((m,)), i32((m,)), i32((m,)), i32((m,)), sds((), jnp.float32),
                     i32(()), sds((), jnp.float32), jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
                                                                         sharding=self._replicated)),
-                "generate": self._generate_jit.lower(params, state),
-                "decode_loop": self._loop_jit.lower(params, state, out, i32(()), i32(())),
-                **({} if sync_from is None else {"weight_sync": self._lower_sync(sync_from)}),
+                "generate": lambda: self._generate_jit.lower(params, state),
+                "decode_loop": lambda: self._loop_jit.lower(params, state, out, i32(()), i32(())),
+                "weight_sync": lambda: self._lower_sync(sync_from),
             }
+            if sync_from is None:
+                wanted.discard("weight_sync")
+            return {name: fn() for name, fn in lower.items() if name in wanted}
+
+    def shares_weights(self, source) -> bool:
+        """Whether `update_params(source)` would keep `source`'s buffers (zero copy, nothing runs)
+        for trainer params like `source` (a State, pure dict or CausalLM of arrays or of
+        ShapeDtypeStructs with shardings)."""
+        source = _pure(source)
+        layout = layout_of(source, self._layout_shardings)
+        dtype = jnp.dtype(self.config.param_dtype)
+        return (layout == self._layout == "stacked"
+                and resolve_layout("auto", source, self._layout_shardings, dtype) == "stacked")
 
     def _lower_sync(self, source):
-        layout = layout_of(source, self._layout_shardings)
-        if layout != self._layout:
+        source = _pure(source)
+        if layout_of(source, self._layout_shardings) != self._layout:
             return self._relayout.lower(source)
-        dtype = jnp.dtype(self.config.param_dtype)
-        if resolve_layout("auto", source, self._layout_shardings, dtype) == "stacked" and layout == "stacked":
+        if self.shares_weights(source):
             return None  # every leaf already fits: shared, nothing runs
+        dtype = jnp.dtype(self.config.param_dtype)
 
         def cast(p):
             return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)

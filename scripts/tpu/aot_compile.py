@@ -253,12 +253,14 @@ def _engine_programs(run, cfg, graphdef, params, rollout_mesh, wanted, programs,
     rows = run.data.train_batch_size * run.rollout.n
     prefill_rows = rollout._engine._next_pow2(max(min(64, rows), 4))  # RolloutDriver's prefill batch
     same_devices = set(rollout_mesh.devices.flat) == set(jax.tree.leaves(params)[0].sharding.device_set)
+    trainer_params = nnx.to_pure_dict(params)
     lowered = engine.lower(
         prefill_rows=prefill_rows, insert_rows=min(prefill_rows, run.rollout.max_concurrent_decodes),
         out_rows=rollout._engine._next_pow2(max(rows, 16)),
         out_tokens=rollout._engine._next_pow2(max(run.data.max_response_length, 16)),
-        sync_from=nnx.to_pure_dict(params) if same_devices else None)
-    shared = same_devices and lowered.get("weight_sync") is None  # zero-copy: the trainer's buffers
+        sync_from=trainer_params if same_devices else None,
+        programs=[p for p in rollout._engine.PROGRAM_NAMES if p in wanted])  # tracing each takes seconds
+    shared = same_devices and engine.shares_weights(trainer_params)  # zero-copy: the trainer's buffers
     groups["engine_params"] = None if shared else engine.params
     with sharding.use_rules(rollout_mesh, "rollout"):
         groups["decode_state"] = jax.eval_shape(engine._init_core)
@@ -267,7 +269,7 @@ def _engine_programs(run, cfg, graphdef, params, rollout_mesh, wanted, programs,
     uses = {"prefill": weights, "insert": ("decode_state",), "generate": weights + ("decode_state",),
             "decode_loop": weights + ("decode_state",)}
     for name, use in uses.items():
-        if name in wanted:
+        if name in lowered:
             programs[name] = Program(lowered[name], use)
     if "weight_sync" in wanted and lowered.get("weight_sync") is not None:
         # the engine drops its old weights before the new ones are made

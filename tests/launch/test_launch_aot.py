@@ -26,8 +26,17 @@ def aot():
     return module
 
 
-def test_tiny_update_and_decode_compile_for_v5e_with_the_pallas_kernels(aot):
-    out = aot.run_aot("v5e:2x2", CONFIG, TINY, programs=("actor_update", "generate"), cost=False)
+@pytest.fixture(scope="module")
+def ppo(aot):
+    """One compile of the tiny PPO run's (GAE: a critic) update, critic update, decode step and
+    weight sync for v5e:2x2, shared by the tests below."""
+    gae = TINY + ("--config.algorithm.adv_estimator=gae",)
+    return aot.run_aot("v5e:2x2", CONFIG, gae, programs=("actor_update", "critic_update", "generate", "weight_sync"),
+                       cost=False)
+
+
+def test_tiny_update_and_decode_compile_for_v5e_with_the_pallas_kernels(ppo):
+    out = ppo
     assert out["chips"] == 4 and out["chip"]["name"] == "v5e" and out["device_kind"] == "TPU v5 lite"
     assert out["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1} and out["fits"]
     update, generate = out["programs"]["actor_update"], out["programs"]["generate"]
@@ -38,12 +47,27 @@ def test_tiny_update_and_decode_compile_for_v5e_with_the_pallas_kernels(aot):
     # the train state is donated (aliased into the output) and is the update's argument
     assert update["alias_bytes"] > 0
     assert update["argument_bytes"] > residents["actor_params"] + residents["actor_opt"] > 0
-    # beside the update, the engine's KV cache and weights stay resident (colocated)
-    assert update["other_resident_bytes"] == residents["decode_state"] + residents["engine_params"]
+    # beside the update, the engine's KV cache and weights and the critic stay resident (colocated)
+    assert update["other_resident_bytes"] == (residents["decode_state"] + residents["engine_params"]
+                                              + residents["critic_params"] + residents["critic_opt"])
     assert residents["decode_state"] > 0
     assert {"splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals",
             "splash_mha_dkv_segmented_no_residuals"} <= set(update["pallas_kernels"])
     assert generate["pallas_kernels"] == ["jaxrl_decode_attention"]
+
+
+def test_critic_update_and_weight_sync_compile_for_v5e(ppo):
+    """The critic update (its state resident beside the actor's) and the trainer -> rollout weight
+    sync (fp32 training weights cast into the engine's bf16 copy)."""
+    residents = ppo["resident_bytes"]
+    critic, sync = ppo["programs"]["critic_update"], ppo["programs"]["weight_sync"]
+    assert residents["critic_params"] > 0 and residents["critic_opt"] > residents["critic_params"]
+    assert critic["alias_bytes"] > 0 and critic["argument_bytes"] > residents["critic_params"] + residents["critic_opt"]
+    assert critic["other_resident_bytes"] == sum(v for k, v in residents.items() if not k.startswith("critic"))
+    assert {"splash_mha_fwd_segmented_residuals", "splash_mha_dkv_segmented_no_residuals"} <= set(
+        critic["pallas_kernels"])
+    assert not ppo["engine"]["zero_copy_sync"] and sync["output_bytes"] >= residents["engine_params"]
+    assert sync["peak_bytes"] == sync["program_bytes"] + sync["other_resident_bytes"] <= sync["hbm_bytes"]
 
 
 def test_the_config_switch_takes_the_kernels_out(aot):

@@ -48,13 +48,14 @@ def test_zero_copy_sync_shares_the_trainers_buffers(train_params):
                                        max_prefill_length=16, max_target_length=32)
     assert engine.mesh is mesh  # mesh=None -> the params' own mesh
     assert engine.layer_layout == "stacked"  # auto: the trainer's buffers can be shared
+    assert engine.shares_weights(params)  # what the ahead-of-time compile asks, without arrays
     stats = engine.update_params(params)
     assert stats["zero_copy"] and stats["bytes_moved"] == 0 and stats["bytes_total"] > 0
     _same_buffers(engine.params, params)
     # a dtype change is not zero-copy: auto splits the layers during the cast (per_layer)
     cast = rollout.Engine.from_model((graphdef, params), rules="train", max_concurrent_decodes=8,
                                      max_prefill_length=16, max_target_length=32, dtype="bfloat16")
-    assert cast.layer_layout == "per_layer"
+    assert cast.layer_layout == "per_layer" and not cast.shares_weights(params)
     stats = cast.update_params(params)
     assert not stats["zero_copy"] and stats["bytes_moved"] == stats["bytes_total"] > 0
     assert stats["bytes_total"] == sum(x.nbytes for x in _leaves(params)) // 2  # fp32 -> bf16
