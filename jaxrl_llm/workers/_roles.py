@@ -2,7 +2,7 @@
 the SFT trainer used for warm starts. Each owns its state and a few compiled steps; the math
 comes from `jaxrl_llm.algos`.
 
-Batches arrive as host numpy dicts with verl's field names; sequences are `input_ids [b, p + t]`
+Batches arrive as `data.Batch`es (or dicts) with verl's field names; sequences are `input_ids [b, p + t]`
 (left-padded prompt, right-padded response), `responses [b, t]`, `response_mask [b, t]`.
 """
 from __future__ import annotations
