@@ -42,6 +42,12 @@ class SamplingParams:
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", float(p))
 
+    @classmethod
+    def from_config(cls, section) -> "SamplingParams":
+        """From any settings object with `temperature, top_k, top_p` (a run config's `rollout`
+        or `rollout.val` section)."""
+        return cls(temperature=section.temperature, top_k=section.top_k, top_p=section.top_p)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

@@ -124,9 +124,11 @@ def _reward(responses: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 def _generate(worker, cfg, prompts, seed: int) -> dict:
+    import rollout
+
     return worker.generate([e.prompt_ids for e in prompts], n=cfg.rollout.n,
                            max_new_tokens=cfg.data.max_response_length,
-                           sampling=dict(temperature=1.0, top_k=-1, top_p=1.0), seed=seed)
+                           sampling=rollout.SamplingParams(temperature=1.0), seed=seed)
 
 
 def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start_next=None):
@@ -159,24 +161,24 @@ def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start
     batch = B.rollout_batch(prompts, gen, n=n, pad_token_id=0, max_prompt_length=cfg.data.max_prompt_length)
 
     def reward():
-        batch["token_level_scores"] = B.token_level_scores(
-            _reward(batch["responses"], batch["response_mask"]).astype(np.float32), batch["response_mask"])
+        batch.token_level_scores = B.token_level_scores(
+            _reward(batch.responses, batch.response_mask).astype(np.float32), batch.response_mask)
     timed("reward", reward)
-    batch.update(timed("old_log_prob", lambda: worker.compute_old_log_prob(B.worker_view(batch))))
-    batch.update(timed("ref", lambda: worker.compute_ref_log_prob(B.worker_view(batch))))
+    batch.old_log_probs = timed("old_log_prob", lambda: worker.compute_old_log_prob(batch))["old_log_probs"]
+    batch.update(timed("ref", lambda: worker.compute_ref_log_prob(batch)))
 
     def adv():
-        batch["token_level_rewards"] = batch["token_level_scores"]
-        batch["advantages"], batch["returns"] = B.compute_advantages(
+        batch.token_level_rewards = batch.token_level_scores
+        batch.advantages, batch.returns = B.compute_advantages(
             batch, estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True)
     timed("adv", adv)
     metrics = timed("update_actor", lambda: worker.update_actor(
-        B.worker_view(batch), mini_rows=cfg.actor.ppo_mini_batch_size * n, seed=seed))
+        batch, mini_rows=cfg.actor.ppo_mini_batch_size * n, seed=seed))
     if not overlap:
         sync = timed("update_weights", worker.sync_weights)
     timing["step"] = time.perf_counter() - t_step
-    n_prompt = int(batch["attention_mask"][:, :batch["prompts"].shape[1]].sum())
-    n_resp = int(batch["response_mask"].sum())
+    n_prompt = int(batch.attention_mask[:, :batch.prompts.shape[1]].sum())
+    n_resp = int(batch.response_mask.sum())
     return timing, {"n_prompt": n_prompt, "n_resp": n_resp, "sync": sync,
                     "score": float(batch["token_level_scores"].sum(-1).mean()), **metrics}, following
 

@@ -40,8 +40,9 @@ def sequence_scores_to_token_level(scores, response_mask):
     mask = response_mask != 0
     t = mask.shape[-1]
     last = t - 1 - jnp.argmax(jnp.flip(mask, -1), axis=-1)
-    onehot = jax.nn.one_hot(last, t, dtype=jnp.asarray(scores).dtype)
-    return onehot * scores[:, None] * mask.any(-1, keepdims=True)
+    on_last = (jnp.arange(t) == last[:, None]) & mask.any(-1, keepdims=True)
+    scores = jnp.asarray(scores)
+    return jnp.where(on_last, scores[:, None], jnp.zeros((), scores.dtype))  # +0.0 elsewhere
 
 
 @jax.jit

@@ -1,8 +1,10 @@
-"""Data: verl-schema prompt files -> tokenized prompts -> resumable grain batches; SFT data.
+"""Data: verl-schema prompt files -> tokenized prompts -> resumable grain batches; SFT data;
+the RL `Batch` (verl's fields) that controller and workers exchange.
 
 Scoring responses is `jaxrl_llm.rewards`'s job; tokenizers come from `jaxrl_llm.models`.
 """
 from jaxrl_llm.data import tasks
+from jaxrl_llm.data._batch import Batch, MissingFieldError
 from jaxrl_llm.data._loader import PromptLoader
 from jaxrl_llm.data._rl_dataset import PromptExample, RLDataset, collate_prompts
 from jaxrl_llm.data._schema import DataError, read_rows, validate_row, write_rows
@@ -10,7 +12,9 @@ from jaxrl_llm.data._sft import SFTDataset, SFTExample, collate_sft
 from jaxrl_llm.data._tokenizer import Tokenizer
 
 __all__ = [
+    "Batch",
     "DataError",
+    "MissingFieldError",
     "PromptExample",
     "PromptLoader",
     "RLDataset",

@@ -3,14 +3,19 @@
 Both expose `call(method, *args, **kwargs) -> list` (one result per host, same order) so the
 controller's loop is identical, and `call_async` / `wait` for a call that runs while the
 controller goes on (the one-step-off-policy rollout; the worker then serves two calls at once).
-A worker that raises surfaces as `WorkerError` carrying the remote traceback; the controller
-then stops cleanly.
+`method` is a function of the worker class, e.g. `group.call(HostWorker.generate, prompts, ...)`,
+never a name: a misspelt method fails where it is written (an AttributeError, and a type
+checker's error, which also checks the arguments against the method's signature), not deep in
+a Ray call. A worker that raises surfaces as `WorkerError` carrying the remote traceback; the
+controller then stops cleanly.
 """
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -28,25 +33,47 @@ class WorkerError(RuntimeError):
     """A worker raised; the message holds its (remote) traceback."""
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+Method = Callable[Concatenate[Any, P], R]  # a worker class's function: `HostWorker.generate`
+
+
+def method_name(cls: type, method: Callable) -> str:
+    """The name under which the workers (instances of `cls`) run `method`, a public function
+    of `cls` or of a base class of it; anything else (a name string, another class's function)
+    is a TypeError saying what to pass."""
+    if isinstance(method, str):
+        raise TypeError(f"pass the worker method itself, e.g. {cls.__name__}.{method}, not its name "
+                        f"{method!r}: a misspelt method then fails where it is written")
+    name = getattr(method, "__name__", "")
+    if name.startswith("_") or not any(vars(k).get(name) is method for k in cls.__mro__):
+        raise TypeError(f"{getattr(method, '__qualname__', method)!r} is not a public method of the "
+                        f"worker class {cls.__name__}")
+    return name
+
+
 class LocalGroup:
     """The workers of a one-host run, in this process (debugging, profiling, tests)."""
 
     def __init__(self, cls, *args, max_concurrency: int = 1, **kwargs):
+        self.cls = cls
         self.workers = [cls(*args, **kwargs)]
         # a background thread serves call_async (JAX dispatch is thread-safe; the two calls must
         # use disjoint state, e.g. rollout on its own devices while the actor trains)
         self._pool = ThreadPoolExecutor(max_concurrency - 1) if max_concurrency > 1 else None
 
-    def call(self, method: str, *args, **kwargs) -> list:
+    def call(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        name = method_name(self.cls, method)
         try:
-            return [getattr(w, method)(*args, **kwargs) for w in self.workers]
+            return [getattr(w, name)(*args, **kwargs) for w in self.workers]
         except Exception as e:  # noqa: BLE001 - re-raised with context, original chained
-            raise WorkerError(f"worker call {method!r} failed: {type(e).__name__}: {e}") from e
+            raise WorkerError(f"worker call {name!r} failed: {type(e).__name__}: {e}") from e
 
-    def call_async(self, method: str, *args, **kwargs):
+    def call_async(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs):
         """Starts `call` in the background; `wait(handle)` returns its result (or raises)."""
         if self._pool is None:
             raise RuntimeError("call_async needs a group made with max_concurrency >= 2")
+        method_name(self.cls, method)  # a wrong method fails here, not in the background
         return self._pool.submit(self.call, method, *args, **kwargs)
 
     def wait(self, handle) -> list:
@@ -92,6 +119,7 @@ class RayGroup:
             distributed = {**distributed, "num_processes": num_hosts}
         env = forward_env()
         # max_concurrency > 1 makes a threaded actor: call_async and call run side by side
+        self.cls = cls
         actor_cls = ray.remote(num_cpus=0, max_concurrency=max_concurrency)(cls)
         self.workers = []
         for i in range(num_hosts):
@@ -102,14 +130,15 @@ class RayGroup:
             if env:  # this process's devices/env now, also when Ray was started earlier
                 opts["runtime_env"] = {"env_vars": env}
             self.workers.append(actor_cls.options(**opts).remote(*args, **kw))
-        self.call("info")  # surface construction errors now
+        self.call(cls.info)  # surface construction errors now
 
-    def call(self, method: str, *args, **kwargs) -> list:
+    def call(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         return self.wait(self.call_async(method, *args, **kwargs))
 
-    def call_async(self, method: str, *args, **kwargs):
+    def call_async(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs):
         """Starts the call on every actor; `wait(handle)` returns the results (or raises)."""
-        return method, [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+        name = method_name(self.cls, method)
+        return name, [getattr(w, name).remote(*args, **kwargs) for w in self.workers]
 
     def wait(self, handle) -> list:
         method, refs = handle

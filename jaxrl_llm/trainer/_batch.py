@@ -1,5 +1,5 @@
-"""Host-side batch assembly: prompts + rollouts -> verl's batch fields, rewards placement,
-advantages. Pure numpy / jitted `algos` calls; no worker state.
+"""Host-side batch assembly: prompts + rollouts -> a `data.Batch` of verl's fields, rewards
+placement, advantages. Pure numpy / jitted `algos` calls; no worker state.
 """
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import algos
-from jaxrl_llm.data import collate_prompts
+from jaxrl_llm.data import Batch, collate_prompts
 
 
-def rollout_batch(examples, gen: dict, *, n: int, pad_token_id: int, max_prompt_length: int) -> dict:
+def rollout_batch(examples, gen: dict, *, n: int, pad_token_id: int, max_prompt_length: int) -> Batch:
     """verl's fields for b*n sequences: prompts left-padded [b*n, p], responses [b*n, t].
 
     Agent rollouts (`gen` has per-row `prompt_ids` and `response_attention_mask`): each row keeps
@@ -32,13 +32,13 @@ def rollout_batch(examples, gen: dict, *, n: int, pad_token_id: int, max_prompt_
     response_attention = np.asarray(gen.get("response_attention_mask", response_mask), np.int32)
     attention_mask = np.concatenate([prompt_mask, response_attention], axis=1).astype(np.int32)
     position_ids = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0).astype(np.int32)
-    return {
-        "prompts": prompt_ids.astype(np.int32), "responses": responses, "response_mask": response_mask,
-        "input_ids": np.concatenate([prompt_ids, responses], axis=1).astype(np.int32),
-        "attention_mask": attention_mask, "position_ids": position_ids,
-        "rollout_log_probs": gen["rollout_log_probs"].astype(np.float32),
-        "group_ids": np.repeat(np.arange(len(examples), dtype=np.int32), n),
-    }
+    return Batch(
+        prompts=prompt_ids.astype(np.int32), responses=responses, response_mask=response_mask,
+        input_ids=np.concatenate([prompt_ids, responses], axis=1).astype(np.int32),
+        attention_mask=attention_mask, position_ids=position_ids,
+        rollout_log_probs=gen["rollout_log_probs"].astype(np.float32),
+        group_ids=np.repeat(np.arange(len(examples), dtype=np.int32), n),
+    )
 
 
 class _Prompt(NamedTuple):
@@ -46,27 +46,17 @@ class _Prompt(NamedTuple):
     index: int
 
 
-def last_valid_index(response_mask: np.ndarray) -> np.ndarray:
-    """int[b]: each row's last token with mask 1 (-1 for a row without one). Unlike
-    `mask.sum() - 1` this is right when the mask has holes (agent rollouts' tool tokens)."""
-    t = response_mask.shape[-1]
-    flipped = np.argmax(response_mask[:, ::-1] > 0, axis=-1)
-    return np.where(response_mask.any(-1), t - 1 - flipped, -1)
-
-
 def token_level_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
-    """The sequence score on each response's last valid (model) token (verl's placement). [b, t]."""
-    out = np.zeros(response_mask.shape, np.float32)
-    last = last_valid_index(np.asarray(response_mask))
-    rows = np.nonzero(last >= 0)[0]
-    out[rows, last[rows]] = scores[rows]
-    return out
+    """The sequence score on each response's last valid (model) token (verl's placement), as
+    host float32 [b, t]: `algos.sequence_scores_to_token_level` (right with holes in the mask)."""
+    return np.asarray(algos.sequence_scores_to_token_level(
+        np.asarray(scores, np.float32), np.asarray(response_mask)), np.float32)
 
 
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 
 
-def filter_metric(name: str, batch: dict, fields: dict[str, np.ndarray]) -> np.ndarray:
+def filter_metric(name: str, batch: Batch, fields: dict[str, np.ndarray]) -> np.ndarray:
     """float[b]: the value DAPO's group filter (`algorithm.filter_groups.metric`) compares.
 
     `acc`: the reward function's `acc` extra, else its score (as verl's DAPO reward manager);
@@ -79,29 +69,23 @@ def filter_metric(name: str, batch: dict, fields: dict[str, np.ndarray]) -> np.n
     if name == "score":
         return np.asarray(fields["score"], np.float32)
     if name in ("seq_reward", "seq_final_reward"):
-        return batch["token_level_scores"].sum(-1).astype(np.float32)
+        return batch.token_level_scores.sum(-1).astype(np.float32)
     raise ValueError(f"unknown filter_groups.metric {name!r}; use one of {FILTER_METRICS}")
 
 
-def select_rows(batch: dict, rows: np.ndarray) -> dict:
-    """The batch's rows `rows` (a bool mask or indices), every per-row field."""
-    idx = np.flatnonzero(rows) if np.asarray(rows).dtype == bool else np.asarray(rows)
-    return {k: v[idx] if isinstance(v, np.ndarray) else [v[i] for i in idx] for k, v in batch.items()}
-
-
-def concat_batches(batches: list[dict]) -> dict:
+def concat_batches(batches: list[Batch]) -> Batch:
     """Rows of several batches (same fields and widths) in order; `group_ids` are offset so
     that groups from different batches stay apart."""
     out, offset = [], 0
     for b in batches:
-        b = dict(b, group_ids=b["group_ids"] + offset)
-        offset = int(b["group_ids"].max()) + 1 if len(b["group_ids"]) else offset
+        b = b.select(np.arange(b.rows))  # a copy: the offset must not change the caller's batch
+        b.group_ids = b.group_ids + offset
+        offset = int(b.group_ids.max()) + 1 if len(b.group_ids) else offset
         out.append(b)
-    return {k: (np.concatenate([b[k] for b in out]) if isinstance(out[0][k], np.ndarray)
-                else [x for b in out for x in b[k]]) for k in out[0]}
+    return Batch.concat(out)
 
 
-def compute_advantages(batch: dict, *, estimator: str, gamma: float, lam: float,
+def compute_advantages(batch: Batch, *, estimator: str, gamma: float, lam: float,
                        norm_adv_by_std_in_grpo: bool) -> tuple[np.ndarray, np.ndarray]:
     """`algos.compute_advantage(estimator, ...)` on the batch's verl fields -> (advantages, returns).
 
@@ -115,14 +99,14 @@ def compute_advantages(batch: dict, *, estimator: str, gamma: float, lam: float,
     return np.asarray(adv, np.float32), np.asarray(ret, np.float32)
 
 
-def kl_in_reward(batch: dict, kl_coef: float, kl_penalty: str) -> tuple[np.ndarray, float]:
+def kl_in_reward(batch: Batch, kl_coef: float, kl_penalty: str) -> tuple[np.ndarray, float]:
     rewards, current_kl = algos.apply_kl_penalty(
         jnp.asarray(batch["token_level_scores"]), jnp.asarray(batch["old_log_probs"]),
         jnp.asarray(batch["ref_log_prob"]), jnp.asarray(batch["response_mask"]), kl_coef, kl_penalty)
     return np.asarray(rewards, np.float32), float(current_kl)
 
 
-def rollout_correction(batch: dict, rc) -> dict[str, float]:
+def rollout_correction(batch: Batch, rc) -> dict[str, float]:
     """verl's rollout correction (`algorithm.rollout_correction`, a `RolloutCorrectionConfig`)
     between `old_log_probs` and `rollout_log_probs`, in place: truncated IS weights go to
     `rollout_is_weights` (the actor's policy loss multiplies by them) and rejected tokens / rows
@@ -137,11 +121,6 @@ def rollout_correction(batch: dict, rc) -> dict[str, float]:
         rollout_token_veto_threshold=rc.rollout_token_veto_threshold or None)
     weights, mask, metrics = jax.device_get((weights, mask, metrics))
     if weights is not None:
-        batch["rollout_is_weights"] = np.asarray(weights, np.float32)
-    batch["response_mask"] = np.asarray(mask, batch["response_mask"].dtype)
+        batch.rollout_is_weights = np.asarray(weights, np.float32)
+    batch.response_mask = np.asarray(mask, batch.response_mask.dtype)
     return {k: float(v) for k, v in metrics.items()}
-
-
-def worker_view(batch: dict) -> dict:
-    """Only the numeric arrays workers need (no strings, no controller-only fields)."""
-    return {k: v for k, v in batch.items() if isinstance(v, np.ndarray) and v.dtype != object}

@@ -18,13 +18,14 @@ from contextlib import contextmanager
 import jax
 import numpy as np
 
+import rollout
 from jaxrl_llm import algos, data, metrics as M, models, rewards
 from jaxrl_llm.checkpoint import checkpoint_root, resolve_resume, set_aside_steps
 from jaxrl_llm.config import RunConfig, SamplingConfig
 from jaxrl_llm.workers import HostWorker
 
 from . import _batch as B
-from ._backend import WorkerError, make_group
+from ._backend import Method, P, R, WorkerError, make_group
 from ._sft_data import sft_batches, sft_dataset
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class RLTrainer:
         self.group = make_group(c.trainer.backend, HostWorker, c, vocab_size=self.tokenizer.vocab_size,
                                 pad_token_id=self.pad_id, stop_token_ids=stop_ids, num_hosts=num_hosts,
                                 distributed=distributed, max_concurrency=2 if self.overlap else 1)
-        self.info = self.call0("info")
+        self.info = self.call0(HostWorker.info)
         # the controller's first JAX computation: only after Ray has started its processes (it
         # starts them with a preexec_fn, and JAX warns of a fork once its backend is running)
         kl = c.algorithm.kl_ctrl
@@ -152,8 +153,9 @@ class RLTrainer:
         self.nonfinite_steps = 0  # steps with a skipped (NaN/inf) optimizer update, in all
         self.nonfinite_streak = 0  # ... in a row, up to now
 
-    def call0(self, method: str, *args, **kwargs):
-        """Calls every host; hosts return identical (replicated) results, keep host 0's."""
+    def call0(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Calls `method` (a `HostWorker` function) on every host; hosts return identical
+        (replicated) results, keep host 0's."""
         return self.group.call(method, *args, **kwargs)[0]
 
     # -- the job -------------------------------------------------------------------------------
@@ -163,7 +165,7 @@ class RLTrainer:
             resume = self._prepare_resume()
             if resume is None and c.sft.steps > 0:
                 self.run_sft()
-            self.call0("start_rl", c.trainer.total_training_steps)
+            self.call0(HostWorker.start_rl, c.trainer.total_training_steps)
             if resume is not None:
                 self._restore(*resume)
             last_val = {}
@@ -191,13 +193,13 @@ class RLTrainer:
                 if is_last or (c.trainer.save_freq > 0 and self.global_step % c.trainer.save_freq == 0):
                     self.save_checkpoint()
                 elif c.trainer.async_save:  # a failed background save stops the run at the next step
-                    self.group.call("check_checkpoints")
+                    self.group.call(HostWorker.check_checkpoints)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(score=f"{step_metrics.get('critic/score/mean', 0):.3f}")
             if bar is not None:
                 bar.close()
-            self.call0("wait_checkpoints")
+            self.call0(HostWorker.wait_checkpoints)
             self._finish()
             return last_val
         except WorkerError:
@@ -218,7 +220,7 @@ class RLTrainer:
         step = -1 if resume is None else resume[1]
         if self.logger_enabled:  # one process moves files
             if set_aside_steps(root, keep_up_to=max(step, 0)):
-                self.group.call("reload_checkpoints")
+                self.group.call(HostWorker.reload_checkpoints)
             self.logger.rewind(step)
         return resume
 
@@ -247,9 +249,9 @@ class RLTrainer:
         c = self.config
         if c.trainer.export_hf:
             tok = self.tokenizer
-            self.call0("export_hf", f"{self.run_dir}/hf_actor", tokenizer=tok)
+            self.call0(HostWorker.export_hf, f"{self.run_dir}/hf_actor", tokenizer=tok)
             if c.actor.lora.enabled:  # the adapters alone, in PEFT's format
-                self.call0("export_peft", f"{self.run_dir}/lora_adapter")
+                self.call0(HostWorker.export_peft, f"{self.run_dir}/lora_adapter")
         if c.trainer.plot:
             try:
                 M.plot_curves(self.run_dir, f"{self.run_dir}/curves.png")
@@ -258,7 +260,7 @@ class RLTrainer:
 
     def _safe_wait(self):
         try:
-            self.group.call("wait_checkpoints")
+            self.group.call(HostWorker.wait_checkpoints)
         except Exception:  # noqa: BLE001 - the worker may be gone
             pass
 
@@ -284,7 +286,7 @@ class RLTrainer:
                              enable=self.logger_enabled) as sft_log:
             sft_log.rewind(-1)  # SFT runs whole or not at all: a restarted one starts the file anew
             for step, batch in enumerate(sft_batches(self.config, sft_set, self.pad_id)):
-                m = self.call0("sft_step", batch)
+                m = self.call0(HostWorker.sft_step, batch)
                 sft_log.log(m, step=step + 1)
                 if bar is not None:
                     bar.update(1)
@@ -303,8 +305,7 @@ class RLTrainer:
         c = self.config
         return dict(prompts=[e.prompt_ids for e in examples], n=c.rollout.n,
                     max_new_tokens=c.data.max_response_length, seed=self._seed(1 + 100 * round_, step),
-                    sampling=dict(temperature=c.rollout.temperature, top_k=c.rollout.top_k,
-                                  top_p=c.rollout.top_p))
+                    sampling=rollout.SamplingParams.from_config(c.rollout))
 
     def _rollout(self, timing: dict, metrics: dict, round_: int = 0):
         """This step's prompts and their rollout (round `round_` of the step's generation).
@@ -321,7 +322,7 @@ class RLTrainer:
             with _timer(timing, "gen"):  # only the time this step waited for the rollout
                 gen = self.group.wait(handle)[0]
                 if gen.pop("deferred", False):  # several hosts: each holds its share; gather them
-                    gen.update(self.call0("collect_rollout"))
+                    gen.update(self.call0(HostWorker.collect_rollout))
             self._pending = None
             timing["gen_async"] = gen.pop("time_s", 0.0)  # its full duration, mostly hidden
             metrics["rollout/off_policy_steps"] = 1.0
@@ -333,7 +334,7 @@ class RLTrainer:
         else:
             examples = next(self.loader)
             with _timer(timing, "gen"):
-                gen = self.call0("generate", **self._generate_kwargs(examples, self.global_step, round_))
+                gen = self.call0(HostWorker.generate, **self._generate_kwargs(examples, self.global_step, round_))
             gen.pop("time_s", None)
             metrics["rollout/off_policy_steps"] = 0.0
         if self.overlap and self.global_step + 1 < self.config.trainer.total_training_steps:
@@ -341,7 +342,7 @@ class RLTrainer:
                 self._sync(metrics)
             state = self.loader.get_state()
             nxt = next(self.loader)
-            handle = self.group.call_async("generate", **self._generate_kwargs(nxt, self.global_step + 1),
+            handle = self.group.call_async(HostWorker.generate, **self._generate_kwargs(nxt, self.global_step + 1),
                                            gather=False)  # no collectives while the actor trains
             self._pending = (handle, nxt, state)
         return examples, gen
@@ -372,7 +373,7 @@ class RLTrainer:
                                        ground_truth=e.ground_truth, extra_info=e.extra_info,
                                        agent_name=e.agent_name))
                       for i, e in enumerate(examples)]
-            self.call0("async_feed", groups)
+            self.call0(HostWorker.async_feed, groups)
             self._fed_batches += 1
             self._outstanding += len(groups)
 
@@ -382,7 +383,7 @@ class RLTrainer:
         k = self._groups_per_step
         self._async_feed()
         with _timer(timing, "gen"):  # the trainer's wait for finished groups
-            gen = self.call0("async_take", k, max_staleness=self._max_staleness)
+            gen = self.call0(HostWorker.async_take, k, max_staleness=self._max_staleness)
         self._outstanding -= k
         samples, version = gen.pop("samples"), gen.pop("policy_version")
         lo, hi = gen.pop("group_min_version"), gen.pop("group_max_version")
@@ -417,10 +418,10 @@ class RLTrainer:
         samples = [dict(raw_prompt=e.raw_prompt, data_source=e.data_source, ground_truth=e.ground_truth,
                         extra_info=e.extra_info, agent_name=e.agent_name, row=i * n + j)
                    for i, e in enumerate(examples) for j in range(n)]
-        return self.call0("agent_generate", samples, seed=seed, sampling=dict(
-            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p))
+        return self.call0(HostWorker.agent_generate, samples, seed=seed,
+                          sampling=rollout.SamplingParams.from_config(sampling))
 
-    def _sync(self, metrics: dict, method: str = "sync_weights") -> None:
+    def _sync(self, metrics: dict, method: Method[[], dict] = HostWorker.sync_weights) -> None:
         sync = self.call0(method)
         metrics.update({f"rollout/sync_{k}": float(v) for k, v in sync.items()})
 
@@ -430,7 +431,7 @@ class RLTrainer:
         the newest weights into the server unless the last step did."""
         if self.fully_async:
             if self.global_step % self.config.async_training.trigger_parameter_sync_step:
-                self._sync({}, "async_sync")
+                self._sync({}, HostWorker.async_sync)
             return
         if not self.overlap:
             return
@@ -446,13 +447,13 @@ class RLTrainer:
         examples, batch = self._train_batch(timing, metrics)
         with _timer(timing, "old_log_prob"):
             if c.rollout.use_rollout_log_probs:
-                batch["old_log_probs"] = batch["rollout_log_probs"]
+                batch.old_log_probs = batch.rollout_log_probs
             else:
-                out = self.call0("compute_old_log_prob", B.worker_view(batch))
-                batch["old_log_probs"] = out["old_log_probs"]
-                mask = batch["response_mask"]
+                out = self.call0(HostWorker.compute_old_log_prob, batch)
+                batch.old_log_probs = out["old_log_probs"]
+                mask = batch.response_mask
                 metrics["actor/entropy_rollout"] = float((out["entropys"] * mask).sum() / max(mask.sum(), 1))
-                diff = np.abs(out["old_log_probs"] - batch["rollout_log_probs"]) * mask
+                diff = np.abs(out["old_log_probs"] - batch.rollout_log_probs) * mask
                 metrics["rollout/logprob_abs_diff/mean"] = float(diff.sum() / max(mask.sum(), 1))
                 real = diff[mask > 0]  # engine vs trainer log-prob of each generated token
                 if real.size:
@@ -469,35 +470,34 @@ class RLTrainer:
                 metrics.update(B.rollout_correction(batch, c.algorithm.rollout_correction))
         if c.use_reference:
             with _timer(timing, "ref"):
-                batch.update(self.call0("compute_ref_log_prob", B.worker_view(batch)))
+                batch.update(self.call0(HostWorker.compute_ref_log_prob, batch))
         if c.use_critic:
             with _timer(timing, "values"):
-                batch.update(self.call0("compute_values", B.worker_view(batch)))
+                batch.update(self.call0(HostWorker.compute_values, batch))
         with _timer(timing, "adv"):
             if c.algorithm.use_kl_in_reward:
                 beta = float(np.asarray(self.kl_ctrl.value))
-                batch["token_level_rewards"], current_kl = B.kl_in_reward(batch, beta, c.algorithm.kl_penalty)
+                batch.token_level_rewards, current_kl = B.kl_in_reward(batch, beta, c.algorithm.kl_penalty)
                 self.kl_ctrl = self.kl_ctrl.update(current_kl, len(examples) * c.rollout.n)
                 metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
             else:
-                batch["token_level_rewards"] = batch["token_level_scores"]
+                batch.token_level_rewards = batch.token_level_scores
             a = c.algorithm
-            batch["advantages"], batch["returns"] = B.compute_advantages(
+            batch.advantages, batch.returns = B.compute_advantages(
                 batch, estimator=a.adv_estimator, gamma=a.gamma, lam=a.lam,
                 norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
-        view = B.worker_view(batch)
         if c.use_critic:
             with _timer(timing, "update_critic"):
-                metrics.update(self.call0("update_critic", view, mini_rows=c.critic.ppo_mini_batch_size * c.rollout.n,
+                metrics.update(self.call0(HostWorker.update_critic, batch, mini_rows=c.critic.ppo_mini_batch_size * c.rollout.n,
                                           seed=self._seed(2)))
         if self.global_step >= c.critic.warmup_steps_before_actor or not c.use_critic:
             with _timer(timing, "update_actor"):
-                metrics.update(self.call0("update_actor", view, mini_rows=c.actor.ppo_mini_batch_size * c.rollout.n,
+                metrics.update(self.call0(HostWorker.update_actor, batch, mini_rows=c.actor.ppo_mini_batch_size * c.rollout.n,
                                           seed=self._seed(3), on_policy=not c.rollout.use_rollout_log_probs))
             if self.fully_async:  # every trigger_parameter_sync_step steps, under the rollouter
                 if (self.global_step + 1) % c.async_training.trigger_parameter_sync_step == 0:
                     with _timer(timing, "update_weights"):
-                        self._sync(metrics, "async_sync")
+                        self._sync(metrics, HostWorker.async_sync)
             elif not self.overlap:  # one-step-off-policy syncs at the start of the next step
                 with _timer(timing, "update_weights"):
                     self._sync(metrics)
@@ -530,14 +530,14 @@ class RLTrainer:
             if not fg.enable:
                 break
             metric = B.filter_metric(fg.metric, batch, fields)
-            keep = np.asarray(algos.dynamic_sampling_keep_mask(metric, batch["group_ids"]))
+            keep = np.asarray(algos.dynamic_sampling_keep_mask(metric, batch.group_ids))
             keep = keep.reshape(-1, n)[:, 0]  # prompt i's responses are rows i*n .. i*n+n-1
             filtered += int((~keep).sum())
             kept_examples += [e for e, k in zip(examples, keep) if k]
-            kept_batches.append(B.select_rows(batch, np.repeat(keep, n)))
+            kept_batches.append(batch.select(np.repeat(keep, n)))
             if len(kept_examples) >= size:
                 examples = kept_examples[:size]
-                batch = B.select_rows(B.concat_batches(kept_batches), np.arange(size * n))
+                batch = B.concat_batches(kept_batches).select(np.arange(size * n))
                 metrics.update({"train/num_gen_batches": float(rounds),
                                 "filter_groups/kept_groups": float(len(kept_examples)),
                                 "filter_groups/filtered_groups": float(filtered)})
@@ -550,34 +550,34 @@ class RLTrainer:
                     "algorithm.filter_groups.max_num_gen_batches (0 = no limit) or turn the filter off")
         if c.algorithm.adv_estimator == "remax":
             with _timer(timing, "gen_max"):
-                batch["reward_baselines"] = self._greedy_baselines(examples, n)
+                batch.reward_baselines = self._greedy_baselines(examples, n)
         return examples, batch
 
-    def _score_rollout(self, examples, gen: dict, batch: dict, n: int, metrics: dict) -> dict:
+    def _score_rollout(self, examples, gen: dict, batch: data.Batch, n: int, metrics: dict) -> dict:
         """Puts `token_level_scores` into `batch`: the reward model's, the agent loop's or the
         scorers' sequence score on the last response token, plus DAPO's overlong penalty when
         `reward.overlong_buffer.enable`. Returns per-row fields for the group filter: `score`
         (the sequence score before the penalty) and the reward function's numeric extras."""
         c = self.config
         if c.reward.model.path:  # a learned reward model replaces the rule-based scorers
-            batch["token_level_scores"] = self.call0("compute_rm_score", B.worker_view(batch))["rm_scores"]
-            scores, extra = batch["token_level_scores"].sum(-1), {}
+            batch.token_level_scores = self.call0(HostWorker.compute_rm_score, batch)["rm_scores"]
+            scores, extra = batch.token_level_scores.sum(-1), {}
         elif "scores" in gen:  # agent rollouts: scored on the worker as each one finished
             metrics.update(gen["metrics"])
             scores, extra = gen["scores"], gen.get("reward_extra", {})
-            batch["token_level_scores"] = B.token_level_scores(scores, batch["response_mask"])
+            batch.token_level_scores = B.token_level_scores(scores, batch.response_mask)
         else:
             scores, extra, rmetrics = self._score(examples, batch, n)
             metrics.update(rmetrics)
             metrics.update({f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extra.items()})
-            batch["token_level_scores"] = B.token_level_scores(scores, batch["response_mask"])
+            batch.token_level_scores = B.token_level_scores(scores, batch.response_mask)
         ob = c.reward.overlong_buffer
         if ob.enable:  # verl's DAPO reward manager: on the response's length with tool tokens
-            length = batch["attention_mask"][:, batch["prompts"].shape[1]:].sum(-1)
+            length = batch.attention_mask[:, batch.prompts.shape[1]:].sum(-1)
             penalty = np.asarray(algos.overlong_penalty(
                 length, c.data.max_response_length, ob.len, ob.penalty_factor), np.float32)
-            batch["token_level_scores"] = (batch["token_level_scores"]
-                                           + B.token_level_scores(penalty, batch["response_mask"]))
+            batch.token_level_scores = (batch.token_level_scores
+                                        + B.token_level_scores(penalty, batch.response_mask))
             metrics["reward_extra/overlong_reward/mean"] = float(penalty.mean())
             metrics["reward_extra/overlong/mean"] = float((penalty < 0).mean())
         return {"score": np.asarray(scores, np.float32), **extra}
@@ -590,18 +590,18 @@ class RLTrainer:
         if c.rollout.multi_turn.enable:
             gen = self._agent_generate(examples, greedy, seed=self._seed(5))
         else:
-            gen = self.call0("generate", [e.prompt_ids for e in examples], n=1,
+            gen = self.call0(HostWorker.generate, [e.prompt_ids for e in examples], n=1,
                              max_new_tokens=c.data.max_response_length, seed=self._seed(5),
-                             sampling=dict(temperature=0.0, top_k=-1, top_p=1.0))
+                             sampling=rollout.SamplingParams.from_config(greedy))
         gen.pop("time_s", None)
         batch = B.rollout_batch(examples, gen, n=1, pad_token_id=self.pad_id,
                                 max_prompt_length=c.data.max_prompt_length)
         self._score_rollout(examples, gen, batch, 1, {})
-        return np.repeat(batch["token_level_scores"].sum(-1), n).astype(np.float32)
+        return np.repeat(batch.token_level_scores.sum(-1), n).astype(np.float32)
 
     def _score(self, examples, batch, n):
         texts = [self.tokenizer.decode(r[:m.sum()].tolist())
-                 for r, m in zip(batch["responses"], batch["response_mask"])]
+                 for r, m in zip(batch.responses, batch.response_mask)]
         rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
         return self.reward.score_batch(rep([e.data_source for e in examples]), texts,
                                        rep([e.ground_truth for e in examples]),
@@ -610,18 +610,18 @@ class RLTrainer:
     def _step_metrics(self, batch, timing) -> dict:
         c = self.config
         out = M.compute_data_metrics(batch, use_critic=c.use_critic)
-        n_prompt = int(batch["attention_mask"][:, :batch["prompts"].shape[1]].sum())
-        n_resp = int(batch["response_mask"].sum())
+        n_prompt = int(batch.attention_mask[:, :batch.prompts.shape[1]].sum())
+        n_resp = int(batch.response_mask.sum())
         out.update(M.compute_timing_metrics(timing, num_prompt_tokens=n_prompt, num_response_tokens=n_resp))
         info = self.info
         out.update(M.compute_throughput_metrics(total_tokens=n_prompt + n_resp, step_time_s=timing["step"],
                                                 num_devices=info["num_devices"]))
-        seq = batch["input_ids"].shape[1]
+        seq = batch.input_ids.shape[1]
         # forward + backward of the actor update, plus the old-log-prob forward (1/3 of 6N)
         passes = c.actor.ppo_epochs + (0 if c.rollout.use_rollout_log_probs else 1 / 3)
         out["perf/mfu/actor"] = M.compute_mfu(
             num_params=info["num_params"], num_layers=info["num_layers"], hidden=info["hidden_size"],
-            seq_len=seq, tokens=int(batch["attention_mask"].sum() * passes),
+            seq_len=seq, tokens=int(batch.attention_mask.sum() * passes),
             time_s=max(timing.get("update_actor", 0) + timing.get("old_log_prob", 0), 1e-9),
             num_devices=info["num_devices"], peak_flops_per_device=M.peak_flops(info["device_kind"], "bfloat16"))  # MFU vs the bf16 peak
         device_peak = M.max_memory_allocated_gb()  # None on CPU: no device memory to report
@@ -648,9 +648,9 @@ class RLTrainer:
                 prompts = [self.tokenizer.decode(list(ids)) for ids in gen["prompt_ids"]]
                 lengths = np.asarray(gen["response_attention_mask"]).sum(-1)
             else:
-                gen = self.call0("generate", [e.prompt_ids for e in chunk], n=v.n,
+                gen = self.call0(HostWorker.generate, [e.prompt_ids for e in chunk], n=v.n,
                                  max_new_tokens=c.data.max_response_length,
-                                 sampling=dict(temperature=v.temperature, top_k=v.top_k, top_p=v.top_p),
+                                 sampling=rollout.SamplingParams.from_config(v),
                                  seed=self._seed(4) + start)
                 batch = B.rollout_batch(chunk, gen, n=v.n, pad_token_id=self.pad_id,
                                         max_prompt_length=c.data.max_prompt_length)
@@ -694,15 +694,15 @@ class RLTrainer:
                 "kl_coef": float(np.asarray(self.kl_ctrl.value)), "config": self.config.to_dict(),
                 "nonfinite_steps": self.nonfinite_steps, "nonfinite_streak": self.nonfinite_streak}
         if self.fully_async:  # the trajectory queue and the prompts handed out but not finished
-            meta["fully_async"] = {**self.call0("async_state"), "fed_batches": self._fed_batches,
+            meta["fully_async"] = {**self.call0(HostWorker.async_state), "fed_batches": self._fed_batches,
                                    "stale_groups": self._stale_groups}
         return meta
 
     def save_checkpoint(self) -> None:
-        self.group.call("save_checkpoint", self.global_step, self._meta())
+        self.group.call(HostWorker.save_checkpoint, self.global_step, self._meta())
 
     def _restore(self, directory, step) -> None:
-        meta = self.call0("restore_checkpoint", str(directory), int(step))
+        meta = self.call0(HostWorker.restore_checkpoint, str(directory), int(step))
         self.global_step = int(meta["global_step"])
         self.loader.set_state(meta["data"])
         self.kl_ctrl = dataclasses.replace(self.kl_ctrl, value=np.float32(meta["kl_coef"]))
@@ -711,7 +711,7 @@ class RLTrainer:
         self.nonfinite_streak = int(meta.get("nonfinite_streak", 0))
         if self.fully_async and "fully_async" in meta:
             state = meta["fully_async"]
-            self.call0("async_restore", state)
+            self.call0(HostWorker.async_restore, state)
             self._fed_batches, self._stale_groups = int(state["fed_batches"]), int(state["stale_groups"])
             self._outstanding = len(state["pending"]) + len(state["queued"])
         log.info("resumed from %s at step %d", directory, self.global_step)

@@ -26,11 +26,11 @@ def sft_dataset(run: RunConfig, tokenizer) -> data.SFTDataset:
     return data.SFTDataset(rows, tokenizer, max_length=s.max_length)
 
 
-def sft_batches(run: RunConfig, dataset, pad_token_id: int) -> Iterator[dict[str, np.ndarray]]:
+def sft_batches(run: RunConfig, dataset, pad_token_id: int) -> Iterator[data.Batch]:
     """`sft.steps` batches of `sft.batch_size` rows drawn with the trainer's seed (deterministic)."""
     s = run.sft
     rng = np.random.default_rng(run.trainer.seed)
     for _ in range(s.steps):
         idx = rng.choice(len(dataset), size=s.batch_size, replace=len(dataset) < s.batch_size)
         batch = data.collate_sft([dataset[int(i)] for i in idx], pad_token_id, s.max_length)
-        yield {k: np.asarray(v) for k, v in batch.items()}
+        yield data.Batch(**{k: np.asarray(v) for k, v in batch.items()})

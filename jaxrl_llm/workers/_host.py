@@ -3,7 +3,8 @@
 With the Ray backend there is one `HostWorker` actor per host and the controller calls each
 method on all of them (JAX multi-controller: every host runs the same jitted programs). With the
 local backend the controller holds one `HostWorker` in-process. Arguments and results are host
-numpy and plain Python only; global `jax.Array`s never leave this object.
+numpy and plain Python only; global `jax.Array`s never leave this object. Batches arrive as
+`data.Batch` (verl's fields, checked), sampling settings as `rollout.SamplingParams`.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from jax.experimental import multihost_utils
 import rollout
 import sharding
 from jaxrl_llm import agent, models, rewards
+from jaxrl_llm.data import Batch
 from jaxrl_llm.checkpoint import Checkpointer, checkpoint_root
 from jaxrl_llm.config import RunConfig
 
@@ -69,7 +71,8 @@ class HostWorker:
         return self.actor.model().config
 
     # -- SFT warm start --------------------------------------------------------------------------
-    def sft_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+    def sft_step(self, batch: Batch) -> dict[str, float]:
+        _check_batch(batch, "sft_step")
         if self._sft is None:
             s = self.config.sft
             optim = self.config.actor.optim.__class__(
@@ -139,14 +142,13 @@ class HostWorker:
         return self.sync_weights()
 
     # -- the RL step's calls -------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, sampling: dict,
+    def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, sampling: rollout.SamplingParams,
                  seed: int, gather: bool = True) -> dict:
         """verl's rollout fields for `n` samples of each prompt. With a rollout replica per host
         each host generates its share of the prompts (row r samples as row r of one engine
         would); `gather=False` (a rollout in the background: no collectives there) keeps the
         share until `collect_rollout` gathers every host's, and returns only `time_s`."""
         t0 = time.perf_counter()
-        sampling = rollout.SamplingParams(**sampling)
         if self.replica_mesh is None:
             out = self.driver.generate(prompts, n=n, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
             return {"responses": out.responses, "response_mask": out.response_mask,
@@ -170,12 +172,12 @@ class HostWorker:
         self._deferred = None
         return _gather_shares(out, num_prompts, n)
 
-    def agent_generate(self, samples: list[dict], *, sampling: dict, seed: int) -> dict:
+    def agent_generate(self, samples: list[dict], *, sampling: rollout.SamplingParams, seed: int) -> dict:
         """Agent rollouts of `samples` (`agent.AgentSample` fields) on the request-level server,
         each trajectory scored as it finishes; see `agent.AgentRunner.collate` for the fields."""
         t0 = time.perf_counter()
         out = self._agent_runner().run([agent.AgentSample(**s) for s in samples],
-                                       sampling=rollout.SamplingParams(**sampling), seed=seed)
+                                       sampling=sampling, seed=seed)
         out["time_s"] = time.perf_counter() - t0
         return out
 
@@ -204,7 +206,7 @@ class HostWorker:
             r = c.rollout
             self._rollouter = agent.Rollouter(
                 self._agent_runner(),
-                sampling=rollout.SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
+                sampling=rollout.SamplingParams.from_config(r),
                 groups_per_sync=a.trigger_parameter_sync_step * a.require_batches * c.actor.ppo_mini_batch_size,
                 staleness_threshold=a.staleness_threshold, partial_rollout=a.partial_rollout,
                 version=self.server.policy_version)
@@ -249,23 +251,33 @@ class HostWorker:
         self.server.update_params(self.actor.params, version=int(state["policy_version"]))
         self._async().restore(state)
 
-    def compute_old_log_prob(self, batch):
+    def compute_old_log_prob(self, batch: Batch) -> dict[str, np.ndarray]:
+        """{"old_log_probs", "entropys"} [B, t]."""
+        _check_batch(batch, "compute_old_log_prob")
         return self.actor.compute_log_prob(batch)
 
-    def compute_ref_log_prob(self, batch):
+    def compute_ref_log_prob(self, batch: Batch) -> dict[str, np.ndarray]:
+        """{"ref_log_prob"} [B, t]."""
+        _check_batch(batch, "compute_ref_log_prob")
         # LoRA: the actor's base weights with the adapters off (no reference copy in memory)
         return (self.ref if self.ref is not None else self.actor).compute_ref_log_prob(batch)
 
-    def compute_rm_score(self, batch):
+    def compute_rm_score(self, batch: Batch) -> dict[str, np.ndarray]:
+        """{"rm_scores"} [B, t]: the reward model's score on each row's last model token."""
+        _check_batch(batch, "compute_rm_score")
         return self.reward_model.compute_rm_score(batch)
 
-    def compute_values(self, batch):
+    def compute_values(self, batch: Batch) -> dict[str, np.ndarray]:
+        """{"values"} [B, t]."""
+        _check_batch(batch, "compute_values")
         return self.critic.compute_values(batch)
 
-    def update_actor(self, batch, *, mini_rows: int, seed: int, on_policy: bool = False):
+    def update_actor(self, batch: Batch, *, mini_rows: int, seed: int, on_policy: bool = False) -> dict[str, float]:
+        _check_batch(batch, "update_actor")
         return self.actor.update(batch, mini_rows=mini_rows, seed=seed, on_policy=on_policy)
 
-    def update_critic(self, batch, *, mini_rows: int, seed: int):
+    def update_critic(self, batch: Batch, *, mini_rows: int, seed: int) -> dict[str, float]:
+        _check_batch(batch, "update_critic")
         return self.critic.update(batch, mini_rows=mini_rows, seed=seed)
 
     def sync_weights(self) -> dict:
@@ -411,6 +423,12 @@ class HostWorker:
             self.server.close()
         self.checkpointer.wait()
         self.checkpointer.close()
+
+
+def _check_batch(batch, method: str) -> None:
+    if not isinstance(batch, Batch):
+        raise TypeError(f"HostWorker.{method} takes a jaxrl_llm.data.Batch (verl's fields, checked "
+                        f"when set), got {type(batch).__name__}: wrap the arrays as Batch(**fields)")
 
 
 def _meshes(c: RunConfig, devices=None):

@@ -2,7 +2,7 @@
 the SFT trainer used for warm starts. Each owns its state and a few compiled steps; the math
 comes from `jaxrl_llm.algos`.
 
-Batches arrive as host numpy dicts with verl's field names; sequences are `input_ids [b, p + t]`
+Batches arrive as `data.Batch`es (or dicts) with verl's field names; sequences are `input_ids [b, p + t]`
 (left-padded prompt, right-padded response), `responses [b, t]`, `response_mask [b, t]`.
 """
 from __future__ import annotations
@@ -261,11 +261,10 @@ class RewardModelWorker:
 
     def compute_rm_score(self, batch) -> dict[str, np.ndarray]:
         v = _forward_rows(self, self._values, batch, _SEQ_KEYS + ("responses",))
-        lengths = batch["response_mask"].sum(-1)
-        scores = np.zeros(v.shape, np.float32)
-        rows = np.nonzero(lengths > 0)[0]
-        scores[rows, lengths[rows] - 1] = v[rows, lengths[rows] - 1]
-        return {"rm_scores": scores}
+        # 1 on each row's last model token (the one placement of a sequence score, `algos`)
+        on_last = np.asarray(algos.sequence_scores_to_token_level(
+            np.ones(len(v), np.float32), np.asarray(batch["response_mask"])))
+        return {"rm_scores": np.where(on_last > 0, v, 0.0).astype(np.float32)}
 
 
 def sft_loss(model, m, denoms):

@@ -10,6 +10,7 @@ import pytest
 from jaxrl_llm.config import ConfigError, load_config
 from jaxrl_llm.trainer import RLTrainer
 from jaxrl_llm.trainer import _batch as B
+from jaxrl_llm.workers import HostWorker
 from trainer_helpers import ROOT
 
 TOOLS = os.path.join(ROOT, "configs", "quickstart_tools.py")
@@ -27,7 +28,7 @@ def tools_run(tmp_path, **extra):
 @pytest.fixture(scope="module")
 def started(tmp_path_factory):
     trainer = RLTrainer(tools_run(tmp_path_factory.mktemp("agent")))
-    trainer.call0("start_rl", trainer.config.trainer.total_training_steps)
+    trainer.call0(HostWorker.start_rl, trainer.config.trainer.total_training_steps)
     yield trainer
     trainer.close()
 
@@ -52,14 +53,14 @@ def _holey_batch(trainer):
     gen = trainer._agent_generate(examples, trainer.config.rollout, seed=5)
     batch = B.rollout_batch(examples, gen, n=trainer.config.rollout.n, pad_token_id=trainer.pad_id,
                             max_prompt_length=trainer.config.data.max_prompt_length)
-    mask = batch["response_mask"].copy()
-    lengths = batch["attention_mask"][:, -mask.shape[1]:].sum(-1)
+    mask = batch.response_mask.copy()
+    lengths = batch.attention_mask[:, -mask.shape[1]:].sum(-1)
     assert (lengths >= 6).all(), "every response must be long enough to punch a hole in"
     mask[:, 2:5] = 0
-    batch["response_mask"] = mask
-    batch.update(trainer.call0("compute_old_log_prob", B.worker_view(batch)))
+    batch.response_mask = mask
+    batch.old_log_probs = trainer.call0(HostWorker.compute_old_log_prob, batch)["old_log_probs"]
     rng = np.random.default_rng(0)
-    batch["advantages"] = rng.normal(size=mask.shape).astype(np.float32) * mask
+    batch.advantages = rng.normal(size=mask.shape).astype(np.float32) * mask
     return batch
 
 
@@ -68,19 +69,19 @@ def test_holes_in_the_loss_mask_change_nothing_and_the_loss_is_the_masked_mean(s
     actor = started.group.workers[0].actor
     saved = jax.tree.map(jnp.copy, actor.state)
     rows = batch["responses"].shape[0]
-    first = started.call0("update_actor", B.worker_view(batch), mini_rows=rows, seed=1)
+    first = started.call0(HostWorker.update_actor, batch, mini_rows=rows, seed=1)
     after_first = jax.tree.map(np.asarray, actor.state)
     # on-policy, one mini-batch: ratio 1, so the token-mean loss is -mean(A) over mask-1 tokens
     mask = batch["response_mask"].astype(np.float64)
     expected = -(batch["advantages"] * mask).sum() / mask.sum()
     assert first["actor/pg_loss"] == pytest.approx(expected, rel=1e-4, abs=1e-6)
     # garbage in the holes (advantages, old log-probs) must not change the update
-    other = dict(batch)
+    other = batch.select(np.arange(batch.rows))  # a copy
     holes = (batch["attention_mask"][:, -mask.shape[1]:] == 1) & (batch["response_mask"] == 0)
-    other["advantages"] = np.where(holes, 100.0, batch["advantages"]).astype(np.float32)
-    other["old_log_probs"] = np.where(holes, -50.0, batch["old_log_probs"]).astype(np.float32)
+    other.advantages = np.where(holes, 100.0, batch.advantages).astype(np.float32)
+    other.old_log_probs = np.where(holes, -50.0, batch.old_log_probs).astype(np.float32)
     actor.state = saved
-    second = started.call0("update_actor", B.worker_view(other), mini_rows=rows, seed=1)
+    second = started.call0(HostWorker.update_actor, other, mini_rows=rows, seed=1)
     assert second["actor/pg_loss"] == pytest.approx(first["actor/pg_loss"], rel=1e-6)
     for a, b in zip(jax.tree.leaves(after_first), jax.tree.leaves(actor.state)):
         np.testing.assert_array_equal(a, np.asarray(b))

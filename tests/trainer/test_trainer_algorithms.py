@@ -12,11 +12,13 @@ import math
 import numpy as np
 import pytest
 
+import rollout
 from jaxrl_llm.config import load_config
 from jaxrl_llm.config._load import ADV_ESTIMATORS, POLICY_LOSSES
 from jaxrl_llm.trainer import RLTrainer
 from jaxrl_llm.workers._common import build_model
 from jaxrl_llm.workers._roles import ActorWorker, CriticWorker
+from jaxrl_llm.workers import HostWorker
 from trainer_helpers import QUICKSTART, tiny_overrides
 
 REQUIRED = ["actor/pg_loss", "actor/grad_norm", "critic/score/mean", "critic/advantages/mean",
@@ -27,7 +29,7 @@ REQUIRED = ["actor/pg_loss", "actor/grad_norm", "critic/score/mean", "critic/adv
 def started(tmp_path_factory):
     run = load_config(f"{QUICKSTART}:tiny,local", tiny_overrides(tmp_path_factory.mktemp("algos") / "run"))
     trainer = RLTrainer(run)
-    trainer.call0("start_rl", run.trainer.total_training_steps)
+    trainer.call0(HostWorker.start_rl, run.trainer.total_training_steps)
     trainer.base = run
     yield trainer
     trainer.close()
@@ -72,9 +74,9 @@ def test_one_trainer_step_with_every_estimator(started, estimator):
 def test_remax_baseline_is_the_reward_of_each_prompts_greedy_response(started):
     _configure(started, algorithm={"adv_estimator": "remax"})
     examples, batch = started._train_batch({}, {})
-    greedy = started.call0("generate", [e.prompt_ids for e in examples], n=1, seed=0,
+    greedy = started.call0(HostWorker.generate, [e.prompt_ids for e in examples], n=1, seed=0,
                            max_new_tokens=started.base.data.max_response_length,
-                           sampling=dict(temperature=0.0, top_k=-1, top_p=1.0))
+                           sampling=rollout.SamplingParams(temperature=0.0))
     texts = [started.tokenizer.decode(r[:m.sum()].tolist())
              for r, m in zip(greedy["responses"], greedy["response_mask"])]
     parity = np.array([len(t) % 2 for t in texts], np.float32)  # the fixture's length-parity reward

@@ -12,6 +12,7 @@ import pytest
 from jaxrl_llm.config import ConfigError, load_config
 from jaxrl_llm.trainer import RLTrainer
 from jaxrl_llm.workers import _host
+from jaxrl_llm.workers import HostWorker
 from trainer_helpers import QUICKSTART, param_checksum, tiny_overrides
 
 _SEPARATE = {"mesh.fsdp": 4, "placement.mode": "separate", "placement.rollout_mesh.tensor": 4,
@@ -39,7 +40,7 @@ def test_one_step_off_policy_overlaps_rollout_with_training(tiny_run):
                                    "algorithm.rollout_correction.rollout_is": "token"})
     trainer = RLTrainer(run)
     try:
-        trainer.call0("start_rl", 3)
+        trainer.call0(HostWorker.start_rl, 3)
         host = trainer.group.workers[0]
         calls = _record_calls(host, ["generate", "update_actor", "sync_weights"])
         before = param_checksum(trainer)
@@ -106,7 +107,7 @@ def test_colocated_rollout_mesh_re_meshes_the_training_devices(tiny_run):
                       "model.init.num_key_value_heads": 8, "model.init.num_attention_heads": 8})
     trainer = RLTrainer(run)
     try:
-        trainer.call0("start_rl", 1)
+        trainer.call0(HostWorker.start_rl, 1)
         host = trainer.group.workers[0]
         assert dict(host.mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
         assert dict(host.rollout_mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 8}

@@ -7,6 +7,7 @@ from flax import nnx
 import sharding
 from jaxrl_llm import models
 from jaxrl_llm.trainer import RLTrainer
+from jaxrl_llm.workers import HostWorker
 
 
 def test_separate_placement_runs_rollout_on_its_own_devices(tiny_run):
@@ -14,7 +15,7 @@ def test_separate_placement_runs_rollout_on_its_own_devices(tiny_run):
                       "model.init.num_key_value_heads": 4})
     trainer = RLTrainer(run)
     try:
-        trainer.call0("start_rl", 1)
+        trainer.call0(HostWorker.start_rl, 1)
         host = trainer.group.workers[0]
         train_devs = set(host.mesh.devices.flat)
         rollout_devs = set(host.rollout_mesh.devices.flat)
@@ -43,7 +44,7 @@ def test_reward_model_scores_replace_rule_rewards(tiny_run, tmp_path):
                       "reward.model.micro_batch_size_per_device": 1})
     trainer = RLTrainer(run)
     try:
-        trainer.call0("start_rl", 1)
+        trainer.call0(HostWorker.start_rl, 1)
         metrics = trainer.train_step()
     finally:
         trainer.close()

@@ -7,6 +7,7 @@ import pytest
 
 from jaxrl_llm.config import ConfigError
 from jaxrl_llm.trainer import RLTrainer
+from jaxrl_llm.workers import HostWorker
 
 _RC = "algorithm.rollout_correction."
 
@@ -14,7 +15,7 @@ _RC = "algorithm.rollout_correction."
 def _first_step(run):
     trainer = RLTrainer(run)
     try:
-        trainer.call0("start_rl", run.trainer.total_training_steps)
+        trainer.call0(HostWorker.start_rl, run.trainer.total_training_steps)
         return trainer.train_step()
     finally:
         trainer.close()

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.trainer import RLTrainer
+from jaxrl_llm.workers import HostWorker
 from trainer_helpers import param_checksum
 
 REQUIRED = ["actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm",
@@ -16,7 +17,7 @@ REQUIRED = ["actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac
 def _one_step(run):
     trainer = RLTrainer(run)
     try:
-        trainer.call0("start_rl", run.trainer.total_training_steps)
+        trainer.call0(HostWorker.start_rl, run.trainer.total_training_steps)
         before = param_checksum(trainer)
         metrics = trainer.train_step()
         after = param_checksum(trainer)
