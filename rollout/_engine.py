@@ -40,7 +40,7 @@ from jaxrl_llm.models import LAYER_LAYOUTS, CausalLM, KVCache, ModelConfig, abst
 
 from ._sampling import SamplingParams, sample
 from ._state import DecodeState, Prefix, ResultTokens
-from ._weights import Relayout, layout_of, resolve_layout
+from ._weights import WeightSync, resolve_layout
 
 # JetStream's padding buckets (token_utils.pad_tokens); max_prefill_length must be one of them.
 PROGRAM_NAMES = ("prefill", "insert", "generate", "decode_loop", "weight_sync")  # Engine.lower's
@@ -160,7 +160,7 @@ class Engine:
             decode_compiler_options = ({"xla_gpu_enable_triton_gemm": False}
                                        if gpu and self._layout == "per_layer_fused" else {})
         self._decode_options = dict(decode_compiler_options)
-        self._relayout = Relayout(self._layout, self._param_shardings, config.param_dtype, self._mesh)
+        self._sync = WeightSync(self._layout, self._layout_shardings, config.param_dtype, self._mesh)
         self._state_shardings = self._decode_state_shardings()
         self._replicated = NamedSharding(self._mesh, PartitionSpec())
         self._prefix_shardings = self._prefix_sharding_tree()
@@ -509,24 +509,10 @@ class Engine:
         """Whether `update_params(source)` would keep `source`'s buffers (zero copy, nothing runs)
         for trainer params like `source` (a State, pure dict or CausalLM of arrays or of
         ShapeDtypeStructs with shardings)."""
-        source = _pure(source)
-        layout = layout_of(source, self._layout_shardings)
-        dtype = jnp.dtype(self.config.param_dtype)
-        return (layout == self._layout == "stacked"
-                and resolve_layout("auto", source, self._layout_shardings, dtype) == "stacked")
+        return self._sync.shares(_pure(source))
 
     def _lower_sync(self, source):
-        source = _pure(source)
-        if layout_of(source, self._layout_shardings) != self._layout:
-            return self._relayout.lower(source)
-        if self.shares_weights(source):
-            return None  # every leaf already fits: shared, nothing runs
-        dtype = jnp.dtype(self.config.param_dtype)
-
-        def cast(p):
-            return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
-
-        return jax.jit(cast, out_shardings=self._param_shardings).lower(source)
+        return self._sync.lower(_pure(source))
 
     # ---------------------------------------------------------------- weights
     @property
@@ -554,27 +540,13 @@ class Engine:
         """
         t0 = time.perf_counter()
         pure = _pure(params)
-        layout = layout_of(pure, self._layout_shardings)
         self._params = None  # drop our old copies before making new ones (peak memory)
-        if layout == self._layout:
-            new, stats = sharding.reshard_with_stats(pure, self._param_shardings,
-                                                     dtype=self.config.param_dtype)
-            new = jax.tree.map(self._own_mesh, new, self._param_shardings)
-        else:  # a jit with our out_shardings: already on our mesh (no per-leaf re-labelling)
-            new, stats = self._relayout(pure, self._layout_shardings[layout])
+        new, stats = self._sync(pure)
         jax.block_until_ready(new)
         self._params = new
         return {"bytes_moved": int(stats["bytes_moved"]), "bytes_total": int(stats["bytes_total"]),
                 "zero_copy": stats["num_copied"] == 0, "num_copied": int(stats["num_copied"]),
                 "time_s": time.perf_counter() - t0}
-
-    def _own_mesh(self, x, target):
-        """Re-labels a leaf whose type still names another mesh (what `device_put(x, device)` of a
-        mesh-sharded array leaves behind; jit would refuse to mix the two meshes). Aliases the
-        buffer: no bytes move."""
-        if jax.typeof(x).sharding.mesh != self._mesh.abstract_mesh:
-            return jax.device_put(x, target, may_alias=True)
-        return x
 
     def check_params(self, params=None):
         """Raises a clear error when the weights were freed (e.g. donated by the trainer's step)."""

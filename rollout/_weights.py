@@ -1,8 +1,6 @@
 """The engine's weights in its layer layout: which layout a param tree is in, what `auto` picks,
-and the sync that changes layout (cast + reshard + split or stack in one jitted program).
-
-Same-layout syncs are `sharding.reshard_with_stats` (zero-copy where the leaves already fit); the
-engine owns the decision. Layouts are `jaxrl_llm.models.LAYER_LAYOUTS`.
+and the weight sync into the engine (`WeightSync`: a zero-copy-where-possible reshard in the same
+layout, one cast + relayout program otherwise). Layouts are `jaxrl_llm.models.LAYER_LAYOUTS`.
 """
 from __future__ import annotations
 
@@ -54,32 +52,64 @@ def resolve_layout(layer_layout: str, pure, layout_shardings: dict, dtype) -> st
     return "stacked" if all(ok) else "per_layer"
 
 
-class Relayout:
-    """Converts params from the other layout into `layout` on `shardings` with `dtype`; one jitted
-    program per call (compiled once per input layout and sharding)."""
+class WeightSync:
+    """The engine's side of a weight sync: takes params in any layer layout and returns them in
+    the engine's `layout` on its `shardings[layout]` with `dtype` (`layout_shardings`: layout ->
+    its sharding tree on the engine's mesh).
 
-    def __init__(self, layout: str, shardings: Any, dtype, mesh: jax.sharding.Mesh):
-        self._shardings, self._mesh = shardings, mesh
+    Same layout: `sharding.reshard_with_stats` with the cast fused, so leaves that already fit are
+    kept as they are (0 bytes copied, same buffers). Other layout: one jitted program casts,
+    relayouts and splits (or stacks) the layers, writing every engine byte once (compiled once
+    per input layout and sharding)."""
+
+    def __init__(self, layout: str, layout_shardings: dict, dtype, mesh: jax.sharding.Mesh):
+        self._layout, self._layout_shardings, self._mesh = layout, layout_shardings, mesh
+        self._shardings = layout_shardings[layout]
         self._dtype = jnp.dtype(dtype)
-        def convert(p):
-            return convert_layers(jax.tree.map(lambda x: x.astype(self._dtype) if _is_floating(x) else x, p),
-                                  layout)
 
-        self._jit = jax.jit(convert, out_shardings=shardings)
+        def convert(p):
+            return convert_layers(self._cast(p), layout)
+
+        self._relayout = jax.jit(convert, out_shardings=self._shardings)
+
+    def _cast(self, p):
+        return jax.tree.map(lambda x: x.astype(self._dtype) if _is_floating(x) else x, p)
+
+    def shares(self, pure) -> bool:
+        """Whether a sync of `pure` (arrays, or ShapeDtypeStructs with shardings) would keep its
+        buffers: zero copy, nothing runs."""
+        return (layout_of(pure, self._layout_shardings) == self._layout == "stacked"
+                and resolve_layout("auto", pure, self._layout_shardings, self._dtype) == "stacked")
 
     def lower(self, pure):
-        """The relayout program lowered for (abstract) params on the engine's devices."""
-        return self._jit.lower(pure)
+        """The sync program lowered for (abstract) params on the engine's devices; None when the
+        sync shares every leaf."""
+        if layout_of(pure, self._layout_shardings) != self._layout:
+            return self._relayout.lower(pure)
+        if self.shares(pure):
+            return None
+        return jax.jit(self._cast, out_shardings=self._shardings).lower(pure)
 
-    def __call__(self, pure, source_shardings) -> tuple[Any, dict]:
-        """(new params, {"bytes_moved", "bytes_total", "num_copied"}); `source_shardings`: the
-        source layout's shardings on the engine's mesh (used when `pure` lives elsewhere)."""
+    def __call__(self, pure) -> tuple[Any, dict]:
+        """(new params, {"bytes_moved", "bytes_total", "num_copied"})."""
+        layout = layout_of(pure, self._layout_shardings)
+        if layout == self._layout:
+            new, stats = sharding.reshard_with_stats(pure, self._shardings, dtype=self._dtype)
+            return jax.tree.map(self._own_mesh, new, self._shardings), stats
         devices = set(self._mesh.devices.flat)
         if not all(isinstance(x, jax.Array) and x.sharding.device_set == devices
                    for x in jax.tree.leaves(pure)):
             # another device set (or host arrays): move there in the source layout first (a jit
             # cannot take inputs and give outputs on different devices)
-            pure = sharding.reshard(pure, source_shardings, dtype=self._dtype)
-        new = self._jit(pure)
+            pure = sharding.reshard(pure, self._layout_shardings[layout], dtype=self._dtype)
+        new = self._relayout(pure)
         nbytes = sum(int(x.nbytes) for x in jax.tree.leaves(new))
         return new, {"bytes_moved": nbytes, "bytes_total": nbytes, "num_copied": len(jax.tree.leaves(new))}
+
+    def _own_mesh(self, x, target):
+        """Re-labels a leaf whose type still names another mesh (what `device_put(x, device)` of a
+        mesh-sharded array leaves behind; jit would refuse to mix the two meshes). Aliases the
+        buffer: no bytes move."""
+        if jax.typeof(x).sharding.mesh != self._mesh.abstract_mesh:
+            return jax.device_put(x, target, may_alias=True)
+        return x
