@@ -1,4 +1,5 @@
 """Kill-and-resume: a run interrupted after a checkpoint continues exactly like an uninterrupted one."""
+import functools
 import json
 import os
 
@@ -85,6 +86,7 @@ def test_worker_failure_stops_cleanly_and_keeps_checkpoints(tmp_path, monkeypatc
     calls = {"n": 0}
     original = HostWorker.update_actor
 
+    @functools.wraps(original)  # the trainer calls workers by method: the patch keeps the name
     def flaky(self, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
