@@ -107,14 +107,15 @@ class Engine:
     the decode layers unrolled, every read in place (the fast decode). stacked: the trainer's
     `[L, ...]` arrays under a `lax.scan`; the only layout that can share a colocated trainer's
     buffers (zero-copy `update_params`). auto: stacked when every given param already has the
-    engine's dtype and stacked sharding (so sharing happens), else per_layer — a sync that must
+    engine's dtype and stacked sharding (so sharing happens), else per_layer_fused on GPU and
+    per_layer elsewhere (the fused layout is measured faster on GPU only) — a sync that must
     copy anyway (e.g. fp32 trainer -> bf16 rollout, or fsdp -> tensor) splits the layers during
     that one copy, at no extra cost. Params given as `jax.ShapeDtypeStruct`s (with shardings)
     make an abstract engine for ahead-of-time compiles (`lower`): nothing is allocated, and
     "auto" decides as it would for arrays of those dtypes and shardings.
     per_layer_fused: per_layer with each layer's q/k/v projections as one `qkv_proj` matmul and
     gate/up as one `gate_up_proj` (fewer, larger decode matmuls; the fusion happens in the sync's
-    copy); never picked by auto.
+    copy); what auto picks on GPU when the sync copies.
     decode_compiler_options: XLA options for the decode programs only (`generate`, the decode
     loop). None: {"xla_gpu_enable_triton_gemm": False} (cuBLAS for the skinny decode matmuls)
     for per_layer_fused on GPU, where it measured faster (docs/benchmarks.md §3), else none;
@@ -152,7 +153,8 @@ class Engine:
             self._graphdefs[layout] = graphdef
             self._layout_shardings[layout] = nnx.to_pure_dict(
                 sharding.state_shardings(abstract, self._mesh, self._rules))
-        self._layout = resolve_layout(layer_layout, pure, self._layout_shardings, config.param_dtype)
+        self._layout = resolve_layout(layer_layout, pure, self._layout_shardings, config.param_dtype,
+                                      self._mesh.devices.flat[0].platform)
         self._graphdef = self._graphdefs[self._layout]
         self._param_shardings = self._layout_shardings[self._layout]
         if decode_compiler_options is None:  # measured: cuBLAS beats Triton on the fused decode

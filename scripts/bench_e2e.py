@@ -29,6 +29,12 @@ Reported per model (the mean over the timed steps after one warm-up step):
 - `idle_fraction` = 1 - (time inside device stages) / step time: host-only work (reward,
   advantages, batch assembly), a lower bound on the accelerator's idle time (not defined with
   `--overlap`, whose stages run at the same time);
+- `--sync-repeats N` (after the steps; `--sync-only` skips the steps): N more back-to-back
+  `HostWorker.sync_weights` calls, `sync/repeat_median_s` and its `sync/repeat_multiple_of_copy_limit`,
+  split into `sync/engine_median_s` (`Engine.update_params` alone), `sync/host_s` (the sync's
+  Python and program dispatch, not waiting for the device) and `sync/program_s` (N syncs enqueued
+  back to back, one wait: the device program when it is the bottleneck); `--sync-trace FILE` also
+  writes a `jax.profiler` trace of 5 syncs and reports `sync/trace` (kernel ms and calls per sync);
 - with several devices, `sync/cross_device_bytes_max` = the most bytes any one device must receive
   from other devices to build its rollout shards (counted at the rollout dtype), and
   `sync/multiple_of_link_limit` = sync time / (that / `--link-gbs`), the NVLink byte limit.
@@ -75,6 +81,11 @@ def parse_args(argv=None):
                         "separate: the rollout's own devices")
     p.add_argument("--overlap", action="store_true",
                    help="one-step-off-policy: rollout of step k+1 during step k (needs --placement separate)")
+    p.add_argument("--sync-repeats", type=int, default=0,
+                   help="after the steps, time this many more weight syncs (median) and split them")
+    p.add_argument("--sync-only", action="store_true",
+                   help="no GRPO steps: build the workers, then the --sync-repeats timings (default 20)")
+    p.add_argument("--sync-trace", default="", help="trace 5 weight syncs into this .json.gz file")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
     p.add_argument("--tiny", "--dry-run", dest="tiny", action="store_true",
                    help="tiny model, 2 prompts x 2 samples, 8+8 tokens, fp32, CPU: a smoke run")
@@ -82,6 +93,9 @@ def parse_args(argv=None):
     if args.tiny:
         args.models, args.prompts, args.n, args.prompt_len, args.response_len = ["tiny"], 4, 2, 8, 8
         args.steps, args.micro, args.steps_per_sync = 1, 8, 4
+        args.sync_repeats = args.sync_repeats or 2
+    if args.sync_only:
+        args.sync_repeats = args.sync_repeats or 20
     if args.overlap and args.placement != "separate":
         p.error("--overlap needs --placement separate")
     return args
@@ -202,6 +216,47 @@ def run_model(name: str, args) -> dict:
         return [SimpleNamespace(prompt_ids=rng.integers(1, VOCAB[name], args.prompt_len).tolist())
                 for _ in range(args.prompts)]
 
+    out = {"bench": "e2e", "model": f"qwen2.5-{name}", "params": info["num_params"],
+           "device": info["device_kind"], "num_devices": info["num_devices"],
+           "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
+           "response_len": args.response_len, "remat": args.remat, "micro_batch": args.micro,
+           "param_dtype": args.param_dtype, "steps_timed": 0 if args.sync_only else args.steps,
+           "placement": args.placement, "overlap": args.overlap,
+           "train_mesh": dict(worker.mesh.shape), "rollout_mesh": dict(worker.rollout_mesh.shape),
+           "rollout_layer_layout": worker.engine.layer_layout, "setup_s": setup_s}
+    # weight sync against the byte-copy limit: read every source byte, write every target byte
+    src = sum(x.nbytes for x in jax.tree.leaves(worker.actor.params))
+    dst = sum(x.nbytes for x in jax.tree.leaves(worker.engine.params))
+    limit = (src + dst) / (args.copy_tbs * 1e12) if start["bytes_moved"] > 0 else 0.0
+    out.update({"sync/bytes_src": int(src), "sync/bytes_dst": int(dst), "sync/copy_limit_s": limit,
+                "sync/start_rl_bytes_moved": int(start["bytes_moved"])})
+    if not args.sync_only:
+        out.update(_steps(worker, cfg, args, prompts, limit))
+    if args.sync_repeats:
+        out.update(sync_timings(worker, args.sync_repeats, limit, args.sync_trace))
+    if info["num_devices"] > 1:
+        itemsize = np.dtype(jax.tree.leaves(worker.engine.params)[0].dtype).itemsize
+        src = worker.actor.params
+        src = nnx.to_pure_dict(src) if isinstance(src, nnx.State) else src
+        cross = cross_device_bytes(src, _rollout_layout(worker), itemsize)
+        link = max(cross.values()) / (args.link_gbs * 1e9)
+        sync_s = out.get("timing_s/update_weights", out.get("sync/repeat_median_s"))
+        out.update({"sync/cross_device_bytes_max": int(max(cross.values())),
+                    "sync/cross_device_bytes_total": int(sum(cross.values())),
+                    "sync/link_limit_s": link,
+                    "sync/multiple_of_link_limit": sync_s / link if link else None})
+    same = worker.engine.update_params(worker.engine.params)  # layouts match: nothing should move
+    out["sync/zero_copy_bytes"] = int(same["bytes_moved"])
+    out["sync/zero_copy_time_s"] = float(same["time_s"])
+    out["perf/max_memory_allocated_gb"] = M.max_memory_allocated_gb()
+    worker.close()
+    return out
+
+
+def _steps(worker, cfg, args, prompts, limit: float) -> dict:
+    """One warm-up GRPO step and `args.steps` timed ones -> the step metrics (means)."""
+    from jaxrl_llm import metrics as M
+
     pool = ThreadPoolExecutor(1) if args.overlap else None
     pending = None
     timings, last, warmup_s = [], None, 0.0
@@ -221,48 +276,79 @@ def run_model(name: str, args) -> dict:
         pool.shutdown()
     keys = set.intersection(*(set(t) for t in timings))
     timing = {k: float(np.mean([t[k] for t in timings])) for k in sorted(keys)}
-    out = {"bench": "e2e", "model": f"qwen2.5-{name}", "params": info["num_params"],
-           "device": info["device_kind"], "num_devices": info["num_devices"],
-           "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
-           "response_len": args.response_len, "remat": args.remat, "micro_batch": args.micro,
-           "param_dtype": args.param_dtype, "steps_timed": args.steps,
-           "placement": args.placement, "overlap": args.overlap,
-           "train_mesh": dict(worker.mesh.shape), "rollout_mesh": dict(worker.rollout_mesh.shape),
-           "setup_s": setup_s, "warmup_step_s": warmup_s}
+    out = {"warmup_step_s": warmup_s}
     out.update(M.compute_timing_metrics(timing, num_prompt_tokens=last["n_prompt"],
                                         num_response_tokens=last["n_resp"]))
     out.update(M.compute_throughput_metrics(total_tokens=last["n_prompt"] + last["n_resp"],
-                                            step_time_s=timing["step"], num_devices=info["num_devices"]))
+                                            step_time_s=timing["step"], num_devices=worker.info()["num_devices"]))
     out["gen_tokens_per_s"] = last["n_resp"] / timing["gen"]
     out["idle_fraction"] = (None if args.overlap else
                             1.0 - sum(timing[s] for s in DEVICE_STAGES) / timing["step"])
-    # weight sync against the byte-copy limit: read every source byte, write every target byte
-    src = sum(x.nbytes for x in jax.tree.leaves(worker.actor.params))
-    dst = sum(x.nbytes for x in jax.tree.leaves(worker.engine.params))
-    copied = last["sync"]["bytes_moved"] > 0
-    limit = (src + dst) / (args.copy_tbs * 1e12) if copied else 0.0
-    out.update({"sync/bytes_src": int(src), "sync/bytes_dst": int(dst),
-                "sync/bytes_moved": int(last["sync"]["bytes_moved"]),
-                "sync/zero_copy": bool(last["sync"]["zero_copy"]), "sync/copy_limit_s": limit,
-                "sync/multiple_of_copy_limit": timing["update_weights"] / limit if limit else None,
-                "sync/start_rl_bytes_moved": int(start["bytes_moved"])})
-    if info["num_devices"] > 1:
-        itemsize = np.dtype(jax.tree.leaves(worker.engine.params)[0].dtype).itemsize
-        src = worker.actor.params
-        src = nnx.to_pure_dict(src) if isinstance(src, nnx.State) else src
-        cross = cross_device_bytes(src, _rollout_layout(worker), itemsize)
-        link = max(cross.values()) / (args.link_gbs * 1e9)
-        out.update({"sync/cross_device_bytes_max": int(max(cross.values())),
-                    "sync/cross_device_bytes_total": int(sum(cross.values())),
-                    "sync/link_limit_s": link,
-                    "sync/multiple_of_link_limit": timing["update_weights"] / link if link else None})
-    same = worker.engine.update_params(worker.engine.params)  # layouts match: nothing should move
-    out["sync/zero_copy_bytes"] = int(same["bytes_moved"])
-    out["sync/zero_copy_time_s"] = float(same["time_s"])
+    out.update({"sync/bytes_moved": int(last["sync"]["bytes_moved"]),
+                "sync/zero_copy": bool(last["sync"]["zero_copy"]),
+                "sync/multiple_of_copy_limit": timing["update_weights"] / limit if limit else None})
     out["actor/pg_loss"] = float(last["actor/pg_loss"])
-    out["perf/max_memory_allocated_gb"] = M.max_memory_allocated_gb()
-    worker.close()
     return out
+
+
+def sync_timings(worker, repeats: int, limit: float, trace: str = "") -> dict:
+    """`repeats` more weight syncs after the run's own (warm) -> medians of the whole
+    `HostWorker.sync_weights`, of `Engine.update_params` alone, of the sync's host part (Python
+    and dispatch, no wait) and the device program's time with syncs enqueued back to back."""
+    import jax
+
+    engine = worker.engine
+    params = worker.actor.rollout_params(engine.config.param_dtype)
+    source = worker._to_replica(params) if worker.replica_mesh is not None else params
+
+    def stats(fn) -> list[float]:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def host_part():  # the engine's sync up to the enqueued program (what update_params adds: the wait)
+        t0 = time.perf_counter()
+        new = engine._sync(nnx_pure(source))[0]
+        dt = time.perf_counter() - t0
+        jax.block_until_ready(new)
+        return dt
+
+    whole = stats(worker.sync_weights)
+    alone = stats(lambda: engine.update_params(source))
+    host = [host_part() for _ in range(repeats)]
+    t0 = time.perf_counter()
+    new = None
+    for _ in range(repeats):
+        new = engine._sync(nnx_pure(source))[0]  # the previous copy is freed once read
+    jax.block_until_ready(new)
+    program = (time.perf_counter() - t0) / repeats
+    del new
+    engine.update_params(source)
+    med = float(np.median(whole))
+    out = {"sync/repeats": repeats, "sync/repeat_median_s": med, "sync/repeat_min_s": float(min(whole)),
+           "sync/repeat_multiple_of_copy_limit": med / limit if limit else None,
+           "sync/engine_median_s": float(np.median(alone)), "sync/host_s": float(np.median(host)),
+           "sync/program_s": program}
+    if trace:
+        from jaxrl_llm.metrics import perfetto_trace
+
+        import trace_summary
+        perfetto_trace(lambda: [worker.sync_weights() for _ in range(5)], trace)
+        try:
+            out["sync/trace"] = trace_summary.summarize(trace_summary.load_events(trace), per=5, top=12)
+        except ValueError as e:  # e.g. a CPU trace has no device tracks
+            out["sync/trace"] = str(e)
+    return out
+
+
+def nnx_pure(params):
+    """A Param state as the pure dict the engine's sync takes (pure dicts pass through)."""
+    from flax import nnx
+
+    return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
 
 
 def cross_device_bytes(src_tree, dst_shardings, itemsize: int) -> dict:

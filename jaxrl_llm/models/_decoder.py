@@ -547,20 +547,22 @@ def unstack_layers(params: dict) -> dict:
 
 
 def _fuse_layer(layer: dict) -> dict:
+    """One layer's q/k/v -> `qkv_proj` and gate/up -> `gate_up_proj`; also a stacked layer dict
+    (leading [L] axis on every leaf: the axes are counted from the end)."""
     attn, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
     q, k, v = attn.pop("q_proj"), attn.pop("k_proj"), attn.pop("v_proj")
     kvh = k["kernel"].shape[-2]
 
-    def group(x, lead):  # [..., h, d] -> [..., kvh, g, d]
-        return x.reshape(x.shape[:lead] + (kvh, -1) + x.shape[-1:])
+    def group(x):  # [..., h, d] -> [..., kvh, g, d]
+        return x.reshape(x.shape[:-2] + (kvh, -1) + x.shape[-1:])
 
-    qkv = {"kernel": jnp.concatenate([group(q["kernel"], 1), k["kernel"][:, :, None], v["kernel"][:, :, None]],
-                                     axis=2)}
+    qkv = {"kernel": jnp.concatenate([group(q["kernel"]), k["kernel"][..., None, :], v["kernel"][..., None, :]],
+                                     axis=-2)}
     if "bias" in q:
-        qkv["bias"] = jnp.concatenate([group(q["bias"], 0), k["bias"][:, None], v["bias"][:, None]], axis=1)
+        qkv["bias"] = jnp.concatenate([group(q["bias"]), k["bias"][..., None, :], v["bias"][..., None, :]], axis=-2)
     gate, up = mlp.pop("gate_proj"), mlp.pop("up_proj")
     return {**layer, "self_attn": {"qkv_proj": qkv, **attn},
-            "mlp": {"gate_up_proj": {"kernel": jnp.stack([gate["kernel"], up["kernel"]], axis=1)}, **mlp}}
+            "mlp": {"gate_up_proj": {"kernel": jnp.stack([gate["kernel"], up["kernel"]], axis=-2)}, **mlp}}
 
 
 def _unfuse_layer(layer: dict) -> dict:
@@ -597,6 +599,10 @@ def convert_layers(params: dict, layout: str) -> dict:
     source = params_layout(params)
     if source == _check_layout(layout):
         return params
+    if source == "stacked" and layout == "per_layer_fused":
+        # fuse the stacked arrays, then slice the layers: one multi-output copy per weight
+        return unstack_layers({**params, "model": {**params["model"],
+                                                   "layers": _fuse_layer(params["model"]["layers"])}})
     if source == "stacked":
         params = unstack_layers(params)
     elif source == "per_layer_fused":

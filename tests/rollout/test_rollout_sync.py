@@ -7,7 +7,7 @@ from flax import nnx
 
 import rollout
 import sharding
-from jaxrl_llm.models import ModelConfig, init_model
+from jaxrl_llm.models import ModelConfig, abstract_model, init_model
 
 # heads, kv_heads, mlp and vocab divisible by 8 so the tensor=8 rollout mesh is valid.
 WIDE = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -64,6 +64,40 @@ def test_zero_copy_sync_shares_the_trainers_buffers(train_params):
     np.testing.assert_array_equal(
         np.asarray(_q_kernel(cast, 1)),
         np.asarray(params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][...][1].astype(jnp.bfloat16)))
+    # on GPU auto takes the fused per-layer layout for such a copying sync (faster decode there);
+    # shareable params stay stacked on any platform
+    from rollout._weights import resolve_layout
+    pure, bf16 = nnx.to_pure_dict(params), jnp.bfloat16
+    assert resolve_layout("auto", pure, cast._layout_shardings, bf16, "gpu") == "per_layer_fused"
+    assert resolve_layout("auto", pure, cast._layout_shardings, bf16, "cpu") == "per_layer"
+    assert resolve_layout("auto", pure, engine._layout_shardings, jnp.float32, "gpu") == "stacked"
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "per_layer_fused"])
+def test_sync_in_layer_chunks_equals_the_one_program_sync(train_params, monkeypatch, layout):
+    """A per-layer target is written by one program per SYNC_LAYERS_PER_PROGRAM layers (host work
+    overlaps the device copy): same arrays, shardings and stats as the whole program, also when
+    the second call takes its decisions from the cache."""
+    from rollout import _weights
+    _, (_, params) = train_params
+    pure = nnx.to_pure_dict(params)
+    mesh = sharding.make_mesh((1, 1, 8))
+    abstract = {k: nnx.to_pure_dict(sharding.state_shardings(
+        nnx.split(abstract_model(WIDE.replace(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16),
+                                                 layer_layout=k), nnx.Param)[1], mesh, sharding.get_rules("rollout")))
+        for k in ("stacked", "per_layer", "per_layer_fused")}
+    monkeypatch.setattr(_weights, "SYNC_LAYERS_PER_PROGRAM", 1)
+    chunked = _weights.WeightSync(layout, abstract, jnp.bfloat16, mesh)
+    assert len(chunked._parts) == WIDE.num_hidden_layers
+    whole = jax.tree.leaves(chunked._relayout(pure))
+    for _ in range(2):
+        new, stats = chunked(pure)
+        assert jax.tree.structure(new) == jax.tree.structure(abstract[layout])
+        for a, b in zip(jax.tree.leaves(new), whole):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+        assert stats == {"bytes_moved": sum(x.nbytes for x in whole), "bytes_total": sum(x.nbytes for x in whole),
+                         "num_copied": len(whole)}
 
 
 @pytest.mark.parametrize("layer_layout", ["per_layer", "per_layer_fused", "stacked"])
