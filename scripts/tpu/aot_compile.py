@@ -26,6 +26,8 @@ micro-batch and extrapolated linearly in layers and micro-batches (exact for pro
 cost is affine in both, as these are). `roofline_s` = max(FLOPs / peak FLOP/s, bytes / HBM
 bandwidth) per chip: a lower bound that leaves out collectives over ICI and kernel overheads.
 The decode loop's trip count is dynamic: its figures are per decode step (= `generate`).
+`--no-cost` skips that pass; `--add-cost=REPORT.json` runs it later on a saved report (only the
+1- and 2-layer copies are compiled, from the report's own command line) and writes it back.
 
 `--check`: exit 1 when a program does not fit (the TPU launch script runs this before booking
 anything). The compile needs libtpu; without it the script says so and exits 2.
@@ -341,8 +343,11 @@ def measured_costs(run, cfg, meshes, wanted) -> dict:
     for layers in (1, 2):
         c = cfg.replace(num_hidden_layers=layers, layer_unroll=0, decode_unroll=0)
         progs, _ = build_programs(run, c, *meshes, wanted, n_micro=1)
-        small[layers] = {k: (v, _cost(v.lowered.compile()), v.optimizer and _cost(v.optimizer.compile()))
-                         for k, v in progs.items() if isinstance(v, Program)}
+        small[layers] = {}
+        for k, v in progs.items():
+            if isinstance(v, Program):
+                print(f"aot_compile: compiling {k} with {layers} layer(s) for its cost", file=sys.stderr, flush=True)
+                small[layers][k] = (v, _cost(v.lowered.compile()), v.optimizer and _cost(v.optimizer.compile()))
     out = {}
     for name, (prog, c1, opt1) in small[1].items():
         _, c2, opt2 = small[2][name]
@@ -410,12 +415,15 @@ def analyse(programs, groups, chip, costs) -> dict:
         flops, nbytes = _cost(compiled)
         entry.update(compiled_flops=flops, compiled_bytes_accessed=nbytes)
         if name in costs:
-            flops, nbytes = costs[name]
-            compute_s, memory_s = flops / chip.bf16_flops, nbytes / chip.hbm_bandwidth
-            entry.update(flops=flops, bytes_accessed=nbytes, roofline_s=max(compute_s, memory_s),
-                         bound="compute" if compute_s >= memory_s else "memory")
+            entry.update(_roofline(*costs[name], chip))
         report[name] = entry
     return report, residents
+
+
+def _roofline(flops: float, nbytes: float, chip) -> dict:
+    compute_s, memory_s = flops / chip.bf16_flops, nbytes / chip.hbm_bandwidth
+    return dict(flops=flops, bytes_accessed=nbytes, roofline_s=max(compute_s, memory_s),
+                bound="compute" if compute_s >= memory_s else "memory")
 
 
 def step_estimate(run, report, engine) -> dict:
@@ -474,8 +482,7 @@ def run_aot(topology: str, config: str, overrides=(), *, model: str = "", progra
         "topology": topology, "chips": len(devices), "device_kind": kind, "chip": dataclasses.asdict(chip),
         "jax": jax.__version__, "libtpu": _libtpu_version(), "config": config, "overrides": list(overrides),
         "model": model or "config", "params": int(params),
-        "model_config": {k: str(v) if not isinstance(v, (int, float, bool, type(None))) else v
-                         for k, v in dataclasses.asdict(cfg).items() if k != "rope_scaling"},
+        "model_config": _model_config_record(cfg),
         "mesh": dict(mesh.shape), "rollout_mesh": dict(rollout_mesh.shape), "engine": engine,
         "resident_bytes": residents, "programs": report,
         "fits": all(p["fits"] for p in report.values()),
@@ -486,6 +493,41 @@ def run_aot(topology: str, config: str, overrides=(), *, model: str = "", progra
         out["step_roofline"] = step_estimate(run, report, engine)
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     return out
+
+
+def add_costs(report: dict) -> dict:
+    """Adds the FLOPs / bytes / roofline figures and the step estimate to a saved `--no-cost`
+    report: only the 1- and 2-layer copies of the programs it has are compiled (the full programs'
+    memory figures are kept as they are). The report's own command line (topology, config,
+    overrides, model) rebuilds the programs; a report whose model or meshes it no longer rebuilds
+    is refused."""
+    run = C.load_config(report["config"], list(report["overrides"]))
+    devices = topology_devices(report["topology"])
+    if devices[0].device_kind != report["device_kind"] or len(devices) != report["chips"]:
+        raise ValueError(f"{report['topology']}: libtpu describes {len(devices)} x {devices[0].device_kind}, "
+                         f"the report has {report['chips']} x {report['device_kind']}")
+    chip = Chip(**report["chip"])  # the report's figures (an --hbm-gib what-if stays one)
+    cfg = model_config(run, "" if report["model"] == "config" else report["model"])
+    mesh, rollout_mesh = _host._meshes(run, devices)
+    rebuilt = {"model_config": _model_config_record(cfg), "mesh": dict(mesh.shape),
+               "rollout_mesh": dict(rollout_mesh.shape)}
+    for key, value in rebuilt.items():
+        if value != report[key]:
+            raise ValueError(f"the report's {key} {report[key]} is not what its command line builds "
+                             f"today ({value}); re-run the full compile")
+    t0 = time.perf_counter()
+    costs = measured_costs(run, cfg, (mesh, rollout_mesh), set(report["programs"]))
+    for name, entry in report["programs"].items():
+        if name in costs and "compile_error" not in entry:  # as analyse(): compiled programs only
+            entry.update(_roofline(*costs[name], chip))
+    report["step_roofline"] = step_estimate(run, report["programs"], report["engine"])
+    report["cost_wall_s"] = round(time.perf_counter() - t0, 1)
+    return report
+
+
+def _model_config_record(cfg) -> dict:
+    return {k: str(v) if not isinstance(v, (int, float, bool, type(None))) else v
+            for k, v in dataclasses.asdict(cfg).items() if k != "rope_scaling"}
 
 
 def _libtpu_version() -> str:
@@ -573,6 +615,10 @@ def main(argv=None) -> int:
     ap.add_argument("--programs", default="all", help=f"comma list of {', '.join(PROGRAMS)}")
     ap.add_argument("--cost", action=argparse.BooleanOptionalAction, default=True,
                     help="also compile 1- and 2-layer variants for FLOPs / bytes (roofline)")
+    ap.add_argument("--add-cost", default="", metavar="JSON",
+                    help="add the FLOPs / bytes / roofline figures to a saved --no-cost report (compiles "
+                    "only its programs' 1- and 2-layer copies; its own command line is used) and write "
+                    "it to --out, or back in place")
     ap.add_argument("--out", default="", help="write the JSON report here (else to stdout)")
     ap.add_argument("--hbm-gib", type=float, default=0.0,
                     help="pretend each chip has this much HBM (what-ifs, tests); 0 = published")
@@ -584,12 +630,21 @@ def main(argv=None) -> int:
     if args.table:
         print(markdown_tables([json.loads(Path(f).read_text()) for f in args.table]))
         return 0
-    if not args.topology:
+    if args.add_cost:
+        given = [f"--{k.replace('_', '-')}" for k in ("topology", "model", "hbm_gib") if getattr(args, k)]
+        given += ["--config"] if args.config != ap.get_default("config") else []
+        if rest or given or args.programs != "all" or not args.cost:
+            ap.error(f"--add-cost takes the report's own command line; drop {given + rest or '--programs / --no-cost'}")
+        args.out = args.out or args.add_cost
+    elif not args.topology:
         ap.error("--topology is required (e.g. --topology=v5e:2x4)")
     programs = "all" if args.programs == "all" else tuple(p for p in args.programs.split(",") if p)
     try:
-        out = run_aot(args.topology, args.config, rest, model=args.model, programs=programs, cost=args.cost,
-                      hbm_bytes=int(args.hbm_gib * GiB))
+        if args.add_cost:
+            out = add_costs(json.loads(Path(args.add_cost).read_text()))
+        else:
+            out = run_aot(args.topology, args.config, rest, model=args.model, programs=programs, cost=args.cost,
+                          hbm_bytes=int(args.hbm_gib * GiB))
     except LibtpuMissing as e:
         print(f"aot_compile: {e}", file=sys.stderr)
         return 2

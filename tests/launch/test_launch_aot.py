@@ -86,19 +86,31 @@ def test_a_program_over_the_hbm_fails_the_check(aot, tmp_path):
     assert not gen["fits"] and gen["over_by_bytes"] == gen["peak_bytes"] - int(0.0001 * (1 << 30))
 
 
-def test_costs_extrapolated_from_one_and_two_layers_equal_three_unrolled_layers(aot):
-    """XLA counts a loop body once; the 1- and 2-layer extrapolation must give what a fully
-    unrolled 3-layer program costs."""
-    run = aot.C.load_config(CONFIG, list(TINY) + ["--config.model.init.num_hidden_layers=3"])
-    devices = aot.topology_devices("v5e:2x2")
-    meshes = aot._host._meshes(run, devices)
-    cfg = aot.model_config(run, "")
-    costs = aot.measured_costs(run, cfg, meshes, {"log_prob"})
-    progs, _ = aot.build_programs(run, cfg.replace(layer_unroll=0), *meshes, {"log_prob"}, n_micro=1)
-    flops, nbytes = aot._cost(progs["log_prob"].lowered.compile())
-    repeats = progs["log_prob"].repeats
-    assert costs["log_prob"][0] == pytest.approx(repeats * flops, rel=0.01)  # fusion choices differ a little
-    assert costs["log_prob"][1] == pytest.approx(repeats * nbytes, rel=0.05)
+def test_add_cost_extrapolates_a_saved_report_to_what_three_unrolled_layers_cost(aot, monkeypatch, tmp_path):
+    """XLA counts a loop body once; `--add-cost` measures a saved `--no-cost` report's programs on
+    1- and 2-layer copies and extrapolates: that must give what the report's own program costs when
+    its 3 layers are unrolled (and one micro-batch is the whole batch, so nothing is looped)."""
+    model_config = aot.model_config
+    monkeypatch.setattr(aot, "model_config", lambda run, preset: model_config(run, preset).replace(layer_unroll=0))
+    args = TINY + ("--config.model.init.num_hidden_layers=3", "--config.actor.ppo_micro_batch_size_per_device=256")
+    report = aot.run_aot("v5e:2x2", CONFIG, args, programs=("log_prob",), cost=False)
+    saved = dict(report["programs"]["log_prob"])
+    assert "flops" not in saved and "step_roofline" not in report
+    path = tmp_path / "aot.json"
+    path.write_text(json.dumps(report))
+    assert aot.main([f"--add-cost={path}"]) == 0
+    added = json.loads(path.read_text())
+    log_prob = added["programs"]["log_prob"]
+    assert {k: log_prob[k] for k in saved} == saved  # the compiled program's figures are kept
+    assert log_prob["flops"] == pytest.approx(saved["compiled_flops"], rel=0.01)  # fusion choices differ a little
+    assert log_prob["bytes_accessed"] == pytest.approx(saved["compiled_bytes_accessed"], rel=0.05)
+    v5e = aot.CHIPS["TPU v5 lite"]
+    assert log_prob["roofline_s"] == max(log_prob["flops"] / v5e.bf16_flops,
+                                         log_prob["bytes_accessed"] / v5e.hbm_bandwidth)
+    assert added["step_roofline"]["parts_s"] == {"log_probs": log_prob["roofline_s"]}  # no reference model
+    # --table now prints the step-time row: no prefill or decode compiled, the log-probs
+    steps = aot.markdown_tables([added]).split("\n\n")[1]
+    assert f"| config | v5e-4 | - | - | {log_prob['roofline_s']:.2f} | - | - |" in steps
 
 
 def test_a_program_the_compiler_refuses_for_lack_of_hbm_is_reported_with_the_excess(aot):
