@@ -47,7 +47,7 @@ def get_config(arg: str | None = None):
     c.rollout.multi_turn.format = "hermes"
     c.sft.builtin_no_tool = 0.3
     c.sft.builtin_trailing_junk = 0.7
-    c.sft.max_length = 128
+    c.sft.max_length = 104  # the longest trace is 100 tokens
     # run folder and generated data per variant size (a tiny run must not share the main one's)
     c.trainer.default_local_dir = "runs/quickstart_tools-tiny" if "tiny" in variants else "runs/quickstart_tools"
     c.data.train_files = (f"{c.trainer.default_local_dir}/data/train.parquet",)

@@ -4,11 +4,30 @@ XLA reads XLA_FLAGS once, when the backend starts, so this must run before anyth
 """
 import os
 
+# XLA's CPU backend compiles without LLVM's optimisation passes (`TEST_XLA_FLAGS`): the tests' tiny
+# programs run a few times each, so compiling them is most of the suite's time, and the passes
+# (not XLA's own HLO passes, which still run) made it about twice as slow. The demos' learning
+# runs start without these flags, as a user's plain CPU would (tests/trainer/test_trainer_quickstart*.py).
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}"
 ).strip()
+os.environ["JAXRL_TEST_XLA_FLAGS"] = TEST_XLA_FLAGS  # for tests that start processes with their own XLA_FLAGS
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# JAX's persistent compilation cache for the whole session: a test that builds programs another
+# test (or an earlier run in the same test, e.g. before a resume) already compiled loads them
+# instead of compiling again. The variables reach subprocesses and Ray workers too. A new empty
+# folder per session, removed at the end, so a run here costs what it costs on a clean CI machine;
+# set JAX_COMPILATION_CACHE_DIR yourself to keep one across sessions (empty: no cache).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit  # noqa: E402
+    import shutil  # noqa: E402
+    import tempfile  # noqa: E402
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrl_llm_tests_jax_cache_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import importlib.util  # noqa: E402 - after the environment set-up above
 from pathlib import Path  # noqa: E402

@@ -53,7 +53,8 @@ def _cli(run_dir: Path, **extra) -> list[str]:
 
 def _env(num_devices: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "JAX_COORDINATOR_ADDRESS")}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu",
+    flags = f"--xla_force_host_platform_device_count={num_devices} {os.environ.get('JAXRL_TEST_XLA_FLAGS', '')}"
+    env.update(XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu",
                TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
     return env
 
