@@ -75,9 +75,9 @@ class WeightSync:
     kept as they are (0 bytes copied, same buffers). Other layout: jitted programs cast,
     relayout and split (or stack) the layers, writing every engine byte once (compiled once per
     input layout and sharding); a per-layer target is written by one program per
-    `SYNC_LAYERS_PER_PROGRAM` layers, enqueued back to back. What a sync decides per input
-    (its layout, whether it must move devices first, its byte counts) is cached by the input's
-    tree, shapes, dtypes and shardings, so a repeated sync does no per-leaf Python."""
+    `SYNC_LAYERS_PER_PROGRAM` layers, enqueued back to back. What a relayout decides per input
+    (whether it must move devices first, its byte counts) is cached by the input's tree, shapes,
+    dtypes and shardings, so a repeated sync does no per-leaf device-set check or byte count."""
 
     def __init__(self, layout: str, layout_shardings: dict, dtype, mesh: jax.sharding.Mesh):
         self._layout, self._layout_shardings, self._mesh = layout, layout_shardings, mesh
@@ -85,7 +85,7 @@ class WeightSync:
         self._dtype = jnp.dtype(dtype)
         self._treedefs = {name: jax.tree.structure(s) for name, s in layout_shardings.items()}
         self._devices = frozenset(mesh.devices.flat)
-        self._plans: dict = {}  # input signature -> (layout, moves first, stats): the hot path's decisions
+        self._plans: dict = {}  # input signature -> (moves first, stats): the relayout's decisions
 
         def convert(p):
             return convert_layers(self._cast(p), layout)
@@ -123,29 +123,30 @@ class WeightSync:
     def __call__(self, pure) -> tuple[Any, dict]:
         """(new params, {"bytes_moved", "bytes_total", "num_copied"})."""
         leaves, treedef = jax.tree.flatten(pure)
-        key = _signature(treedef, leaves)
-        plan = self._plans.get(key) if key is not None else None
-        layout = plan[0] if plan is not None else self._layout_of(treedef, pure)
+        layout = self._layout_of(treedef, pure)
         if layout == self._layout:  # the zero-copy check is per leaf (a buffer may have been freed)
             new, stats = sharding.reshard_with_stats(pure, self._shardings, dtype=self._dtype)
             return jax.tree.map(self._own_mesh, new, self._shardings), stats
+        key = _signature(treedef, leaves)
+        plan = self._plans.get(key) if key is not None else None
         if plan is None:
             # another device set (or host arrays): move there in the source layout first (a jit
             # cannot take inputs and give outputs on different devices)
             move = not all(isinstance(x, jax.Array) and x.sharding.device_set == self._devices
                            for x in leaves)
-            plan = (layout, move, None)
-        if plan[1]:
+        else:
+            move, stats = plan
+        if move:
             pure = sharding.reshard(pure, self._layout_shardings[layout], dtype=self._dtype)
         parts = [program(pure) for program in self._parts]  # enqueued one after the other
         new = parts[0] if len(parts) == 1 else _merge(parts)
-        if plan[2] is None:  # the output's size is fixed by the engine's layout: count it once
+        if plan is None:  # the output's size is fixed by the engine's layout: count it once
             out = jax.tree.leaves(new)
             nbytes = sum(int(x.nbytes) for x in out)
-            plan = (layout, plan[1], {"bytes_moved": nbytes, "bytes_total": nbytes, "num_copied": len(out)})
+            stats = {"bytes_moved": nbytes, "bytes_total": nbytes, "num_copied": len(out)}
             if key is not None:
-                self._plans[key] = plan
-        return new, dict(plan[2])
+                self._plans[key] = (move, stats)
+        return new, dict(stats)
 
     def _layout_of(self, treedef, pure) -> str:
         for name, known in self._treedefs.items():

@@ -199,7 +199,6 @@ def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start
 
 def run_model(name: str, args) -> dict:
     import jax
-    from flax import nnx
 
     from jaxrl_llm import metrics as M
     from jaxrl_llm.workers import HostWorker
@@ -236,9 +235,7 @@ def run_model(name: str, args) -> dict:
         out.update(sync_timings(worker, args.sync_repeats, limit, args.sync_trace))
     if info["num_devices"] > 1:
         itemsize = np.dtype(jax.tree.leaves(worker.engine.params)[0].dtype).itemsize
-        src = worker.actor.params
-        src = nnx.to_pure_dict(src) if isinstance(src, nnx.State) else src
-        cross = cross_device_bytes(src, _rollout_layout(worker), itemsize)
+        cross = cross_device_bytes(pure_params(worker.actor.params), _rollout_layout(worker), itemsize)
         link = max(cross.values()) / (args.link_gbs * 1e9)
         sync_s = out.get("timing_s/update_weights", out.get("sync/repeat_median_s"))
         out.update({"sync/cross_device_bytes_max": int(max(cross.values())),
@@ -311,7 +308,7 @@ def sync_timings(worker, repeats: int, limit: float, trace: str = "") -> dict:
 
     def host_part():  # the engine's sync up to the enqueued program (what update_params adds: the wait)
         t0 = time.perf_counter()
-        new = engine._sync(nnx_pure(source))[0]
+        new = engine._sync(pure_params(source))[0]
         dt = time.perf_counter() - t0
         jax.block_until_ready(new)
         return dt
@@ -322,7 +319,7 @@ def sync_timings(worker, repeats: int, limit: float, trace: str = "") -> dict:
     t0 = time.perf_counter()
     new = None
     for _ in range(repeats):
-        new = engine._sync(nnx_pure(source))[0]  # the previous copy is freed once read
+        new = engine._sync(pure_params(source))[0]  # the previous copy is freed once read
     jax.block_until_ready(new)
     program = (time.perf_counter() - t0) / repeats
     del new
@@ -344,11 +341,12 @@ def sync_timings(worker, repeats: int, limit: float, trace: str = "") -> dict:
     return out
 
 
-def nnx_pure(params):
-    """A Param state as the pure dict the engine's sync takes (pure dicts pass through)."""
-    from flax import nnx
+def pure_params(params):
+    """Params (a Param state, a module or a pure dict) as the pure dict the engine's sync takes:
+    the engine's own conversion."""
+    from rollout._engine import _pure
 
-    return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+    return _pure(params)
 
 
 def cross_device_bytes(src_tree, dst_shardings, itemsize: int) -> dict:
