@@ -29,6 +29,9 @@ The decode loop's trip count is dynamic: its figures are per decode step (= `gen
 `--no-cost` skips that pass; `--add-cost=REPORT.json` runs it later on a saved report (only the
 1- and 2-layer copies are compiled, from the report's own command line) and writes it back.
 
+`--extend=REPORT.json --programs=a,b` compiles programs a saved report lacks (from its own
+command line) and adds them.
+
 `--check`: exit 1 when a program does not fit (the TPU launch script runs this before booking
 anything). The compile needs libtpu; without it the script says so and exits 2.
 """
@@ -497,7 +500,7 @@ def run_aot(topology: str, config: str, overrides=(), *, model: str = "", progra
 
 def add_costs(report: dict) -> dict:
     """Adds the FLOPs / bytes / roofline figures and the step estimate to a saved `--no-cost`
-    report: only the 1- and 2-layer copies of the programs it has are compiled (the full programs'
+    report: only the 1- and 2-layer copies of the programs it has without them are compiled (the full programs'
     memory figures are kept as they are). The report's own command line (topology, config,
     overrides, model) rebuilds the programs; a report whose model or meshes it no longer rebuilds
     is refused."""
@@ -516,12 +519,44 @@ def add_costs(report: dict) -> dict:
             raise ValueError(f"the report's {key} {report[key]} is not what its command line builds "
                              f"today ({value}); re-run the full compile")
     t0 = time.perf_counter()
-    costs = measured_costs(run, cfg, (mesh, rollout_mesh), set(report["programs"]))
+    missing = {k for k, v in report["programs"].items() if "roofline_s" not in v and "compile_error" not in v}
+    costs = measured_costs(run, cfg, (mesh, rollout_mesh), missing)
     for name, entry in report["programs"].items():
         if name in costs and "compile_error" not in entry:  # as analyse(): compiled programs only
             entry.update(_roofline(*costs[name], chip))
     report["step_roofline"] = step_estimate(run, report["programs"], report["engine"])
     report["cost_wall_s"] = round(time.perf_counter() - t0, 1)
+    return report
+
+
+_SAME_BUILD = ("jax", "libtpu", "device_kind", "chips", "chip", "params", "model_config", "mesh", "rollout_mesh",
+               "engine", "resident_bytes")
+
+
+def extend_report(report: dict, programs, *, cost: bool = True) -> dict:
+    """Compiles `programs` that a saved report lacks, from the report's own command line (and its
+    chip figures), and adds them: a report made with `--programs=a,b` gets the rest later without
+    recompiling what it has. The new compile must build what the report recorded (same jax and
+    libtpu, model, meshes, engine and resident state), else it is refused."""
+    have = sorted(set(programs) & set(report["programs"]))
+    if have:
+        raise ValueError(f"the report already has {have}; extend it with programs it lacks")
+    new = run_aot(report["topology"], report["config"], report["overrides"],
+                  model="" if report["model"] == "config" else report["model"], programs=programs,
+                  cost=cost, hbm_bytes=report["chip"]["hbm_bytes"])
+    for key in _SAME_BUILD:
+        if new[key] != report[key]:
+            raise ValueError(f"the report's {key} {report[key]} is not what its command line builds "
+                             f"today ({new[key]}); re-run the full compile")
+    merged = {**report["programs"], **new["programs"]}
+    report["programs"] = {k: merged[k] for k in PROGRAMS if k in merged}
+    report["fits"] = all(p["fits"] for p in report["programs"].values())
+    report["peak_bytes"] = max((p["peak_bytes"] or 0 for p in report["programs"].values()), default=0)
+    if any("roofline_s" in p for p in report["programs"].values()):
+        run = C.load_config(report["config"], list(report["overrides"]))
+        report["step_roofline"] = step_estimate(run, report["programs"], report["engine"])
+    report.setdefault("extended", []).append({"programs": sorted(new["programs"]), "cost": cost,
+                                              "wall_s": new["wall_s"]})
     return report
 
 
@@ -619,6 +654,9 @@ def main(argv=None) -> int:
                     help="add the FLOPs / bytes / roofline figures to a saved --no-cost report (compiles "
                     "only its programs' 1- and 2-layer copies; its own command line is used) and write "
                     "it to --out, or back in place")
+    ap.add_argument("--extend", default="", metavar="JSON",
+                    help="compile the --programs a saved report lacks (from its own command line) and add "
+                    "them to it; written to --out, or back in place")
     ap.add_argument("--out", default="", help="write the JSON report here (else to stdout)")
     ap.add_argument("--hbm-gib", type=float, default=0.0,
                     help="pretend each chip has this much HBM (what-ifs, tests); 0 = published")
@@ -636,12 +674,21 @@ def main(argv=None) -> int:
         if rest or given or args.programs != "all" or not args.cost:
             ap.error(f"--add-cost takes the report's own command line; drop {given + rest or '--programs / --no-cost'}")
         args.out = args.out or args.add_cost
+    elif args.extend:
+        given = [f"--{k.replace('_', '-')}" for k in ("topology", "model", "hbm_gib") if getattr(args, k)]
+        given += ["--config"] if args.config != ap.get_default("config") else []
+        if rest or given or args.programs == "all":
+            ap.error(f"--extend takes the report's own command line and the --programs to add; "
+                     f"drop {given + rest}" if rest or given else "--extend needs --programs=a,b")
+        args.out = args.out or args.extend
     elif not args.topology:
         ap.error("--topology is required (e.g. --topology=v5e:2x4)")
     programs = "all" if args.programs == "all" else tuple(p for p in args.programs.split(",") if p)
     try:
         if args.add_cost:
             out = add_costs(json.loads(Path(args.add_cost).read_text()))
+        elif args.extend:
+            out = extend_report(json.loads(Path(args.extend).read_text()), programs, cost=args.cost)
         else:
             out = run_aot(args.topology, args.config, rest, model=args.model, programs=programs, cost=args.cost,
                           hbm_bytes=int(args.hbm_gib * GiB))

@@ -86,6 +86,35 @@ def test_a_program_over_the_hbm_fails_the_check(aot, tmp_path):
     assert not gen["fits"] and gen["over_by_bytes"] == gen["peak_bytes"] - int(0.0001 * (1 << 30))
 
 
+def test_extend_adds_the_programs_a_saved_report_lacks(aot, tmp_path):
+    """A report compiled with `--programs=generate` gets `insert` later from its own command line
+    (and its what-if HBM); a program it has, or a report its command line no longer rebuilds, is
+    refused before anything is written."""
+    report = tmp_path / "aot.json"
+    args = ["--topology=v5e:2x2", f"--config={CONFIG}", *TINY, "--programs=generate", "--no-cost",
+            "--hbm-gib=0.0001", f"--out={report}"]
+    assert aot.main(args) == 0
+    saved = json.loads(report.read_text())
+    assert aot.main([f"--extend={report}", "--programs=insert", "--no-cost"]) == 0
+    out = json.loads(report.read_text())
+    assert list(out["programs"]) == ["insert", "generate"]  # the script's order
+    assert out["programs"]["generate"] == saved["programs"]["generate"]
+    insert, residents = out["programs"]["insert"], out["resident_bytes"]
+    assert residents == saved["resident_bytes"] and insert["hbm_bytes"] == int(0.0001 * (1 << 30))
+    assert insert["other_resident_bytes"] == sum(v for k, v in residents.items() if k != "decode_state")
+    assert insert["argument_bytes"] >= residents["decode_state"] > 0
+    assert not out["fits"] and out["peak_bytes"] == max(insert["peak_bytes"], saved["peak_bytes"])
+    assert out["extended"] == [{"programs": ["insert"], "cost": False, "wall_s": out["extended"][0]["wall_s"]}]
+    with pytest.raises(ValueError, match=r"already has \['generate'\]"):
+        aot.extend_report(json.loads(report.read_text()), ("generate", "prefill"), cost=False)
+    stale = dict(saved, mesh={"data": 4, "fsdp": 1, "tensor": 1})
+    with pytest.raises(ValueError, match="the report's mesh .* is not what its command line builds"):
+        aot.extend_report(stale, ("insert",), cost=False)
+    with pytest.raises(SystemExit):
+        aot.main([f"--extend={report}", "--programs=prefill", "--topology=v5e:2x2"])
+    assert json.loads(report.read_text()) == out
+
+
 def test_add_cost_extrapolates_a_saved_report_to_what_three_unrolled_layers_cost(aot, monkeypatch, tmp_path):
     """XLA counts a loop body once; `--add-cost` measures a saved `--no-cost` report's programs on
     1- and 2-layer copies and extrapolates: that must give what the report's own program costs when
