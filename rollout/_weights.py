@@ -5,6 +5,7 @@ layout, one cast + relayout program otherwise). Layouts are `jaxrl_llm.models.LA
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import jax
@@ -15,11 +16,16 @@ from jaxrl_llm.models import LAYER_LAYOUTS, convert_layers
 
 
 # Layers per sync program for per-layer targets: the host's per-output work (allocating and
-# wrapping each of the L x 12 engine arrays, ~1.4 ms for the 1.5B shape on the H200 host) of
-# program k + 1 overlaps the device's copy of program k, instead of all of it preceding one
-# program. H200, 1.5B fp32 -> bf16 per_layer_fused: 1 program 4.15 ms, 4 layers 3.60, 7 layers
-# 3.37 (docs/benchmarks.md §2). 0 = one program.
+# wrapping each engine array, ~2-3 us each on the H200 host) of program k + 1 overlaps the
+# device's copy of program k, instead of all of it preceding one program. H200, 1.5B fp32 -> bf16
+# per_layer_fused, donating: 1 program 3.95 ms, 4 layers 2.88, 7 layers 2.96-3.01 (docs/benchmarks.md
+# §2 fifth pass). 0 = one program.
 SYNC_LAYERS_PER_PROGRAM = 7
+# Whether a relayout sync writes into the engine's previous weights (donated: no buffer is freed
+# or allocated; freeing the 1.5B shape's 198 arrays took 0.6 ms of host time before the first
+# program, docs/benchmarks.md §2 fifth pass) when nothing outside the engine holds them; see
+# `WeightSync.may_donate`.
+SYNC_DONATE = True
 
 
 def _is_floating(x) -> bool:
@@ -75,7 +81,8 @@ class WeightSync:
     kept as they are (0 bytes copied, same buffers). Other layout: jitted programs cast,
     relayout and split (or stack) the layers, writing every engine byte once (compiled once per
     input layout and sharding); a per-layer target is written by one program per
-    `SYNC_LAYERS_PER_PROGRAM` layers, enqueued back to back. What a relayout decides per input
+    `SYNC_LAYERS_PER_PROGRAM` layers, enqueued back to back, into the engine's previous weights
+    when the caller may donate them (`may_donate`). What a relayout decides per input
     (whether it must move devices first, its byte counts) is cached by the input's tree, shapes,
     dtypes and shardings, so a repeated sync does no per-leaf device-set check or byte count."""
 
@@ -91,15 +98,17 @@ class WeightSync:
             return convert_layers(self._cast(p), layout)
 
         self._relayout = jax.jit(convert, out_shardings=self._shardings)  # the whole sync, for `lower`
-        self._parts = [self._relayout]
+        # (program, program writing into donated old weights, which part of the tree it writes)
+        self._parts = [(self._relayout, _donating(convert, self._shardings), None)]
         if layout != "stacked":  # per-layer targets: the same copy in programs of a few layers each
             n, k = len(self._shardings["model"]["layers"]), SYNC_LAYERS_PER_PROGRAM
             chunks = [range(i, min(i + k, n)) for i in range(0, n, k)] if k else []
             if len(chunks) > 1:
-                self._parts = [jax.jit(functools.partial(lambda p, c, first: _part(convert(p), c, first),
-                                                         c=c, first=j == 0),
-                                       out_shardings=_part(self._shardings, c, j == 0))
-                               for j, c in enumerate(chunks)]
+                self._parts = []
+                for j, c in enumerate(chunks):
+                    fn = functools.partial(lambda p, c, first: _part(convert(p), c, first), c=c, first=j == 0)
+                    out = _part(self._shardings, c, j == 0)
+                    self._parts.append((jax.jit(fn, out_shardings=out), _donating(fn, out), (c, j == 0)))
 
     def _cast(self, p):
         return jax.tree.map(lambda x: x.astype(self._dtype) if _is_floating(x) else x, p)
@@ -120,13 +129,16 @@ class WeightSync:
             return None
         return jax.jit(self._cast, out_shardings=self._shardings).lower(pure)
 
-    def __call__(self, pure) -> tuple[Any, dict]:
-        """(new params, {"bytes_moved", "bytes_total", "num_copied"})."""
+    def __call__(self, pure, donate=None) -> tuple[Any, dict]:
+        """(new params, {"bytes_moved", "bytes_total", "num_copied", "fresh", "donated"}). `donate`:
+        the engine's current weights, for which the caller checked `may_donate`: the relayout
+        writes into them (their arrays are deleted; "donated"). "fresh": the new arrays are this
+        sync's own outputs, aliasing nothing given to it (so a later sync may donate them)."""
         leaves, treedef = jax.tree.flatten(pure)
         layout = self._layout_of(treedef, pure)
         if layout == self._layout:  # the zero-copy check is per leaf (a buffer may have been freed)
             new, stats = sharding.reshard_with_stats(pure, self._shardings, dtype=self._dtype)
-            return jax.tree.map(self._own_mesh, new, self._shardings), stats
+            return jax.tree.map(self._own_mesh, new, self._shardings), {**stats, "fresh": False, "donated": False}
         key = _signature(treedef, leaves)
         plan = self._plans.get(key) if key is not None else None
         if plan is None:
@@ -138,7 +150,13 @@ class WeightSync:
             move, stats = plan
         if move:
             pure = sharding.reshard(pure, self._layout_shardings[layout], dtype=self._dtype)
-        parts = [program(pure) for program in self._parts]  # enqueued one after the other
+        donated = donate is not None
+        if donated:
+            parts = [program(pure, donate if which is None else _part(donate, *which))
+                     for _, program, which in self._parts]
+        else:
+            parts = [program(pure) for program, _, _ in self._parts]  # enqueued one after the other
+        donate = None  # its arrays are deleted now
         new = parts[0] if len(parts) == 1 else _merge(parts)
         if plan is None:  # the output's size is fixed by the engine's layout: count it once
             out = jax.tree.leaves(new)
@@ -146,7 +164,19 @@ class WeightSync:
             stats = {"bytes_moved": nbytes, "bytes_total": nbytes, "num_copied": len(out)}
             if key is not None:
                 self._plans[key] = (move, stats)
-        return new, dict(stats)
+        return new, {**stats, "fresh": True, "donated": donated}
+
+    def layout(self, pure) -> str:
+        """The layer layout `pure` is in (a clear error naming both trees when it is neither)."""
+        return self._layout_of(jax.tree.structure(pure), pure)
+
+    def may_donate(self, old, pure) -> bool:
+        """Whether a sync of `pure` may write into `old`, weights a relayout sync of this object
+        made (so in its layout; the caller checked that it holds the only reference to the dict
+        itself): `SYNC_DONATE` is on, the sync relayouts, and nothing else holds any of `old`'s
+        sub-dicts or arrays (e.g. a kept `engine.params["model"]["layers"][0]` keeps them all
+        intact)."""
+        return SYNC_DONATE and old is not None and self.layout(pure) != self._layout and _only_held_by_parent(old)
 
     def _layout_of(self, treedef, pure) -> str:
         for name, known in self._treedefs.items():
@@ -161,6 +191,26 @@ class WeightSync:
         if jax.typeof(x).sharding.mesh != self._mesh.abstract_mesh:
             return jax.device_put(x, target, may_alias=True)
         return x
+
+
+def _donating(fn, out_shardings):
+    """`fn(p)` jitted as `f(p, old)` that writes its outputs into the donated `old` (same tree and
+    shardings as the output; unused otherwise, kept so XLA can alias it)."""
+    return jax.jit(lambda p, old: fn(p), out_shardings=out_shardings, donate_argnums=1, keep_unused=True)
+
+
+def _only_held_by_parent(root: dict) -> bool:
+    """Whether every dict and array under `root` (a pure param dict) has no reference but its
+    parent dict's."""
+    getrefcount = sys.getrefcount
+    stack = [root]
+    while stack:
+        for value in stack.pop().values():
+            if getrefcount(value) > 3:  # the parent dict's, `value`, getrefcount's argument
+                return False
+            if type(value) is dict:
+                stack.append(value)
+    return True
 
 
 def _signature(treedef, leaves):

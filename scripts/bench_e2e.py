@@ -22,7 +22,9 @@ against the reference (so the reference forward runs), one optimizer step per RL
 
 Reported per model (the mean over the timed steps after one warm-up step):
 - `timing_s/<stage>` and `perf/throughput` = (prompt + response tokens) / step time / devices,
-  verl's definition;
+  verl's definition; `timing_s/update_tail` is the wait for the actor's new params after
+  `update_actor` returned its metrics (synchronous steps), so that `timing_s/update_weights` times
+  the sync alone;
 - `sync/copy_limit_s` = (bytes read + bytes written by the cast-and-copy) / `--copy-tbs`, and
   `sync/multiple_of_copy_limit` = measured `timing_s/update_weights` / that; `sync/zero_copy_bytes`
   is what `update_params` moved when handed the engine's own (layout-matching) buffers;
@@ -55,7 +57,7 @@ from jaxrl_llm.models import QWEN25_SHAPES
 _ARCH = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 QWEN25 = {k: {f: QWEN25_SHAPES[k][f] for f in _ARCH} for k in ("0.5b", "1.5b", "tiny")}
 VOCAB = {k: QWEN25_SHAPES[k]["vocab_size"] for k in QWEN25}
-DEVICE_STAGES = ("gen", "old_log_prob", "ref", "update_actor", "update_weights")
+DEVICE_STAGES = ("gen", "old_log_prob", "ref", "update_actor", "update_tail", "update_weights")
 
 
 def parse_args(argv=None):
@@ -151,6 +153,8 @@ def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start
     Synchronous: generates `prompts` now and syncs weights at the end. One-step-off-policy
     (`overlap`): takes this step's rollout from `pending` (a future) if there is one, syncs the
     now idle engine, calls `start_next()` (if given) to start the next rollout, then trains."""
+    import jax
+
     from jaxrl_llm.trainer import _batch as B
 
     timing: dict[str, float] = {}
@@ -189,6 +193,9 @@ def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start
     metrics = timed("update_actor", lambda: worker.update_actor(
         batch, mini_rows=cfg.actor.ppo_mini_batch_size * n, seed=seed))
     if not overlap:
+        # what is still running of the update once its metrics are back (its new params), so
+        # that `update_weights` below times the sync alone
+        timed("update_tail", lambda: jax.block_until_ready(worker.actor.params))
         sync = timed("update_weights", worker.sync_weights)
     timing["step"] = time.perf_counter() - t_step
     n_prompt = int(batch.attention_mask[:, :batch.prompts.shape[1]].sum())
@@ -283,6 +290,7 @@ def _steps(worker, cfg, args, prompts, limit: float) -> dict:
                             1.0 - sum(timing[s] for s in DEVICE_STAGES) / timing["step"])
     out.update({"sync/bytes_moved": int(last["sync"]["bytes_moved"]),
                 "sync/zero_copy": bool(last["sync"]["zero_copy"]),
+                "sync/donated": bool(last["sync"].get("donated", False)),
                 "sync/multiple_of_copy_limit": timing["update_weights"] / limit if limit else None})
     out["actor/pg_loss"] = float(last["actor/pg_loss"])
     return out

@@ -4,10 +4,16 @@
     SIZE=tiny python scripts/bench_sync_chunks.py
 
 For `per_layer` and `per_layer_fused` and `rollout._weights.SYNC_LAYERS_PER_PROGRAM` in
-0 (one program), 2, 4, 7, 14: the median of 30 `Engine.update_params` of the stacked fp32 params
-(`update_params_ms`, and `multiple` of the byte-copy limit (fp32 read + bf16 written) / 4.3 TB/s),
-of the sync without the engine's bookkeeping (`sync_block_ms`), and for 0 and 4 the traced kernel
-time per sync (`kernel_ms`, top kernels). Uses the engine's private sync object.
+0 (one program), 2, 4, 7, 14, and `per_layer_fused` at 7 with and without `SYNC_DONATE` (the
+sync writing into the engine's previous weights; `CASES=donate`: only these, twice, interleaved):
+the median of 30 `Engine.update_params` of the stacked fp32 params (`update_params_ms`, and
+`multiple` of the byte-copy limit (fp32 read + bf16 written) / 4.3 TB/s), of the sync without the
+engine's bookkeeping and without donation (`sync_block_ms`), the medians of update_params' phases
+(`phases_ms`: params to a pure dict, dropping the old engine arrays (freed unless donated),
+enqueueing the sync's programs, waiting for them), and for 0 and 4 the traced kernel time per
+sync (`kernel_ms`, top kernels); `equal_to_undonated`: the engine's weights then equal one sync into
+new buffers. First (`PROBE=0`: not), what enqueueing one program costs the host by its number of
+outputs. Uses the engine's private sync object.
 """
 import json
 import os
@@ -54,9 +60,55 @@ def kernel_summary(engine, state, path: str) -> dict:
         os.remove(path)
 
 
-def measure(model, state, layout: str, k: int, out_dir: str) -> dict:
+def phases_ms(engine, state, n: int = 30) -> dict:
+    """Medians of `Engine.update_params`' steps, done one by one as it does them."""
+    times = {"pure": [], "drop_old": [], "enqueue": [], "wait": []}
+    for _ in range(n):
+        t0 = time.perf_counter()
+        pure = rollout._engine._pure(state)
+        t1 = time.perf_counter()
+        old, engine._params = engine._params, None
+        donate = old if engine._params_fresh and engine._sync.may_donate(old, pure) else None
+        del old
+        t2 = time.perf_counter()
+        new, stats = engine._sync(pure, donate=donate)
+        del donate
+        t3 = time.perf_counter()
+        jax.block_until_ready(new)
+        t4 = time.perf_counter()
+        engine._params, engine._params_fresh = new, stats["fresh"]
+        del new  # the engine holds the only reference: the next drop_old frees (or donates) them
+        for k, a, b in (("pure", t0, t1), ("drop_old", t1, t2), ("enqueue", t2, t3), ("wait", t3, t4)):
+            times[k].append(b - a)
+    return {k: round(float(np.median(v)) * 1e3, 4) for k, v in times.items()}
+
+
+def dispatch_probe() -> list[dict]:
+    """What enqueueing one program costs the host by its number of outputs (slices of one 256 MiB
+    bf16 array, 1 MiB or 1 KiB each): median ms to return (`enqueue_ms`) and to finish (`done_ms`)."""
+    x = jnp.ones((256, 512, 1024), jnp.bfloat16)
+    out = []
+    for rows in (512, 1):
+        for n in (1, 16, 64, 256):
+            f = jax.jit(lambda x, n=n, rows=rows: [x[i, :rows] + 1 for i in range(n)])
+            jax.block_until_ready(f(x))
+            enqueue, done = [], []
+            for _ in range(30):
+                t0 = time.perf_counter()
+                y = f(x)
+                t1 = time.perf_counter()
+                jax.block_until_ready(y)
+                enqueue.append(t1 - t0)
+                done.append(time.perf_counter() - t0)
+                del y
+            out.append({"probe_outputs": n, "output_kib": rows * 2, "enqueue_ms": float(np.median(enqueue)) * 1e3,
+                        "done_ms": float(np.median(done)) * 1e3})
+    return out
+
+
+def measure(model, state, layout: str, k: int, out_dir: str, donate: bool = True) -> dict:
     """One layout at `k` layers per sync program (the engine is freed on return)."""
-    W.SYNC_LAYERS_PER_PROGRAM = k
+    W.SYNC_LAYERS_PER_PROGRAM, W.SYNC_DONATE = k, donate
     pure = nnx.to_pure_dict(state)
     engine = rollout.Engine.from_model(model, max_concurrent_decodes=8, max_prefill_length=16,
                                        max_target_length=32, dtype="bfloat16", layer_layout=layout)
@@ -65,11 +117,18 @@ def measure(model, state, layout: str, k: int, out_dir: str) -> dict:
     limit = (src + dst) / 4.3e12 * 1e3
     for _ in range(3):
         engine.update_params(state)
-    r = {"layout": engine.layer_layout, "k": k, "programs": len(engine._sync._parts),
+    r = {"layout": engine.layer_layout, "k": k, "donate": donate, "programs": len(engine._sync._parts),
          "leaves": len(jax.tree.leaves(engine.params)), "limit_ms": limit}
+    r["donated"] = engine.update_params(state)["donated"]
     r["update_params_ms"] = median_ms(lambda: engine.update_params(state))
     r["multiple"] = r["update_params_ms"] / limit
     r["sync_block_ms"] = median_ms(lambda: jax.block_until_ready(engine._sync(pure)))
+    r["phases_ms"] = phases_ms(engine, state)
+    # the engine's weights after all these (donating) syncs == one sync into new buffers
+    fresh = engine._sync(pure)[0]
+    r["equal_to_undonated"] = all(bool(jnp.array_equal(a, b)) for a, b in
+                                  zip(jax.tree.leaves(engine.params), jax.tree.leaves(fresh)))
+    del fresh
     if k in TRACED:
         r.update(kernel_summary(engine, state, f"{out_dir}/t_{layout}_{k}.json.gz"))
     return r
@@ -83,9 +142,16 @@ def main() -> None:
                       dtype=jnp.bfloat16, param_dtype=jnp.float32, attention_bias=True)
     model = init_model(cfg, seed=0)
     state = nnx.state(model, nnx.Param)
-    for layout in LAYOUTS:
+    if os.environ.get("PROBE", "1") == "1":
+        for r in dispatch_probe():
+            print(json.dumps(r), flush=True)
+    cases = os.environ.get("CASES", "all")
+    for layout in LAYOUTS if cases == "all" else ():
         for k in LAYERS_PER_PROGRAM:
             print(json.dumps(measure(model, state, layout, k, os.environ.get("OUT", "/tmp"))), flush=True)
+    for donate in (True, False) * (1 if cases == "all" else 2):  # "donate": twice, interleaved
+        print(json.dumps(measure(model, state, "per_layer_fused", 7, os.environ.get("OUT", "/tmp"), donate)),
+              flush=True)
 
 
 if __name__ == "__main__":

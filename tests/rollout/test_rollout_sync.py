@@ -97,7 +97,54 @@ def test_sync_in_layer_chunks_equals_the_one_program_sync(train_params, monkeypa
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
         assert stats == {"bytes_moved": sum(x.nbytes for x in whole), "bytes_total": sum(x.nbytes for x in whole),
-                         "num_copied": len(whole)}
+                         "num_copied": len(whole), "fresh": True, "donated": False}
+
+
+def _pointers(tree):
+    return [s.data.unsafe_buffer_pointer() for x in _leaves(tree) for s in x.addressable_shards]
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "per_layer_fused"])
+def test_a_relayout_sync_writes_into_the_engines_previous_weights(train_params, monkeypatch, layout):
+    """A relayout sync donates the weights an earlier one made (no buffer freed or allocated):
+    same buffers, same values as without donation. A reference kept to any part of them keeps
+    them intact (no donation), as does a sync whose weights may alias the caller's."""
+    from rollout import _weights
+    monkeypatch.setattr(_weights, "SYNC_LAYERS_PER_PROGRAM", 1)  # one donating program per layer
+    _, (graphdef, params) = train_params
+    engine = rollout.Engine.from_model((graphdef, params), max_concurrent_decodes=8, max_prefill_length=16,
+                                       max_target_length=32, dtype="bfloat16", layer_layout=layout)
+    want = [np.array(x, copy=True) for x in _leaves(engine.params)]
+
+    def check_values():  # (a loop variable left over here would be a reference kept)
+        for a, b in zip(_leaves(engine.params), want):
+            np.testing.assert_array_equal(np.asarray(a), b)
+
+    first = _pointers(engine.params)
+    assert engine.update_params(params)["donated"]
+    assert _pointers(engine.params) == first
+    check_values()
+
+    for view in (lambda p: p, lambda p: p["model"]["layers"][1]):  # a caller's view of all, of one layer
+        kept = view(engine.params)
+        assert not engine.update_params(params)["donated"]
+        assert not any(x.is_deleted() for x in _leaves(kept))
+        assert _pointers(engine.params) != _pointers(kept)
+        del kept
+    own = engine.params
+    engine.update_params(own)  # the same layout: the engine now holds the caller's arrays
+    assert not engine.update_params(params)["donated"]
+    assert not any(x.is_deleted() for x in _leaves(own))
+    del own
+    with pytest.raises(ValueError, match="does not match the engine's model"):
+        engine.update_params({"model": {}})
+    engine.check_params()  # a bad tree leaves the weights as they were
+    check_values()
+    monkeypatch.setattr(_weights, "SYNC_DONATE", False)
+    before = _pointers(engine.params)
+    engine.update_params(params)
+    assert _pointers(engine.params) != before
+    check_values()
 
 
 @pytest.mark.parametrize("layer_layout", ["per_layer", "per_layer_fused", "stacked"])
