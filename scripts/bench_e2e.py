@@ -24,7 +24,8 @@ Reported per model (the mean over the timed steps after one warm-up step):
 - `timing_s/<stage>` and `perf/throughput` = (prompt + response tokens) / step time / devices,
   verl's definition; `timing_s/update_tail` is the wait for the actor's new params after
   `update_actor` returned its metrics (synchronous steps), so that `timing_s/update_weights` times
-  the sync alone;
+  the sync alone; `--sync-twice` also times a second sync right after it
+  (`timing_s/update_weights_again`, not in the step time);
 - `sync/copy_limit_s` = (bytes read + bytes written by the cast-and-copy) / `--copy-tbs`, and
   `sync/multiple_of_copy_limit` = measured `timing_s/update_weights` / that; `sync/zero_copy_bytes`
   is what `update_params` moved when handed the engine's own (layout-matching) buffers;
@@ -85,6 +86,9 @@ def parse_args(argv=None):
                    help="one-step-off-policy: rollout of step k+1 during step k (needs --placement separate)")
     p.add_argument("--sync-repeats", type=int, default=0,
                    help="after the steps, time this many more weight syncs (median) and split them")
+    p.add_argument("--sync-twice", action="store_true",
+                   help="sync a second time right after each step's sync (timing_s/update_weights_again), "
+                   "outside the step time")
     p.add_argument("--sync-only", action="store_true",
                    help="no GRPO steps: build the workers, then the --sync-repeats timings (default 20)")
     p.add_argument("--sync-trace", default="", help="trace 5 weight syncs into this .json.gz file")
@@ -147,7 +151,7 @@ def _generate(worker, cfg, prompts, seed: int) -> dict:
                            sampling=rollout.SamplingParams(temperature=1.0), seed=seed)
 
 
-def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start_next=None):
+def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start_next=None, twice=False):
     """One GRPO step -> (timing, step info, future of the next step's rollout or None).
 
     Synchronous: generates `prompts` now and syncs weights at the end. One-step-off-policy
@@ -198,6 +202,8 @@ def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start
         timed("update_tail", lambda: jax.block_until_ready(worker.actor.params))
         sync = timed("update_weights", worker.sync_weights)
     timing["step"] = time.perf_counter() - t_step
+    if twice and not overlap:  # the same sync again at once: what the first one pays for coming first
+        timed("update_weights_again", worker.sync_weights)
     n_prompt = int(batch.attention_mask[:, :batch.prompts.shape[1]].sum())
     n_resp = int(batch.response_mask.sum())
     return timing, {"n_prompt": n_prompt, "n_resp": n_resp, "sync": sync,
@@ -271,7 +277,7 @@ def _steps(worker, cfg, args, prompts, limit: float) -> dict:
             start_next = functools.partial(pool.submit, _generate, worker, cfg, batches[i + 1], i + 1)
         t0 = time.perf_counter()
         timing, last, pending = _step(worker, cfg, batches[i], seed=i, overlap=args.overlap,
-                                      pending=pending, start_next=start_next)
+                                      pending=pending, start_next=start_next, twice=args.sync_twice)
         if i == 0:
             warmup_s = time.perf_counter() - t0
         else:
