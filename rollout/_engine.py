@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import time
 from typing import Any
 
@@ -566,11 +565,10 @@ class Engine:
         self._sync.layout(pure)  # a tree that fits neither layout fails here, our weights intact
         # drop our old copies before making new ones (peak memory), or have a relayout write into
         # them when our own sync made them and nothing else holds them (no buffer freed or made)
-        old, self._params = self._params, None
-        # `old`'s references: `old` and getrefcount's argument
-        mine = self._params_fresh and sys.getrefcount(old) == 2 and self._sync.may_donate(old, pure)
-        donate = old if mine else None
-        del old  # unless donated, freed here, before the new weights are made
+        owned = {"params": self._params}  # our only reference: the sync can tell who else holds them
+        self._params = None
+        donate = owned if self._params_fresh and self._sync.may_donate(owned, pure) else None
+        del owned  # unless donated, freed here, before the new weights are made
         new, stats = self._sync(pure, donate=donate)
         del donate
         jax.block_until_ready(new)

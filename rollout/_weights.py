@@ -131,9 +131,10 @@ class WeightSync:
 
     def __call__(self, pure, donate=None) -> tuple[Any, dict]:
         """(new params, {"bytes_moved", "bytes_total", "num_copied", "fresh", "donated"}). `donate`:
-        the engine's current weights, for which the caller checked `may_donate`: the relayout
-        writes into them (their arrays are deleted; "donated"). "fresh": the new arrays are this
-        sync's own outputs, aliasing nothing given to it (so a later sync may donate them)."""
+        {"params": the engine's current weights}, for which the caller checked `may_donate`: the
+        relayout writes into them (their arrays are deleted; "donated"). "fresh": the new arrays
+        are this sync's own outputs, aliasing nothing given to it (so a later sync may donate
+        them)."""
         leaves, treedef = jax.tree.flatten(pure)
         layout = self._layout_of(treedef, pure)
         if layout == self._layout:  # the zero-copy check is per leaf (a buffer may have been freed)
@@ -152,11 +153,11 @@ class WeightSync:
             pure = sharding.reshard(pure, self._layout_shardings[layout], dtype=self._dtype)
         donated = donate is not None
         if donated:
-            parts = [program(pure, donate if which is None else _part(donate, *which))
-                     for _, program, which in self._parts]
+            old = donate["params"]
+            parts = [program(pure, old if which is None else _part(old, *which)) for _, program, which in self._parts]
+            del old  # its arrays are deleted now
         else:
             parts = [program(pure) for program, _, _ in self._parts]  # enqueued one after the other
-        donate = None  # its arrays are deleted now
         new = parts[0] if len(parts) == 1 else _merge(parts)
         if plan is None:  # the output's size is fixed by the engine's layout: count it once
             out = jax.tree.leaves(new)
@@ -170,13 +171,14 @@ class WeightSync:
         """The layer layout `pure` is in (a clear error naming both trees when it is neither)."""
         return self._layout_of(jax.tree.structure(pure), pure)
 
-    def may_donate(self, old, pure) -> bool:
-        """Whether a sync of `pure` may write into `old`, weights a relayout sync of this object
-        made (so in its layout; the caller checked that it holds the only reference to the dict
-        itself): `SYNC_DONATE` is on, the sync relayouts, and nothing else holds any of `old`'s
-        sub-dicts or arrays (e.g. a kept `engine.params["model"]["layers"][0]` keeps them all
-        intact)."""
-        return SYNC_DONATE and old is not None and self.layout(pure) != self._layout and _only_held_by_parent(old)
+    def may_donate(self, owned: dict, pure) -> bool:
+        """Whether a sync of `pure` may write into `owned["params"]`, weights a relayout sync of
+        this object made (so in its layout), where `owned` is the caller's only reference to
+        them: `SYNC_DONATE` is on, the sync relayouts, and nothing else holds that dict or any of
+        its sub-dicts or arrays (e.g. a kept `p = engine.params`, or its
+        `p["model"]["layers"][0]`, keeps them all intact)."""
+        return (SYNC_DONATE and owned.get("params") is not None and self.layout(pure) != self._layout
+                and _only_held_by_parent(owned))
 
     def _layout_of(self, treedef, pure) -> str:
         for name, known in self._treedefs.items():
@@ -199,14 +201,27 @@ def _donating(fn, out_shardings):
     return jax.jit(lambda p, old: fn(p), out_shardings=out_shardings, donate_argnums=1, keep_unused=True)
 
 
-def _only_held_by_parent(root: dict) -> bool:
-    """Whether every dict and array under `root` (a pure param dict) has no reference but its
-    parent dict's."""
+def _sole_refcount() -> int:
+    """What `_only_held_by_parent` counts for a value that only its container holds (3 on CPython
+    3.11-3.13: the container's reference, the loop variable's, getrefcount's argument; measured,
+    not assumed, since newer interpreters borrow some of these)."""
     getrefcount = sys.getrefcount
+    for value in {"probe": object()}.values():
+        return getrefcount(value)
+    raise AssertionError("unreachable")
+
+
+_SOLE_REFCOUNT = _sole_refcount()
+
+
+def _only_held_by_parent(root: dict) -> bool:
+    """Whether every dict and array under `root` (a dict of pure param dicts) has no reference but
+    its parent dict's."""
+    getrefcount, sole = sys.getrefcount, _SOLE_REFCOUNT
     stack = [root]
     while stack:
         for value in stack.pop().values():
-            if getrefcount(value) > 3:  # the parent dict's, `value`, getrefcount's argument
+            if getrefcount(value) > sole:
                 return False
             if type(value) is dict:
                 stack.append(value)

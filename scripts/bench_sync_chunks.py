@@ -67,9 +67,10 @@ def phases_ms(engine, state, n: int = 30) -> dict:
         t0 = time.perf_counter()
         pure = rollout._engine._pure(state)
         t1 = time.perf_counter()
-        old, engine._params = engine._params, None
-        donate = old if engine._params_fresh and engine._sync.may_donate(old, pure) else None
-        del old
+        owned = {"params": engine._params}
+        engine._params = None
+        donate = owned if engine._params_fresh and engine._sync.may_donate(owned, pure) else None
+        del owned
         t2 = time.perf_counter()
         new, stats = engine._sync(pure, donate=donate)
         del donate
