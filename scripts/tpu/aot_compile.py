@@ -488,8 +488,7 @@ def run_aot(topology: str, config: str, overrides=(), *, model: str = "", progra
         "model_config": _model_config_record(cfg),
         "mesh": dict(mesh.shape), "rollout_mesh": dict(rollout_mesh.shape), "engine": engine,
         "resident_bytes": residents, "programs": report,
-        "fits": all(p["fits"] for p in report.values()),
-        "peak_bytes": max((p["peak_bytes"] or 0 for p in report.values()), default=0),
+        **_totals(report),
         "wall_s": None,
     }
     if cost:
@@ -498,29 +497,50 @@ def run_aot(topology: str, config: str, overrides=(), *, model: str = "", progra
     return out
 
 
-def add_costs(report: dict) -> dict:
-    """Adds the FLOPs / bytes / roofline figures and the step estimate to a saved `--no-cost`
-    report: only the 1- and 2-layer copies of the programs it has without them are compiled (the full programs'
-    memory figures are kept as they are). The report's own command line (topology, config,
-    overrides, model) rebuilds the programs; a report whose model or meshes it no longer rebuilds
-    is refused."""
+def _totals(programs: dict) -> dict:
+    """A report's "fits" (every program) and "peak_bytes" (the largest program's) from its programs."""
+    return {"fits": all(p["fits"] for p in programs.values()),
+            "peak_bytes": max((p["peak_bytes"] or 0 for p in programs.values()), default=0)}
+
+
+def _check_rebuilt(report: dict, rebuilt: dict) -> None:
+    """Refuses a saved report whose recorded `rebuilt` keys differ from what was built today."""
+    for key, value in rebuilt.items():
+        if value != report[key]:
+            raise ValueError(f"the report's {key} {report[key]} is not what its command line builds "
+                             f"today ({value}); re-run the full compile")
+
+
+def _rebuild(report: dict):
+    """(run config, model config, (mesh, rollout mesh)) from a saved report's own command line
+    (topology, config, overrides, model), or a clear error when it no longer builds the report's
+    chips, model or meshes (cheap: nothing is compiled)."""
     run = C.load_config(report["config"], list(report["overrides"]))
     devices = topology_devices(report["topology"])
     if devices[0].device_kind != report["device_kind"] or len(devices) != report["chips"]:
         raise ValueError(f"{report['topology']}: libtpu describes {len(devices)} x {devices[0].device_kind}, "
                          f"the report has {report['chips']} x {report['device_kind']}")
-    chip = Chip(**report["chip"])  # the report's figures (an --hbm-gib what-if stays one)
-    cfg = model_config(run, "" if report["model"] == "config" else report["model"])
+    cfg = model_config(run, _preset(report))
     mesh, rollout_mesh = _host._meshes(run, devices)
-    rebuilt = {"model_config": _model_config_record(cfg), "mesh": dict(mesh.shape),
-               "rollout_mesh": dict(rollout_mesh.shape)}
-    for key, value in rebuilt.items():
-        if value != report[key]:
-            raise ValueError(f"the report's {key} {report[key]} is not what its command line builds "
-                             f"today ({value}); re-run the full compile")
+    _check_rebuilt(report, {"model_config": _model_config_record(cfg), "mesh": dict(mesh.shape),
+                            "rollout_mesh": dict(rollout_mesh.shape)})
+    return run, cfg, (mesh, rollout_mesh)
+
+
+def _preset(report: dict) -> str:
+    return "" if report["model"] == "config" else report["model"]
+
+
+def add_costs(report: dict) -> dict:
+    """Adds the FLOPs / bytes / roofline figures and the step estimate to a saved `--no-cost`
+    report: only the 1- and 2-layer copies of the programs it has without them are compiled (the
+    full programs' memory figures are kept as they are). The report's own command line rebuilds
+    the programs; a report whose model or meshes it no longer rebuilds is refused."""
+    run, cfg, meshes = _rebuild(report)
+    chip = Chip(**report["chip"])  # the report's figures (an --hbm-gib what-if stays one)
     t0 = time.perf_counter()
     missing = {k for k, v in report["programs"].items() if "roofline_s" not in v and "compile_error" not in v}
-    costs = measured_costs(run, cfg, (mesh, rollout_mesh), missing)
+    costs = measured_costs(run, cfg, meshes, missing)
     for name, entry in report["programs"].items():
         if name in costs and "compile_error" not in entry:  # as analyse(): compiled programs only
             entry.update(_roofline(*costs[name], chip))
@@ -537,23 +557,19 @@ def extend_report(report: dict, programs, *, cost: bool = True) -> dict:
     """Compiles `programs` that a saved report lacks, from the report's own command line (and its
     chip figures), and adds them: a report made with `--programs=a,b` gets the rest later without
     recompiling what it has. The new compile must build what the report recorded (same jax and
-    libtpu, model, meshes, engine and resident state), else it is refused."""
+    libtpu, model, meshes, engine and resident state), else it is refused (model and meshes
+    before anything is compiled)."""
     have = sorted(set(programs) & set(report["programs"]))
     if have:
         raise ValueError(f"the report already has {have}; extend it with programs it lacks")
-    new = run_aot(report["topology"], report["config"], report["overrides"],
-                  model="" if report["model"] == "config" else report["model"], programs=programs,
-                  cost=cost, hbm_bytes=report["chip"]["hbm_bytes"])
-    for key in _SAME_BUILD:
-        if new[key] != report[key]:
-            raise ValueError(f"the report's {key} {report[key]} is not what its command line builds "
-                             f"today ({new[key]}); re-run the full compile")
+    run, _, _ = _rebuild(report)
+    new = run_aot(report["topology"], report["config"], report["overrides"], model=_preset(report),
+                  programs=programs, cost=cost, hbm_bytes=report["chip"]["hbm_bytes"])
+    _check_rebuilt(report, {key: new[key] for key in _SAME_BUILD})
     merged = {**report["programs"], **new["programs"]}
     report["programs"] = {k: merged[k] for k in PROGRAMS if k in merged}
-    report["fits"] = all(p["fits"] for p in report["programs"].values())
-    report["peak_bytes"] = max((p["peak_bytes"] or 0 for p in report["programs"].values()), default=0)
+    report.update(_totals(report["programs"]))
     if any("roofline_s" in p for p in report["programs"].values()):
-        run = C.load_config(report["config"], list(report["overrides"]))
         report["step_roofline"] = step_estimate(run, report["programs"], report["engine"])
     report.setdefault("extended", []).append({"programs": sorted(new["programs"]), "cost": cost,
                                               "wall_s": new["wall_s"]})
@@ -668,18 +684,17 @@ def main(argv=None) -> int:
     if args.table:
         print(markdown_tables([json.loads(Path(f).read_text()) for f in args.table]))
         return 0
+    # --add-cost and --extend take the saved report's own command line: these would contradict it
+    given = [f"--{k.replace('_', '-')}" for k in ("topology", "model", "hbm_gib") if getattr(args, k)]
+    given += (["--config"] if args.config != ap.get_default("config") else []) + rest
     if args.add_cost:
-        given = [f"--{k.replace('_', '-')}" for k in ("topology", "model", "hbm_gib") if getattr(args, k)]
-        given += ["--config"] if args.config != ap.get_default("config") else []
-        if rest or given or args.programs != "all" or not args.cost:
-            ap.error(f"--add-cost takes the report's own command line; drop {given + rest or '--programs / --no-cost'}")
+        if given or args.programs != "all" or not args.cost:
+            ap.error(f"--add-cost takes the report's own command line; drop {given or '--programs / --no-cost'}")
         args.out = args.out or args.add_cost
     elif args.extend:
-        given = [f"--{k.replace('_', '-')}" for k in ("topology", "model", "hbm_gib") if getattr(args, k)]
-        given += ["--config"] if args.config != ap.get_default("config") else []
-        if rest or given or args.programs == "all":
+        if given or args.programs == "all":
             ap.error(f"--extend takes the report's own command line and the --programs to add; "
-                     f"drop {given + rest}" if rest or given else "--extend needs --programs=a,b")
+                     f"drop {given}" if given else "--extend needs --programs=a,b")
         args.out = args.out or args.extend
     elif not args.topology:
         ap.error("--topology is required (e.g. --topology=v5e:2x4)")
