@@ -562,12 +562,12 @@ class Engine:
         """
         t0 = time.perf_counter()
         pure = _pure(params)
-        self._sync.layout(pure)  # a tree that fits neither layout fails here, our weights intact
+        layout = self._sync.layout(pure)  # a tree that fits neither layout fails here, our weights intact
         # drop our old copies before making new ones (peak memory), or have a relayout write into
         # them when our own sync made them and nothing else holds them (no buffer freed or made)
         owned = {"params": self._params}  # our only reference: the sync can tell who else holds them
         self._params = None
-        donate = owned if self._params_fresh and self._sync.may_donate(owned, pure) else None
+        donate = owned if self._params_fresh and self._sync.may_donate(owned, layout) else None
         del owned  # unless donated, freed here, before the new weights are made
         new, stats = self._sync(pure, donate=donate)
         del donate

@@ -171,13 +171,13 @@ class WeightSync:
         """The layer layout `pure` is in (a clear error naming both trees when it is neither)."""
         return self._layout_of(jax.tree.structure(pure), pure)
 
-    def may_donate(self, owned: dict, pure) -> bool:
-        """Whether a sync of `pure` may write into `owned["params"]`, weights a relayout sync of
-        this object made (so in its layout), where `owned` is the caller's only reference to
-        them: `SYNC_DONATE` is on, the sync relayouts, and nothing else holds that dict or any of
-        its sub-dicts or arrays (e.g. a kept `p = engine.params`, or its
-        `p["model"]["layers"][0]`, keeps them all intact)."""
-        return (SYNC_DONATE and owned.get("params") is not None and self.layout(pure) != self._layout
+    def may_donate(self, owned: dict, layout: str) -> bool:
+        """Whether a sync of params in `layout` (`self.layout(params)`) may write into
+        `owned["params"]`, weights a relayout sync of this object made (so in its layout), where
+        `owned` is the caller's only reference to them: `SYNC_DONATE` is on, the sync relayouts,
+        and nothing else holds that dict or any of its sub-dicts or arrays (e.g. a kept
+        `p = engine.params`, or its `p["model"]["layers"][0]`, keeps them all intact)."""
+        return (SYNC_DONATE and owned.get("params") is not None and layout != self._layout
                 and _only_held_by_parent(owned))
 
     def _layout_of(self, treedef, pure) -> str:

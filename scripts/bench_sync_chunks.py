@@ -69,7 +69,7 @@ def phases_ms(engine, state, n: int = 30) -> dict:
         t1 = time.perf_counter()
         owned = {"params": engine._params}
         engine._params = None
-        donate = owned if engine._params_fresh and engine._sync.may_donate(owned, pure) else None
+        donate = owned if engine._params_fresh and engine._sync.may_donate(owned, engine._sync.layout(pure)) else None
         del owned
         t2 = time.perf_counter()
         new, stats = engine._sync(pure, donate=donate)
