@@ -33,7 +33,7 @@ What is timed (every call warm: each shape is compiled by an untimed call first)
   (`decode_trace`: decode-only kernel ms per step, prefill excluded).
 
 `--variants ATTN:UNROLL ...` times the decode path under each setting of
-`ModelConfig.decode_attention` (auto | einsum | reduce | cudnn | pallas) and `.decode_unroll`
+`ModelConfig.decode_attention` (auto | einsum | reduce | cudnn | pallas | triton) and `.decode_unroll`
 (stacked layout only); `--layouts` picks the engine's `layer_layout`. Prints one JSON object per
 line (and `--out` writes the list).
 """

@@ -199,7 +199,8 @@ def validate(c: RunConfig) -> None:
     _choice(c.model.dtype, ("float32", "bfloat16"), "model.dtype")
     _choice(c.model.param_dtype, ("float32", "bfloat16"), "model.param_dtype")
     _choice(c.model.train_attention, ("auto", "xla", "cudnn", "rolled", "splash"), "model.train_attention")
-    _choice(c.model.decode_attention, ("auto", "einsum", "reduce", "cudnn", "pallas"), "model.decode_attention")
+    _choice(c.model.decode_attention, ("auto", "einsum", "reduce", "cudnn", "pallas", "triton"),
+            "model.decode_attention")
     _choice(c.rollout.dtype, ("", "float32", "bfloat16"), "rollout.dtype")
     for name in ("max_prompt_length", "max_response_length", "train_batch_size", "val_batch_size"):
         _positive(getattr(c.data, name), f"data.{name}")

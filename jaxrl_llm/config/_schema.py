@@ -56,7 +56,7 @@ class ModelSection:
     param_dtype: str
     remat: str
     train_attention: str  # kernel of the full forward: auto | xla | cudnn | rolled | splash
-    decode_attention: str  # kernel of one-token decode: auto | einsum | reduce | cudnn | pallas
+    decode_attention: str  # kernel of one-token decode: auto | einsum | reduce | cudnn | pallas | triton
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 TRAIN_ATTENTIONS = ("auto", "xla", "cudnn", "rolled", "splash")
-DECODE_ATTENTIONS = ("auto", "einsum", "reduce", "cudnn", "pallas")
+DECODE_ATTENTIONS = ("auto", "einsum", "reduce", "cudnn", "pallas", "triton")
 
 _DTYPES = {
     "float32": jnp.float32, "fp32": jnp.float32,
@@ -64,6 +64,8 @@ class ModelConfig:
       "einsum": `attend` (batched matmuls); "reduce": multiply + reduce over the cache in its
       stored layout; "cudnn": cuDNN with per-row key lengths (GPU, bf16/fp16); "pallas": a Pallas
       TPU kernel reading each row's cache up to its length in place (interpret mode off TPU);
+      "triton": a Pallas Triton GPU kernel that does the same, one program per (row, kv head,
+      split of the slots) (interpret mode off GPU);
       "auto": pallas on TPU with head_dim a multiple of 128, cudnn on GPU as above, else einsum.
     `decode_unroll`: layers unrolled per scan iteration of the stacked layout's decode (1 = a
       rolled loop, 0 = all); the per-layer layout always unrolls.

@@ -533,6 +533,8 @@ def _decode_attention(impl, mask, kv_lengths, k_i, v_i):
         return lambda q: _attend_one_cudnn(q, k_i, v_i, kv_lengths).astype(q.dtype)
     if impl == "pallas":
         return lambda q: _kernels.decode_attention(q, k_i, v_i, kv_lengths).astype(q.dtype)
+    if impl == "triton":
+        return lambda q: _kernels.triton_decode_attention(q, k_i, v_i, kv_lengths).astype(q.dtype)
     return mask
 
 

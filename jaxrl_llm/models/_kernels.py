@@ -189,3 +189,128 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, interpret: bool | None 
                      ("cache_batch", "cache_length", "kv_heads", "head_dim"), ("cache_batch",)),
                     ("batch", None, "heads", "head_dim"))
     return fn(q, k_cache, v_cache, kv_lengths)
+
+
+# ------------------------------------------------------------------ decode on GPU: Pallas Triton
+def _triton_decode_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref, g: int, rows: int,
+                          block: int, chunk: int, scale: float):
+    """Grid (row, kv head, split). q [g, d] (the kv head's query heads); k, v [s, d] (this row's
+    slots of this kv head, read in place from [b, s, kvh, d]); online softmax over the split's
+    slots [split * chunk, min((split + 1) * chunk, length)). With one split, o [g, d] is the
+    normalised output; with several, o is the split's normalised output (fp32) and lse its
+    log-sum-exp, which `_merge_splits` combines."""
+    from jax.experimental.pallas import triton as plgpu
+
+    split = pl.program_id(2)
+    length = len_ref[()]
+    start = split * chunk
+    end = jnp.minimum(start + chunk, length)
+    head = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < g  # the tile has rows >= g (dot >= 16)
+    q = plgpu.load(q_ref.at[pl.ds(0, rows), :], mask=head[:, None], other=0.0)
+    q = (q.astype(jnp.float32) * scale).astype(k_ref.dtype)
+
+    def body(i, carry):
+        o, m, l = carry
+        first = start + i * block
+        slot = first + jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
+        valid = slot < end
+        k = plgpu.load(k_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0.0)
+        s = plgpu.dot(q, k, trans_b=True)  # [rows, block], fp32
+        s = jnp.where(valid[None, :], s, _MASK)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[:, None])
+        alpha = jnp.exp(m - m_new)
+        v = plgpu.load(v_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0.0)
+        o = alpha[:, None] * o + plgpu.dot(p.astype(v.dtype), v)
+        return o, m_new, alpha * l + p.sum(axis=-1)
+
+    d = q_ref.shape[-1]
+    init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _MASK, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    o, m, l = jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), block), body, init)
+    plgpu.store(o_ref.at[pl.ds(0, rows), :], (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype),
+                mask=head[:, None])
+    if lse_ref:
+        lse = jnp.where(l > 0, m + jnp.log(jnp.maximum(l, 1e-30)), _MASK)
+        plgpu.store(lse_ref[0].at[pl.ds(0, rows)], lse, mask=head)
+
+
+def triton_decode_plan(b: int, kvh: int, s: int, **overrides) -> dict:
+    """Tile sizes of the Triton decode kernel for b rows, kvh kv heads and s cache slots.
+    splits (of each row's slots, run as separate programs and merged): doubled while rows x kv
+    heads x splits is under one program per SM of an H200 (132) and each split keeps at least
+    512 slots (so short caches are never split: at 768 slots, batch 64 to 512, one split measured
+    fastest); block (slots per loop step): the largest of (64, 32, 16) dividing s / splits (64 and
+    2 pipeline stages measured best at batch 256 and 512; `scripts/bench_decode_kernels.py`).
+    overrides: any of block, splits, num_warps, num_stages (the benchmark's sweep)."""
+    splits = overrides.get("splits")
+    if splits is None:
+        splits = 1
+        while b * kvh * splits < 132 and s % (2 * splits) == 0 and s // (2 * splits) >= 512:
+            splits *= 2
+    if s % splits:
+        raise ValueError(f"triton decode: cache length {s} is not a multiple of splits={splits}")
+    chunk = s // splits
+    block = overrides.get("block") or next((n for n in (64, 32, 16) if chunk % n == 0), None)
+    if block is None or chunk % block:
+        raise ValueError(f"decode_attention='triton' needs each split of the cache ({s} slots / {splits}) "
+                         f"to be a multiple of 16 slots" + (f" and of block={block}" if block else ""))
+    return {"block": block, "splits": splits, "num_warps": overrides.get("num_warps") or 4,
+            "num_stages": overrides.get("num_stages") or 2}
+
+
+def _merge_splits(o, lse):
+    """o [b, kvh, splits, g, d] fp32 normalised per split, lse [b, kvh, splits, g] -> [b, kvh, g, d]."""
+    w = jax.nn.softmax(lse, axis=2)
+    return jnp.sum(o * w[..., None], axis=2)
+
+
+def _triton_decode_local(q, k_cache, v_cache, kv_lengths, *, interpret: bool, plan: dict | None):
+    from jax.experimental.pallas import triton as plgpu
+
+    b, _, h, d = q.shape
+    s, kvh = k_cache.shape[1], k_cache.shape[2]
+    g = h // kvh
+    plan = triton_decode_plan(b, kvh, s, **(plan or {}))
+    block, splits = plan["block"], plan["splits"]
+    rows = max(16, pl.next_power_of_2(g))
+    qg = q.reshape(b, kvh, g, d)  # a view: each kv head's g query heads are adjacent
+    kv_spec = pl.BlockSpec((None, s, None, d), lambda r, hk, sp: (r, 0, hk, 0))
+    in_specs = [pl.BlockSpec((None,), lambda r, hk, sp: (r,)),
+                pl.BlockSpec((None, None, g, d), lambda r, hk, sp: (r, hk, 0, 0)), kv_spec, kv_spec]
+    kernel = functools.partial(_triton_decode_kernel, g=g, rows=rows, block=block, chunk=s // splits,
+                               scale=1.0 / math.sqrt(d))
+    params = plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+    args = (kv_lengths.astype(jnp.int32), qg, k_cache, v_cache)
+    if splits == 1:
+        out = pl.pallas_call(
+            kernel, grid=(b, kvh, 1), in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, None, g, d), lambda r, hk, sp: (r, hk, 0, 0)),
+            out_shape=jax.ShapeDtypeStruct((b, kvh, g, d), q.dtype), compiler_params=params,
+            interpret=interpret, name="jaxrl_triton_decode")(*args)
+    else:
+        o, lse = pl.pallas_call(
+            kernel, grid=(b, kvh, splits), in_specs=in_specs,
+            out_specs=[pl.BlockSpec((None, None, None, g, d), lambda r, hk, sp: (r, hk, sp, 0, 0)),
+                       pl.BlockSpec((None, None, None, g), lambda r, hk, sp: (r, hk, sp, 0))],
+            out_shape=[jax.ShapeDtypeStruct((b, kvh, splits, g, d), jnp.float32),
+                       jax.ShapeDtypeStruct((b, kvh, splits, g), jnp.float32)],
+            compiler_params=params, interpret=interpret, name="jaxrl_triton_decode_split")(*args)
+        out = _merge_splits(o, lse).astype(q.dtype)
+    return out.reshape(b, 1, h, d)
+
+
+def triton_decode_attention(q, k_cache, v_cache, kv_lengths, *, interpret: bool | None = None,
+                            plan: dict | None = None):
+    """`decode_attention` on a Pallas Triton kernel for GPUs: each (row, kv head) program reads
+    that head's slots of the cache in place ([b, s, kvh, d], no copy or transpose), up to the
+    row's length, with the kv head's query heads as one tile, so each cache byte is read once.
+    plan: overrides of `triton_decode_plan` (block, splits, num_warps, num_stages). Pallas
+    interpret mode off GPU."""
+    interpret = target_platform() != "gpu" if interpret is None else interpret
+    fn = _per_shard(functools.partial(_triton_decode_local, interpret=interpret, plan=plan),
+                    (("batch", None, "heads", "head_dim"),
+                     ("cache_batch", "cache_length", "kv_heads", "head_dim"),
+                     ("cache_batch", "cache_length", "kv_heads", "head_dim"), ("cache_batch",)),
+                    ("batch", None, "heads", "head_dim"))
+    return fn(q, k_cache, v_cache, kv_lengths)

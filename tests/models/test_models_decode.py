@@ -62,10 +62,10 @@ def _as(model, **changes):
     return nnx.merge(graphdef, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
-@pytest.mark.parametrize("impl", ["einsum", "reduce", "auto", "pallas"])
+@pytest.mark.parametrize("impl", ["einsum", "reduce", "auto", "pallas", "triton"])
 def test_per_layer_decode_equals_stacked_decode_and_full_forward(pair, ids, impl):
     """Rows at different cache offsets; two decode steps; every attention choice available on CPU
-    (pallas: the TPU decode kernel in Pallas interpret mode)."""
+    (pallas, triton: the TPU and GPU decode kernels in Pallas interpret mode)."""
     stacked, per = (_as(m, decode_attention=impl) for m in pair)
     full = stacked(ids)  # [b, 12, v]
     index = jnp.asarray([4, 7, 9], jnp.int32)

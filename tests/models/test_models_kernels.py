@@ -42,3 +42,32 @@ def test_decode_kernel_equals_one_query_attention(kvh):
     noisy = k.at[0, 1:].set(1e3)
     np.testing.assert_allclose(np.asarray(jax.jit(_kernels.decode_attention)(q, noisy, v, lengths))[0],
                                np.asarray(got)[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("plan", [None, {"splits": 3, "block": 16}], ids=["one_split", "three_splits"])
+def test_triton_decode_kernel_equals_one_query_attention(plan):
+    """The GPU (Pallas Triton) decode kernel, interpret mode: one split and several merged splits
+    (a split can be empty: row 1's one slot), rows of one slot, a partial block, the whole
+    cache and an empty row (output 0); slots past a row's length may hold anything, NaN included."""
+    rng = np.random.default_rng(2)
+    b, h, kvh, d, s = 4, 6, 2, 16, 48
+    q = _normal(rng, (b, 1, h, d))
+    k, v = _normal(rng, (b, s, kvh, d)), _normal(rng, (b, s, kvh, d))
+    lengths = jnp.asarray([17, 1, s, 0], jnp.int32)
+    run = jax.jit(lambda *a: _kernels.triton_decode_attention(*a, plan=plan))
+    got = np.asarray(run(q, k, v, lengths))
+    want = np.asarray(_decoder.attend_one(q, k, v, lengths))
+    np.testing.assert_allclose(got[:3], want[:3], atol=2e-6, rtol=0)
+    np.testing.assert_array_equal(got[3], 0.0)
+    past = (jnp.arange(s)[None, :, None, None] >= lengths[:, None, None, None])
+    noisy_k, noisy_v = jnp.where(past, 1e4, k), jnp.where(past, jnp.nan, v)
+    np.testing.assert_array_equal(np.asarray(run(q, noisy_k, noisy_v, lengths)), got)
+
+
+def test_triton_decode_plan_splits_only_long_caches_and_names_bad_lengths():
+    assert _kernels.triton_decode_plan(256, 2, 768) == {"block": 64, "splits": 1, "num_warps": 4, "num_stages": 2}
+    assert _kernels.triton_decode_plan(8, 2, 32768)["splits"] == 16  # 16 programs -> 256 >= 132 SMs
+    with pytest.raises(ValueError, match="multiple of 16"):
+        _kernels.triton_decode_plan(4, 2, 40)
+    with pytest.raises(ValueError, match="splits=5"):
+        _kernels.triton_decode_plan(4, 2, 48, splits=5)
