@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -278,15 +279,25 @@ class DecoderLayers(nnx.Module):
 
     def layer(self, x, positions, inv_freq, kv_fn):
         """One layer on a per-layer view of the parameters. kv_fn(k, v) -> (k_all, v_all, mask, extra);
-        `mask` may instead be a function q -> attention output (the decode fast paths)."""
+        `mask` may instead be a function q -> attention output (the decode fast paths), or a
+        `_WritesCache` whose function q -> (attention output, extra) also updates the cache."""
         h = self.input_layernorm(x)
         q, k, v = self.self_attn.qkv(h, positions, inv_freq)
         k_all, v_all, mask, extra = kv_fn(k, v)
-        o = mask(q) if callable(mask) else attend(q, k_all, v_all, mask)
+        if isinstance(mask, _WritesCache):
+            o, extra = mask.fn(q)
+        else:
+            o = mask(q) if callable(mask) else attend(q, k_all, v_all, mask)
         x = x + self.self_attn.out(o)
         x = sharding.constrain(x, ("batch", "length", "embed"))
         x = x + self.mlp(self.post_attention_layernorm(x))
         return sharding.constrain(x, ("batch", "length", "embed")), extra
+
+
+class _WritesCache(NamedTuple):
+    """kv_fn's `mask` for a kernel that writes the new K/V into the cache as it attends:
+    fn(q) -> (attention output, the updated carry)."""
+    fn: Callable
 
 
 _REMAT = {
@@ -469,6 +480,20 @@ class Transformer(nnx.Module):
         impl = _decode_attention_impl(self.config, t, k0.dtype, k0.shape[-1])
         kv_lengths = jnp.minimum(cache_index + 1, s).astype(jnp.int32)  # t == 1: slots <= write
         attention = functools.partial(_decode_attention, impl, mask, kv_lengths)
+
+        if per_layer and impl == "triton":
+            at = write[:, 0]
+
+            def kv_fn(i, cache, k, v):
+                # the kernel writes the new token into the layer's (donated) cache itself: no
+                # scatter before it
+                def attend_and_write(q):
+                    out, k_i, v_i = _kernels.triton_decode_attention(q, cache.k[i], cache.v[i], kv_lengths,
+                                                                     new_kv=(k, v, at))
+                    return out.astype(q.dtype), KVCache(_replace(cache.k, i, k_i), _replace(cache.v, i, v_i))
+                return None, None, _WritesCache(attend_and_write), cache
+
+            return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False)
 
         if per_layer:
             def kv_fn(i, cache, k, v):

@@ -87,9 +87,11 @@ def test_per_layer_decode_equals_stacked_decode_and_full_forward(pair, ids, impl
         np.testing.assert_allclose(np.stack(cache_p.k), cache_s.k, atol=1e-5, rtol=0)
 
 
-def test_per_layer_decode_is_one_jitted_program_updating_donated_caches(pair, ids):
-    """Jitted with the cache donated: the per-layer buffers are consumed and fresh ones returned."""
-    _, per = pair
+@pytest.mark.parametrize("impl", ["auto", "triton"])
+def test_per_layer_decode_is_one_jitted_program_updating_donated_caches(pair, ids, impl):
+    """Jitted with the cache donated: the per-layer buffers are consumed and fresh ones returned
+    (triton: the kernel writes the new token into the aliased cache itself)."""
+    per = _as(pair[1], decode_attention=impl)
     graphdef, state = nnx.split(per)
     _, pre = per.prefill(ids[:, :8])
     cache = KVCache(tuple(jnp.pad(k, [(0, 0), (0, 8), (0, 0), (0, 0)]) for k in pre.k),
@@ -101,6 +103,9 @@ def test_per_layer_decode_is_one_jitted_program_updating_donated_caches(pair, id
     _, new = step(state, cache, ids[:, 8:9], index)
     assert old.is_deleted() and len(new.k) == 3
     np.testing.assert_allclose(new.k[0][:, :8], pre.k[0], atol=0)
+    for layer in new.k + new.v:  # the new token in slot 8, nothing after it
+        assert np.all(np.abs(np.asarray(layer[:, 8])).sum(axis=(-1, -2)) > 0)
+        np.testing.assert_array_equal(layer[:, 9:], 0.0)
 
 
 def test_decode_rejects_a_cache_in_the_other_layout(pair, ids):

@@ -64,8 +64,33 @@ def test_triton_decode_kernel_equals_one_query_attention(plan):
     np.testing.assert_array_equal(np.asarray(run(q, noisy_k, noisy_v, lengths)), got)
 
 
+@pytest.mark.parametrize("plan", [None, {"splits": 3, "block": 16}], ids=["one_split", "three_splits"])
+def test_triton_decode_kernel_writes_the_new_token_as_a_scatter_then_attention_would(plan):
+    """new_kv: the kernel writes row b's new k, v into slot at[b] of the (aliased) caches and
+    attends over slots < at[b] + 1 with the new token: the same caches and outputs as the engine's
+    scatter followed by attention. Rows: mid-cache, slot 0, the last slot, one past the end
+    (dropped: the cache is unchanged and the row sees all slots, as `mode="drop"` does)."""
+    rng = np.random.default_rng(3)
+    b, h, kvh, d, s = 4, 6, 2, 16, 48
+    q = _normal(rng, (b, 1, h, d))
+    k, v = _normal(rng, (b, s, kvh, d)), _normal(rng, (b, s, kvh, d))
+    k_new, v_new = _normal(rng, (b, 1, kvh, d)), _normal(rng, (b, 1, kvh, d))
+    at = jnp.asarray([20, 0, s - 1, s], jnp.int32)
+    lengths = jnp.minimum(at + 1, s)
+    rows = jnp.arange(b)[:, None]
+    k_want = k.at[rows, at[:, None]].set(k_new, mode="drop")
+    v_want = v.at[rows, at[:, None]].set(v_new, mode="drop")
+    want = _decoder.attend_one(q, k_want, v_want, lengths)
+    run = jax.jit(lambda *a: _kernels.triton_decode_attention(*a[:4], new_kv=a[4:], plan=plan))
+    out, k_got, v_got = run(q, k, v, lengths, k_new, v_new, at)
+    np.testing.assert_array_equal(np.asarray(k_got), np.asarray(k_want))
+    np.testing.assert_array_equal(np.asarray(v_got), np.asarray(v_want))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-6, rtol=0)
+
+
 def test_triton_decode_plan_splits_only_long_caches_and_names_bad_lengths():
     assert _kernels.triton_decode_plan(256, 2, 768) == {"block": 64, "splits": 1, "num_warps": 4, "num_stages": 2}
+    assert _kernels.triton_decode_plan(64, 2, 768)["num_stages"] == 3  # 128 programs: deeper pipeline
     assert _kernels.triton_decode_plan(8, 2, 32768)["splits"] == 16  # 16 programs -> 256 >= 132 SMs
     with pytest.raises(ValueError, match="multiple of 16"):
         _kernels.triton_decode_plan(4, 2, 40)

@@ -20,3 +20,19 @@ def test_bench_rollout_tiny_prints_json_with_all_metrics(capsys, load_script):
     assert (r["gen_len"], r["short_len"]) == (8, 4)  # decode-only = the difference of the two calls
     assert r["bytes_per_step"] == r["weight_bytes"] + r["kv_read_bytes"]
     assert r["roofline_fraction"] == pytest.approx(r["roofline_ms"] / r["ms_per_step"])
+
+
+def test_bench_decode_kernels_tiny_times_every_kernel_and_checks_its_numerics(tmp_path, load_script):
+    """scripts/bench_decode_kernels.py --tiny (CPU, interpret mode): attention plans and split-K
+    GEMMs, each with a time and its error against the fp32 reference."""
+    bench = load_script("bench_decode_kernels")
+    out = tmp_path / "k.json"
+    records = bench.main(["--tiny", "--out", str(out)])
+    assert json.loads(out.read_text())["records"] == json.loads(json.dumps(records))
+    attention = [r for r in records if r["part"] == "attention"]
+    gemm = [r for r in records if r["part"] == "gemm"]
+    assert {r["kernel"] for r in attention} == {"triton_default", "triton"}
+    assert {r["splits"] for r in gemm} == {1, 2}
+    for r in attention + gemm:
+        assert "error" not in r and r["ms"] > 0, r
+        assert r["max_err"] < 0.02, r  # bf16 against fp32
