@@ -51,7 +51,7 @@ DESCRIPTIONS = {
     "ModelSection.param_dtype": "Stored dtype of parameters and optimizer moments.",
     "ModelSection.remat": "Activation rematerialisation policy of the decoder layers (`none` = keep activations).",
     "ModelSection.train_attention": "Attention kernel of the full forward (training, log-probs, prefill): `auto` (Pallas splash on TPU when head_dim is a multiple of 128, cuDNN flash on GPU in bf16, else `xla`), `xla`, `cudnn`, `rolled`, `splash`.",
-    "ModelSection.decode_attention": "Attention kernel of one-token decode steps: `auto` (the Pallas decode kernel on TPU when head_dim is a multiple of 128, cuDNN on GPU in bf16, else `einsum`), `einsum`, `reduce`, `cudnn`, `pallas`, `triton` (the Pallas Triton decode kernel for GPUs).",
+    "ModelSection.decode_attention": "Attention kernel of one-token decode steps: `auto` (the Pallas decode kernel on TPU when head_dim is a multiple of 128; on GPU in bf16 the Pallas Triton decode kernel when head_dim is a power of two in 16..256 and the cache length a multiple of 16, else cuDNN; else `einsum`), `einsum`, `reduce`, `cudnn`, `pallas`, `triton`.",
     "ModelInitConfig.model_type": "Architecture family for a from-scratch model: `llama`, `qwen2` or `qwen3`.",
     "ModelInitConfig.hidden_size": "Model width.",
     "ModelInitConfig.intermediate_size": "MLP width.",

@@ -66,7 +66,9 @@ class ModelConfig:
       TPU kernel reading each row's cache up to its length in place (interpret mode off TPU);
       "triton": a Pallas Triton GPU kernel that does the same, one program per (row, kv head,
       split of the slots) (interpret mode off GPU);
-      "auto": pallas on TPU with head_dim a multiple of 128, cudnn on GPU as above, else einsum.
+      "auto": pallas on TPU with head_dim a multiple of 128; on GPU with bf16/fp16, triton when
+      head_dim is a power of two in 16..256 and the cache length a multiple of 16, else cudnn as
+      above; else einsum.
     `decode_unroll`: layers unrolled per scan iteration of the stacked layout's decode (1 = a
       rolled loop, 0 = all); the per-layer layout always unrolls.
     `layer_unroll`: the same for the stacked layout's full forward and prefill (XLA's cost

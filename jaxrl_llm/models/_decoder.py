@@ -20,8 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -132,9 +131,9 @@ def attend(q, k, v, mask):
 
 
 # Kernel choices are `ModelConfig.train_attention` / `.decode_attention` / `.decode_unroll` (see
-# there); measured effects of the GPU ones are in docs/benchmarks.md (H200, 1.5B shape, batch 256,
-# 512 + 256 tokens, all layers unrolled: cudnn 10.1 ms/step, einsum 10.7, reduce 16.7; rolled
-# layers are faster with cudnn: 9.3 vs 11.9 ms/step at 512 + 128 tokens).
+# there); measured effects of the GPU ones are in docs/benchmarks.md §3 (H200, 1.5B shape: in the
+# stacked layout cudnn beat einsum and reduce; in the per-layer engine layout the Triton kernel
+# beats cudnn by about 4 % per decode step at batch 256 and 512, 2 % at 64).
 
 
 def attend_one(q, k_cache, v_cache, kv_lengths):
@@ -167,13 +166,22 @@ def _pallas_ok(head_dim: int) -> bool:
     return _kernels.target_platform() == "tpu" and head_dim % 128 == 0
 
 
-def _decode_attention_impl(config: ModelConfig, t: int, dtype, head_dim: int) -> str:
+def _triton_ok(dtype, head_dim: int, cache_len: int) -> bool:
+    return (_kernels.target_platform() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+            and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and cache_len % 16 == 0)
+
+
+def _decode_attention_impl(config: ModelConfig, t: int, dtype, head_dim: int, cache_len: int) -> str:
     """The decode kernel `config.decode_attention` resolves to for t new tokens per row."""
     impl = config.decode_attention
     if t != 1:
         return "einsum"
     if impl == "auto":
-        return "pallas" if _pallas_ok(head_dim) else "cudnn" if _cudnn_ok(dtype, head_dim) else "einsum"
+        if _pallas_ok(head_dim):
+            return "pallas"
+        if _triton_ok(dtype, head_dim, cache_len):
+            return "triton"
+        return "cudnn" if _cudnn_ok(dtype, head_dim) else "einsum"
     return impl
 
 
@@ -279,25 +287,15 @@ class DecoderLayers(nnx.Module):
 
     def layer(self, x, positions, inv_freq, kv_fn):
         """One layer on a per-layer view of the parameters. kv_fn(k, v) -> (k_all, v_all, mask, extra);
-        `mask` may instead be a function q -> attention output (the decode fast paths), or a
-        `_WritesCache` whose function q -> (attention output, extra) also updates the cache."""
+        `mask` may instead be a function q -> attention output (the decode fast paths)."""
         h = self.input_layernorm(x)
         q, k, v = self.self_attn.qkv(h, positions, inv_freq)
         k_all, v_all, mask, extra = kv_fn(k, v)
-        if isinstance(mask, _WritesCache):
-            o, extra = mask.fn(q)
-        else:
-            o = mask(q) if callable(mask) else attend(q, k_all, v_all, mask)
+        o = mask(q) if callable(mask) else attend(q, k_all, v_all, mask)
         x = x + self.self_attn.out(o)
         x = sharding.constrain(x, ("batch", "length", "embed"))
         x = x + self.mlp(self.post_attention_layernorm(x))
         return sharding.constrain(x, ("batch", "length", "embed")), extra
-
-
-class _WritesCache(NamedTuple):
-    """kv_fn's `mask` for a kernel that writes the new K/V into the cache as it attends:
-    fn(q) -> (attention output, the updated carry)."""
-    fn: Callable
 
 
 _REMAT = {
@@ -477,23 +475,9 @@ class Transformer(nnx.Module):
         write = cache_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [b, t]
         mask = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= write[:, :, None]  # [b, t, s]
         rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-        impl = _decode_attention_impl(self.config, t, k0.dtype, k0.shape[-1])
+        impl = _decode_attention_impl(self.config, t, k0.dtype, k0.shape[-1], s)
         kv_lengths = jnp.minimum(cache_index + 1, s).astype(jnp.int32)  # t == 1: slots <= write
         attention = functools.partial(_decode_attention, impl, mask, kv_lengths)
-
-        if per_layer and impl == "triton":
-            at = write[:, 0]
-
-            def kv_fn(i, cache, k, v):
-                # the kernel writes the new token into the layer's (donated) cache itself: no
-                # scatter before it
-                def attend_and_write(q):
-                    out, k_i, v_i = _kernels.triton_decode_attention(q, cache.k[i], cache.v[i], kv_lengths,
-                                                                     new_kv=(k, v, at))
-                    return out.astype(q.dtype), KVCache(_replace(cache.k, i, k_i), _replace(cache.v, i, v_i))
-                return None, None, _WritesCache(attend_and_write), cache
-
-            return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False)
 
         if per_layer:
             def kv_fn(i, cache, k, v):

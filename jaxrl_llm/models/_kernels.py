@@ -37,16 +37,12 @@ def target_platform() -> str:
 
 def _per_shard(fn, arrays_axes, out_axes):
     """fn over the active mesh with `shard_map` (specs from the logical axes), or fn itself when
-    no mesh is active. arrays_axes: logical axes of each positional argument; out_axes: of the
-    output, or a tuple of them for several outputs."""
+    no mesh is active. arrays_axes: logical axes of each positional argument."""
     mesh, rules = sharding.current_mesh(), sharding.current_rules()
     if mesh is None or mesh.size == 1:
         return fn
     specs = tuple(sharding.logical_to_spec(a, rules) for a in arrays_axes)
-    several = bool(out_axes) and isinstance(out_axes[0], tuple)  # several outputs: a tuple of axes each
-    out_specs = (tuple(sharding.logical_to_spec(a, rules) for a in out_axes) if several
-                 else sharding.logical_to_spec(out_axes, rules))
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_specs,
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=sharding.logical_to_spec(out_axes, rules),
                          check_vma=False)
 
 
@@ -196,31 +192,19 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, interpret: bool | None 
 
 
 # ------------------------------------------------------------------ decode on GPU: Pallas Triton
-def _triton_decode_kernel(len_ref, q_ref, k_ref, v_ref, *refs, g: int, rows: int, block: int,
-                          chunk: int, scale: float, splits: int, write: bool):
+def _triton_decode_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref, g: int, rows: int,
+                          block: int, chunk: int, scale: float):
     """Grid (row, kv head, split). q [g, d] (the kv head's query heads); k, v [s, d] (this row's
     slots of this kv head, read in place from [b, s, kvh, d]); online softmax over the split's
     slots [split * chunk, min((split + 1) * chunk, length)). With one split, o [g, d] is the
     normalised output; with several, o is the split's normalised output (fp32) and lse its
-    log-sum-exp, which `_merge_splits` combines.
-
-    write: the row's new token (new k, v [d]) goes to slot `at` (< s, else dropped) of the
-    aliased cache outputs, and attention takes it from the inputs, not from the cache: split 0
-    adds it to its softmax and no program reads that slot, so the write races with no read."""
+    log-sum-exp, which `_merge_splits` combines."""
     from jax.experimental.pallas import triton as plgpu
 
-    if write:
-        kn_ref, vn_ref, at_ref, *refs = refs
-    o_ref, *refs = refs
-    lse_ref = refs.pop(0) if splits > 1 else None
     split = pl.program_id(2)
     length = len_ref[()]
     start = split * chunk
     end = jnp.minimum(start + chunk, length)
-    if write:
-        at = at_ref[()]
-        s_len = k_ref.shape[0]
-        end = jnp.minimum(end, jnp.where(at < s_len, at, s_len))  # the new slot comes from kn/vn
     head = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < g  # the tile has rows >= g (dot >= 16)
     q = plgpu.load(q_ref.at[pl.ds(0, rows), :], mask=head[:, None], other=0.0)
     q = (q.astype(jnp.float32) * scale).astype(k_ref.dtype)
@@ -244,28 +228,11 @@ def _triton_decode_kernel(len_ref, q_ref, k_ref, v_ref, *refs, g: int, rows: int
     init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _MASK, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     o, m, l = jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), block), body, init)
-    if write:
-        kn = kn_ref[...]  # [d]
-        vn = vn_ref[...]
-        seen = (split == 0) & (at < length)  # the new token is visible (and not dropped)
-        s_new = jnp.sum(q.astype(jnp.float32) * kn.astype(jnp.float32)[None, :], axis=-1)  # [rows]
-        s_new = jnp.where(seen, s_new, _MASK)
-        m_new = jnp.maximum(m, s_new)
-        alpha, p = jnp.exp(m - m_new), jnp.where(seen, jnp.exp(s_new - m_new), 0.0)
-        p_v = p.astype(vn.dtype).astype(jnp.float32)  # rounded as the block path rounds p
-        o = alpha[:, None] * o + p_v[:, None] * vn.astype(jnp.float32)[None, :]
-        m, l = m_new, alpha * l + p
-        ko_ref, vo_ref = refs
-        keep = (split == 0) & (at < s_len)
-        slot = jnp.minimum(at, s_len - 1)
-        lanes = jnp.full((1, d), keep)
-        plgpu.store(ko_ref.at[pl.ds(slot, 1), :], kn[None, :].astype(ko_ref.dtype), mask=lanes)
-        plgpu.store(vo_ref.at[pl.ds(slot, 1), :], vn[None, :].astype(vo_ref.dtype), mask=lanes)
     plgpu.store(o_ref.at[pl.ds(0, rows), :], (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype),
                 mask=head[:, None])
-    if lse_ref is not None:
+    if lse_ref:
         lse = jnp.where(l > 0, m + jnp.log(jnp.maximum(l, 1e-30)), _MASK)
-        plgpu.store(lse_ref.at[pl.ds(0, rows)], lse, mask=head)
+        plgpu.store(lse_ref[0].at[pl.ds(0, rows)], lse, mask=head)
 
 
 def triton_decode_plan(b: int, kvh: int, s: int, **overrides) -> dict:
@@ -301,7 +268,7 @@ def _merge_splits(o, lse):
     return jnp.sum(o * w[..., None], axis=2)
 
 
-def _triton_decode_local(q, k_cache, v_cache, kv_lengths, *new, interpret: bool, plan: dict | None):
+def _triton_decode_local(q, k_cache, v_cache, kv_lengths, *, interpret: bool, plan: dict | None):
     from jax.experimental.pallas import triton as plgpu
 
     b, _, h, d = q.shape
@@ -312,60 +279,41 @@ def _triton_decode_local(q, k_cache, v_cache, kv_lengths, *new, interpret: bool,
     rows = max(16, pl.next_power_of_2(g))
     qg = q.reshape(b, kvh, g, d)  # a view: each kv head's g query heads are adjacent
     kv_spec = pl.BlockSpec((None, s, None, d), lambda r, hk, sp: (r, 0, hk, 0))
-    row_spec = pl.BlockSpec((None,), lambda r, hk, sp: (r,))
-    in_specs = [row_spec, pl.BlockSpec((None, None, g, d), lambda r, hk, sp: (r, hk, 0, 0)), kv_spec, kv_spec]
-    args = [kv_lengths.astype(jnp.int32), qg, k_cache, v_cache]
-    if splits == 1:
-        out_specs = [pl.BlockSpec((None, None, g, d), lambda r, hk, sp: (r, hk, 0, 0))]
-        out_shape = [jax.ShapeDtypeStruct((b, kvh, g, d), q.dtype)]
-    else:
-        out_specs = [pl.BlockSpec((None, None, None, g, d), lambda r, hk, sp: (r, hk, sp, 0, 0)),
-                     pl.BlockSpec((None, None, None, g), lambda r, hk, sp: (r, hk, sp, 0))]
-        out_shape = [jax.ShapeDtypeStruct((b, kvh, splits, g, d), jnp.float32),
-                     jax.ShapeDtypeStruct((b, kvh, splits, g), jnp.float32)]
-    aliases = {}
-    if new:  # (k_new, v_new [b, 1, kvh, d], at int32[b]): the cache write happens in the kernel
-        k_new, v_new, at = new
-        new_spec = pl.BlockSpec((None, None, d), lambda r, hk, sp: (r, hk, 0))
-        in_specs += [new_spec, new_spec, row_spec]
-        args += [k_new.reshape(b, kvh, d).astype(k_cache.dtype), v_new.reshape(b, kvh, d).astype(v_cache.dtype),
-                 at.astype(jnp.int32)]
-        out_specs += [kv_spec, kv_spec]
-        out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                      jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
-        aliases = {2: len(out_shape) - 2, 3: len(out_shape) - 1}
+    in_specs = [pl.BlockSpec((None,), lambda r, hk, sp: (r,)),
+                pl.BlockSpec((None, None, g, d), lambda r, hk, sp: (r, hk, 0, 0)), kv_spec, kv_spec]
     kernel = functools.partial(_triton_decode_kernel, g=g, rows=rows, block=block, chunk=s // splits,
-                               scale=1.0 / math.sqrt(d), splits=splits, write=bool(new))
-    outs = pl.pallas_call(
-        kernel, grid=(b, kvh, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=plan["num_stages"]),
-        interpret=interpret, name="jaxrl_triton_decode" + ("_split" if splits > 1 else ""))(*args)
-    out = outs[0] if splits == 1 else _merge_splits(outs[0], outs[1]).astype(q.dtype)
-    out = out.reshape(b, 1, h, d)
-    return (out, outs[-2], outs[-1]) if new else out
+                               scale=1.0 / math.sqrt(d))
+    params = plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+    args = (kv_lengths.astype(jnp.int32), qg, k_cache, v_cache)
+    if splits == 1:
+        out = pl.pallas_call(
+            kernel, grid=(b, kvh, 1), in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, None, g, d), lambda r, hk, sp: (r, hk, 0, 0)),
+            out_shape=jax.ShapeDtypeStruct((b, kvh, g, d), q.dtype), compiler_params=params,
+            interpret=interpret, name="jaxrl_triton_decode")(*args)
+    else:
+        o, lse = pl.pallas_call(
+            kernel, grid=(b, kvh, splits), in_specs=in_specs,
+            out_specs=[pl.BlockSpec((None, None, None, g, d), lambda r, hk, sp: (r, hk, sp, 0, 0)),
+                       pl.BlockSpec((None, None, None, g), lambda r, hk, sp: (r, hk, sp, 0))],
+            out_shape=[jax.ShapeDtypeStruct((b, kvh, splits, g, d), jnp.float32),
+                       jax.ShapeDtypeStruct((b, kvh, splits, g), jnp.float32)],
+            compiler_params=params, interpret=interpret, name="jaxrl_triton_decode_split")(*args)
+        out = _merge_splits(o, lse).astype(q.dtype)
+    return out.reshape(b, 1, h, d)
 
 
-def triton_decode_attention(q, k_cache, v_cache, kv_lengths, *, new_kv=None, interpret: bool | None = None,
+def triton_decode_attention(q, k_cache, v_cache, kv_lengths, *, interpret: bool | None = None,
                             plan: dict | None = None):
     """`decode_attention` on a Pallas Triton kernel for GPUs: each (row, kv head) program reads
     that head's slots of the cache in place ([b, s, kvh, d], no copy or transpose), up to the
     row's length, with the kv head's query heads as one tile, so each cache byte is read once.
-
-    new_kv = (k, v [b, 1, kvh, d], at int32[b]): also write row b's new token into slot at[b]
-    (dropped when at[b] >= s) inside the kernel, instead of a scatter before it; the caches are
-    updated in place (aliased) and the call returns (out, k_cache, v_cache). Row b's attention
-    then sees slots < kv_lengths[b] with slot at[b] taken from k, v.
     plan: overrides of `triton_decode_plan` (block, splits, num_warps, num_stages). Pallas
     interpret mode off GPU."""
     interpret = target_platform() != "gpu" if interpret is None else interpret
-    q_axes = ("batch", None, "heads", "head_dim")
-    kv_axes = ("cache_batch", "cache_length", "kv_heads", "head_dim")
-    new_axes = ("cache_batch", None, "kv_heads", "head_dim")
-    axes = [q_axes, kv_axes, kv_axes, ("cache_batch",)]
-    out_axes = q_axes
-    if new_kv is not None:
-        axes += [new_axes, new_axes, ("cache_batch",)]
-        out_axes = (q_axes, kv_axes, kv_axes)
-    fn = _per_shard(functools.partial(_triton_decode_local, interpret=interpret, plan=plan), tuple(axes), out_axes)
-    return fn(q, k_cache, v_cache, kv_lengths, *(new_kv or ()))
+    fn = _per_shard(functools.partial(_triton_decode_local, interpret=interpret, plan=plan),
+                    (("batch", None, "heads", "head_dim"),
+                     ("cache_batch", "cache_length", "kv_heads", "head_dim"),
+                     ("cache_batch", "cache_length", "kv_heads", "head_dim"), ("cache_batch",)),
+                    ("batch", None, "heads", "head_dim"))
+    return fn(q, k_cache, v_cache, kv_lengths)

@@ -64,30 +64,6 @@ def test_triton_decode_kernel_equals_one_query_attention(plan):
     np.testing.assert_array_equal(np.asarray(run(q, noisy_k, noisy_v, lengths)), got)
 
 
-@pytest.mark.parametrize("plan", [None, {"splits": 3, "block": 16}], ids=["one_split", "three_splits"])
-def test_triton_decode_kernel_writes_the_new_token_as_a_scatter_then_attention_would(plan):
-    """new_kv: the kernel writes row b's new k, v into slot at[b] of the (aliased) caches and
-    attends over slots < at[b] + 1 with the new token: the same caches and outputs as the engine's
-    scatter followed by attention. Rows: mid-cache, slot 0, the last slot, one past the end
-    (dropped: the cache is unchanged and the row sees all slots, as `mode="drop"` does)."""
-    rng = np.random.default_rng(3)
-    b, h, kvh, d, s = 4, 6, 2, 16, 48
-    q = _normal(rng, (b, 1, h, d))
-    k, v = _normal(rng, (b, s, kvh, d)), _normal(rng, (b, s, kvh, d))
-    k_new, v_new = _normal(rng, (b, 1, kvh, d)), _normal(rng, (b, 1, kvh, d))
-    at = jnp.asarray([20, 0, s - 1, s], jnp.int32)
-    lengths = jnp.minimum(at + 1, s)
-    rows = jnp.arange(b)[:, None]
-    k_want = k.at[rows, at[:, None]].set(k_new, mode="drop")
-    v_want = v.at[rows, at[:, None]].set(v_new, mode="drop")
-    want = _decoder.attend_one(q, k_want, v_want, lengths)
-    run = jax.jit(lambda *a: _kernels.triton_decode_attention(*a[:4], new_kv=a[4:], plan=plan))
-    out, k_got, v_got = run(q, k, v, lengths, k_new, v_new, at)
-    np.testing.assert_array_equal(np.asarray(k_got), np.asarray(k_want))
-    np.testing.assert_array_equal(np.asarray(v_got), np.asarray(v_want))
-    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-6, rtol=0)
-
-
 def test_triton_decode_plan_splits_only_long_caches_and_names_bad_lengths():
     assert _kernels.triton_decode_plan(256, 2, 768) == {"block": 64, "splits": 1, "num_warps": 4, "num_stages": 2}
     assert _kernels.triton_decode_plan(64, 2, 768)["num_stages"] == 3  # 128 programs: deeper pipeline
@@ -96,3 +72,22 @@ def test_triton_decode_plan_splits_only_long_caches_and_names_bad_lengths():
         _kernels.triton_decode_plan(4, 2, 40)
     with pytest.raises(ValueError, match="splits=5"):
         _kernels.triton_decode_plan(4, 2, 48, splits=5)
+
+
+def test_auto_decode_attention_on_gpu_is_triton_where_the_kernel_applies(monkeypatch):
+    """decode_attention='auto' with the GPU as target: triton for bf16/fp16, a power-of-two
+    head_dim and a cache length that is a multiple of 16; cuDNN otherwise; einsum in fp32 or for
+    several new tokens per row."""
+    from jaxrl_llm.models import ModelConfig
+
+    monkeypatch.setattr(_kernels, "target_platform", lambda: "gpu")
+    config = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1)
+    pick = lambda dtype, d, s, t=1: _decoder._decode_attention_impl(config, t, dtype, d, s)  # noqa: E731
+    assert pick(jnp.bfloat16, 128, 768) == "triton"
+    assert pick(jnp.float16, 64, 1024) == "triton"
+    assert pick(jnp.bfloat16, 128, 770) == "cudnn"  # cache length not a multiple of 16
+    assert pick(jnp.bfloat16, 80, 768) == "cudnn"  # head_dim not a power of two
+    assert pick(jnp.float32, 128, 768) == "einsum"
+    assert pick(jnp.bfloat16, 128, 768, t=2) == "einsum"
+    assert _decoder._decode_attention_impl(config.replace(decode_attention="cudnn"), 1, jnp.bfloat16, 128, 768) == "cudnn"
