@@ -91,3 +91,26 @@ def test_auto_decode_attention_on_gpu_is_triton_where_the_kernel_applies(monkeyp
     assert pick(jnp.float32, 128, 768) == "einsum"
     assert pick(jnp.bfloat16, 128, 768, t=2) == "einsum"
     assert _decoder._decode_attention_impl(config.replace(decode_attention="cudnn"), 1, jnp.bfloat16, 128, 768) == "cudnn"
+
+
+def test_triton_decode_kernel_under_a_mesh_runs_per_shard():
+    """Under `sharding.use_rules` the kernel runs per device on its rows and kv heads (rollout
+    rules: cache rows over data, kv heads over tensor) and gives the unsharded result."""
+    import sharding
+    from jax.sharding import NamedSharding
+
+    rng = np.random.default_rng(4)
+    b, h, kvh, d, s = 4, 8, 2, 16, 32
+    q = _normal(rng, (b, 1, h, d))
+    k, v = _normal(rng, (b, s, kvh, d)), _normal(rng, (b, s, kvh, d))
+    lengths = jnp.asarray([3, 32, 17, 9], jnp.int32)
+    want = np.asarray(_decoder.attend_one(q, k, v, lengths))
+    mesh = sharding.make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
+    rules = sharding.get_rules("rollout")
+    with sharding.use_rules(mesh, rules):
+        put = lambda x, axes: jax.device_put(x, NamedSharding(mesh, sharding.logical_to_spec(axes, rules)))  # noqa: E731
+        args = (put(q, ("batch", None, "heads", "head_dim")), put(k, ("cache_batch", "cache_length", "kv_heads", "head_dim")),
+                put(v, ("cache_batch", "cache_length", "kv_heads", "head_dim")), put(lengths, ("cache_batch",)))
+        got = jax.jit(_kernels.triton_decode_attention)(*args)
+        assert len(got.sharding.device_set) == 4
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-6, rtol=0)
