@@ -35,12 +35,18 @@ def target_platform() -> str:
     return jax.default_backend()
 
 
-def _per_shard(fn, arrays_axes, out_axes):
+def _per_shard(fn, arrays_axes, out_axes, whole=()):
     """fn over the active mesh with `shard_map` (specs from the logical axes), or fn itself when
     no mesh is active. arrays_axes: logical axes of each positional argument."""
     mesh, rules = sharding.current_mesh(), sharding.current_rules()
     if mesh is None or mesh.size == 1:
         return fn
+    for axis in whole:  # dims each device's kernel must see whole (a split would be silently wrong)
+        spec = sharding.logical_to_spec((axis,), rules)[0]
+        names = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+        if math.prod(mesh.shape[n] for n in names) > 1:
+            raise ValueError(f"the Pallas attention kernels need the {axis!r} dim whole on each device, "
+                             f"but the sharding rules split it over mesh axes {names}; map {axis!r} to None")
     specs = tuple(sharding.logical_to_spec(a, rules) for a in arrays_axes)
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=sharding.logical_to_spec(out_axes, rules),
                          check_vma=False)
@@ -90,7 +96,7 @@ def splash_causal(q, k, v, segment_ids, *, interpret: bool | None = None):
                     (("batch", "length", "heads", "head_dim"),
                      ("batch", "length", "kv_heads", "head_dim"),
                      ("batch", "length", "kv_heads", "head_dim"), ("batch", "length")),
-                    ("batch", "length", "heads", "head_dim"))
+                    ("batch", "length", "heads", "head_dim"), whole=("length", "head_dim"))
     return fn(q, k, v, segment_ids)
 
 
@@ -187,7 +193,7 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, interpret: bool | None 
                     (("batch", None, "heads", "head_dim"),
                      ("cache_batch", "cache_length", "kv_heads", "head_dim"),
                      ("cache_batch", "cache_length", "kv_heads", "head_dim"), ("cache_batch",)),
-                    ("batch", None, "heads", "head_dim"))
+                    ("batch", None, "heads", "head_dim"), whole=("cache_length", "head_dim"))
     return fn(q, k_cache, v_cache, kv_lengths)
 
 
@@ -315,5 +321,5 @@ def triton_decode_attention(q, k_cache, v_cache, kv_lengths, *, interpret: bool 
                     (("batch", None, "heads", "head_dim"),
                      ("cache_batch", "cache_length", "kv_heads", "head_dim"),
                      ("cache_batch", "cache_length", "kv_heads", "head_dim"), ("cache_batch",)),
-                    ("batch", None, "heads", "head_dim"))
+                    ("batch", None, "heads", "head_dim"), whole=("cache_length", "head_dim"))
     return fn(q, k_cache, v_cache, kv_lengths)

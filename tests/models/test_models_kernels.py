@@ -114,3 +114,18 @@ def test_triton_decode_kernel_under_a_mesh_runs_per_shard():
         got = jax.jit(_kernels.triton_decode_attention)(*args)
         assert len(got.sharding.device_set) == 4
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-6, rtol=0)
+
+
+def test_decode_kernels_refuse_rules_that_split_the_cache_length():
+    """A rule table that shards `cache_length` would hand each device part of every row's cache:
+    both decode kernels refuse it, naming the dim, instead of attending over a part."""
+    import sharding
+
+    rules = tuple((name, "data" if name == "cache_length" else axes) for name, axes in sharding.get_rules("rollout"))
+    mesh = sharding.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    rng = np.random.default_rng(5)
+    q, k = _normal(rng, (2, 1, 4, 16)), _normal(rng, (2, 32, 2, 16))
+    lengths = jnp.asarray([3, 32], jnp.int32)
+    for kernel in (_kernels.decode_attention, _kernels.triton_decode_attention):
+        with sharding.use_rules(mesh, rules), pytest.raises(ValueError, match="'cache_length' dim whole"):
+            kernel(q, k, k, lengths)
