@@ -2,7 +2,7 @@
 
 - mesh: `MeshConfig`, `make_mesh` (axes `MESH_AXES` = data, fsdp, tensor).
 - rules: `TRAIN_RULES` / `ROLLOUT_RULES` map logical dim names to mesh axes;
-  `logical_to_spec`, `logical_sharding`.
+  `logical_to_spec`, `logical_sharding`, `logical_axis_size`.
 - state: `state_shardings` / `tree_shardings` / `shard_state` / `init_sharded` from the
   `logical_axes` metadata on `nnx.Variable`s.
 - `reshard` (weight sync, zero-copy when layouts match), `reshard_with_stats`.
@@ -29,6 +29,7 @@ from sharding._rules import (
     TRAIN_RULES,
     Rules,
     get_rules,
+    logical_axis_size,
     logical_sharding,
     logical_to_spec,
 )
@@ -38,7 +39,7 @@ from sharding._transfer import REPLICA_AXIS, local_replica, replica_mesh, transf
 __all__ = [
     "MESH_AXES", "MeshConfig", "make_mesh",
     "TRAIN_RULES", "ROLLOUT_RULES", "RULES", "Rules", "get_rules", "logical_to_spec",
-    "logical_sharding",
+    "logical_sharding", "logical_axis_size",
     "state_shardings", "tree_shardings", "shard_state", "init_sharded",
     "reshard", "reshard_with_stats",
     "transfer", "replica_mesh", "local_replica", "REPLICA_AXIS",

@@ -115,6 +115,12 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules | str) -> P
     return PartitionSpec(*(_spec_entry(a) for a in _mesh_axes_per_dim(logical_axes, rules)))
 
 
+def logical_axis_size(mesh: Mesh, logical_axis: str, rules: Rules | str) -> int:
+    """How many parts `rules` split a dim named `logical_axis` into on `mesh` (1: whole)."""
+    (axes,) = _mesh_axes_per_dim((logical_axis,), rules)
+    return math.prod(mesh.shape[a] for a in axes)
+
+
 def logical_sharding(mesh: Mesh, logical_axes: Sequence[str | None], rules: Rules | str,
                      shape: Sequence[int] | None = None, *, name: str | None = None
                      ) -> NamedSharding:

@@ -42,11 +42,10 @@ def _per_shard(fn, arrays_axes, out_axes, whole=()):
     if mesh is None or mesh.size == 1:
         return fn
     for axis in whole:  # dims each device's kernel must see whole (a split would be silently wrong)
-        spec = sharding.logical_to_spec((axis,), rules)[0]
-        names = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-        if math.prod(mesh.shape[n] for n in names) > 1:
+        parts = sharding.logical_axis_size(mesh, axis, rules)
+        if parts > 1:
             raise ValueError(f"the Pallas attention kernels need the {axis!r} dim whole on each device, "
-                             f"but the sharding rules split it over mesh axes {names}; map {axis!r} to None")
+                             f"but the sharding rules split it into {parts} parts; map {axis!r} to None")
     specs = tuple(sharding.logical_to_spec(a, rules) for a in arrays_axes)
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=sharding.logical_to_spec(out_axes, rules),
                          check_vma=False)

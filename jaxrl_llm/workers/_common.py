@@ -126,9 +126,7 @@ def batch_sharding(mesh, ndim: int, batch_axis: int = 0):
 
 
 def data_parallel_size(mesh) -> int:
-    spec = sharding.logical_to_spec(("batch",), sharding.TRAIN_RULES)[0]
-    names = spec if isinstance(spec, tuple) else ((spec,) if spec else ())
-    return int(np.prod([mesh.shape[n] for n in names])) if names else 1
+    return sharding.logical_axis_size(mesh, "batch", sharding.TRAIN_RULES)
 
 
 def put_batch(mesh, arrays: dict[str, np.ndarray], batch_axis: int = 0) -> dict[str, jax.Array]:

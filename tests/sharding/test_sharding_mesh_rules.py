@@ -131,3 +131,12 @@ def test_logical_sharding_places_data():
     s = sharding.logical_sharding(mesh, ("batch", "vocab"), "train", shape=(8, 6))
     x = jax.device_put(np.arange(48.0).reshape(8, 6), s)
     assert x.addressable_shards[0].data.shape == (2, 3)
+
+
+def test_logical_axis_size_counts_the_parts_a_dim_is_split_into():
+    mesh = sharding.make_mesh((2, 2, 2))  # data, fsdp, tensor
+    assert sharding.logical_axis_size(mesh, "batch", sharding.TRAIN_RULES) == 4  # data x fsdp
+    assert sharding.logical_axis_size(mesh, "heads", sharding.TRAIN_RULES) == 2
+    assert sharding.logical_axis_size(mesh, "cache_length", "rollout") == 1
+    with pytest.raises(ValueError, match="unknown logical axis"):
+        sharding.logical_axis_size(mesh, "nope", sharding.TRAIN_RULES)
