@@ -288,23 +288,20 @@ def _triton_decode_local(q, k_cache, v_cache, kv_lengths, *, interpret: bool, pl
                 pl.BlockSpec((None, None, g, d), lambda r, hk, sp: (r, hk, 0, 0)), kv_spec, kv_spec]
     kernel = functools.partial(_triton_decode_kernel, g=g, rows=rows, block=block, chunk=s // splits,
                                scale=1.0 / math.sqrt(d))
-    params = plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=plan["num_stages"])
-    args = (kv_lengths.astype(jnp.int32), qg, k_cache, v_cache)
-    if splits == 1:
-        out = pl.pallas_call(
-            kernel, grid=(b, kvh, 1), in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, None, g, d), lambda r, hk, sp: (r, hk, 0, 0)),
-            out_shape=jax.ShapeDtypeStruct((b, kvh, g, d), q.dtype), compiler_params=params,
-            interpret=interpret, name="jaxrl_triton_decode")(*args)
-    else:
-        o, lse = pl.pallas_call(
-            kernel, grid=(b, kvh, splits), in_specs=in_specs,
-            out_specs=[pl.BlockSpec((None, None, None, g, d), lambda r, hk, sp: (r, hk, sp, 0, 0)),
-                       pl.BlockSpec((None, None, None, g), lambda r, hk, sp: (r, hk, sp, 0))],
-            out_shape=[jax.ShapeDtypeStruct((b, kvh, splits, g, d), jnp.float32),
-                       jax.ShapeDtypeStruct((b, kvh, splits, g), jnp.float32)],
-            compiler_params=params, interpret=interpret, name="jaxrl_triton_decode_split")(*args)
-        out = _merge_splits(o, lse).astype(q.dtype)
+    if splits == 1:  # the normalised output itself
+        out_specs = [pl.BlockSpec((None, None, g, d), lambda r, hk, sp: (r, hk, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, kvh, g, d), q.dtype)]
+    else:  # each split's output and log-sum-exp, merged below
+        out_specs = [pl.BlockSpec((None, None, None, g, d), lambda r, hk, sp: (r, hk, sp, 0, 0)),
+                     pl.BlockSpec((None, None, None, g), lambda r, hk, sp: (r, hk, sp, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, kvh, splits, g, d), jnp.float32),
+                     jax.ShapeDtypeStruct((b, kvh, splits, g), jnp.float32)]
+    outs = pl.pallas_call(
+        kernel, grid=(b, kvh, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=plan["num_stages"]),
+        interpret=interpret, name="jaxrl_triton_decode" + ("_split" if splits > 1 else ""),
+    )(kv_lengths.astype(jnp.int32), qg, k_cache, v_cache)
+    out = outs[0] if splits == 1 else _merge_splits(*outs).astype(q.dtype)
     return out.reshape(b, 1, h, d)
 
 
