@@ -14,10 +14,13 @@ REQUIRED = ["actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac
             "timing_s/gen", "timing_s/update_actor", "timing_s/step", "perf/throughput", "perf/mfu/actor"]
 
 
-def _one_step(run):
+def _one_step(run, inspect=None):
+    """(metrics, actor checksum before, after) of one step; inspect(trainer) runs after start-up."""
     trainer = RLTrainer(run)
     try:
         trainer.call0(HostWorker.start_rl, run.trainer.total_training_steps)
+        if inspect is not None:
+            inspect(trainer)
         before = param_checksum(trainer)
         metrics = trainer.train_step()
         after = param_checksum(trainer)
@@ -58,8 +61,17 @@ def test_indivisible_mesh_is_a_clear_error(tiny_run):
         RLTrainer(run)
 
 
-def test_rollout_log_probs_match_recomputed_old_log_probs(tiny_run):
-    metrics, _, _ = _one_step(tiny_run())
+@pytest.mark.parametrize("decode_attention", ["auto", "triton"])
+def test_rollout_log_probs_match_recomputed_old_log_probs(tiny_run, decode_attention):
+    """triton: `model.decode_attention` reaches the rollout engine (the GPU kernel, here in
+    Pallas interpret mode) and its samples score as the trainer scores them."""
+    def inspect(trainer):
+        assert trainer.group.workers[0].engine.config.decode_attention == decode_attention
+
+    extra = {"model.decode_attention": decode_attention}
+    if decode_attention == "triton":  # its cache length must be a multiple of 16: 16 + 16 slots
+        extra["data.max_response_length"] = 16
+    metrics, _, _ = _one_step(tiny_run(**extra), inspect)
     assert metrics["rollout/logprob_abs_diff/mean"] < 1e-4
     # the tail of the per-token distribution too (p99, max) and the share of tokens off by > 0.1
     assert metrics["rollout/logprob_abs_diff/max"] < 1e-3
