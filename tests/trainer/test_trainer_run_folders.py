@@ -173,3 +173,18 @@ def test_sft_warm_start_without_demonstrations_is_an_error_naming_sft_train_file
     load_config(QUICKSTART, [f"data.train_files={user}", f"data.builtin_task={task}", "sft.steps=0"])
     load_config(QUICKSTART, [f"data.train_files={user}", f"data.builtin_task={task}", "sft.steps=3",
                              f"sft.train_files={user}"])
+
+
+def test_sft_rows_come_from_every_sft_train_file(tmp_path):
+    """Several sft.train_files: the rows of all of them (they used to be taken for rows themselves)."""
+    from jaxrl_llm.data import write_rows
+    from jaxrl_llm.trainer import load_tokenizer
+    from jaxrl_llm.trainer._sft_data import sft_dataset
+
+    def rows(n):
+        return [{"messages": [{"role": "user", "content": f"{i}+1="},
+                              {"role": "assistant", "content": str(i + 1)}]} for i in range(n)]
+    write_rows(tmp_path / "a.jsonl", rows(3))
+    write_rows(tmp_path / "b.parquet", rows(4))
+    config = load_config(QUICKSTART, [f"sft.train_files={(str(tmp_path / 'a.jsonl'), str(tmp_path / 'b.parquet'))!r}"])
+    assert len(sft_dataset(config, load_tokenizer(config))) == 7
