@@ -35,8 +35,9 @@ def check_data_files(config: RunConfig) -> None:
         for i, path in enumerate(paths):
             if not os.path.isfile(path):
                 where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
+                what = "demonstrations" if field.startswith("sft") else "data"
                 raise ConfigError(f"{field}[{i}]={path} does not exist{where}; fix the path, or leave "
-                                  f"{field} empty to use the built-in task's data (data.builtin_task)")
+                                  f"{field} empty to use the built-in task's {what} (data.builtin_task)")
 
 
 def prepare_builtin_data(config: RunConfig) -> DataFiles:

@@ -188,3 +188,22 @@ def test_sft_rows_come_from_every_sft_train_file(tmp_path):
     write_rows(tmp_path / "b.parquet", rows(4))
     config = load_config(QUICKSTART, [f"sft.train_files={(str(tmp_path / 'a.jsonl'), str(tmp_path / 'b.parquet'))!r}"])
     assert len(sft_dataset(config, load_tokenizer(config))) == 7
+
+
+@pytest.mark.parametrize("module", ["jaxrl_llm.train", "jaxrl_llm.sft"])
+def test_missing_data_file_on_the_command_line_is_one_line_exit_2(tmp_path, module):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    args = [f"--config={QUICKSTART}:tiny", f"--config.trainer.default_local_dir={tmp_path}/run",
+            f"--config.{'sft' if module.endswith('sft') else 'data'}.train_files={tmp_path}/nope.parquet"]
+    out = subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    field = "sft.train_files" if module.endswith("sft") else "data.train_files"
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [f"error: {field}[0]={tmp_path}/nope.parquet does not exist; fix "
+                                               f"the path, or leave {field} empty to use the built-in "
+                                               f"task's {'demonstrations' if module.endswith('sft') else 'data'} "
+                                               "(data.builtin_task)"], out.stderr[-2000:]
+    assert os.listdir(tmp_path) == []
