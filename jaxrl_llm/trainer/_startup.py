@@ -33,6 +33,8 @@ def check_data_files(config: RunConfig) -> None:
         fields["sft.train_files"] = config.sft.train_files
     for field, paths in fields.items():
         for i, path in enumerate(paths):
+            if os.path.isdir(path):
+                raise ConfigError(f"{field}[{i}]={path} is a folder; name its .parquet/.jsonl files")
             if not os.path.isfile(path):
                 where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
                 what = "demonstrations" if field.startswith("sft") else "data"

@@ -126,6 +126,9 @@ def test_missing_data_file_is_an_error_naming_the_field_before_anything_is_writt
         start(config)
     assert not (tmp_path / "run").exists() and not (tmp_path / "trian.parquet").exists()
     assert _files_under(tmp_path) == ["train.parquet"]
+    config = load_config(f"{QUICKSTART}:tiny,local", tiny_overrides(tmp_path / "run", **{field: tmp_path, "sft.steps": 2}))
+    with pytest.raises(ConfigError, match=rf"^{field}\[0\]={tmp_path} is a folder"):
+        start(config)
 
 
 def test_start_writes_the_resolved_config_json(tmp_path, start):
