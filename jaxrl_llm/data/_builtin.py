@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 from typing import Any
 
 from jaxrl_llm.data import tasks
@@ -66,7 +67,8 @@ def prepare_builtin_files(d, run_dir: str) -> dict[str, str]:
     """{split: path} of the generated splits (see `builtin_splits`), made if not there yet.
 
     Several processes of a multi-host run may share the folder: each file is written under a
-    private name and renamed (atomic), so no reader ever sees a half-written file."""
+    private name (host and process id) and renamed (atomic), so no reader ever sees a
+    half-written file."""
     splits = builtin_splits(d)
     if not splits:
         return {}
@@ -76,14 +78,19 @@ def prepare_builtin_files(d, run_dir: str) -> dict[str, str]:
     for split in splits:
         path = os.path.join(folder, f"{split}.parquet")
         if not os.path.exists(path):
-            tmp = os.path.join(folder, f".tmp-{os.getpid()}-{split}.parquet")
+            tmp = os.path.join(folder, f".tmp-{_writer()}-{split}.parquet")
             make_builtin_file(d, split, tmp)
             os.replace(tmp, path)
         out[split] = path
     settings = os.path.join(folder, "settings.json")  # for a reader of the folder
     if not os.path.exists(settings):
-        tmp = os.path.join(folder, f".tmp-{os.getpid()}-settings.json")
+        tmp = os.path.join(folder, f".tmp-{_writer()}-settings.json")
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(builtin_settings(d), f, indent=1)
         os.replace(tmp, settings)
     return out
+
+
+def _writer() -> str:
+    """This process's part of a private file name: unique among the hosts sharing a folder."""
+    return f"{socket.gethostname()}-{os.getpid()}"

@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import json
 import os
+import socket
 from typing import NamedTuple
 
 from jaxrl_llm import data
@@ -56,7 +57,7 @@ def prepare_builtin_data(config: RunConfig) -> DataFiles:
 def write_config_json(config: RunConfig, run_dir: str) -> str:
     """`<run_dir>/config.json`: the resolved config, as JSON (replaced whole, atomically)."""
     path = os.path.join(run_dir, "config.json")
-    tmp = os.path.join(run_dir, f".tmp-{os.getpid()}-config.json")
+    tmp = os.path.join(run_dir, f".tmp-{socket.gethostname()}-{os.getpid()}-config.json")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(dataclasses.asdict(config), f, indent=1, sort_keys=True, default=str)
         f.write("\n")
