@@ -27,8 +27,9 @@ class DataFiles(NamedTuple):
 
 
 def check_data_files(config: RunConfig) -> None:
-    """ConfigError naming the field of the first file the config names that does not exist
-    (`data.train_files`, `data.val_files`, and `sft.train_files` when `sft.steps > 0`)."""
+    """ConfigError naming the field of the first file the config names that does not exist:
+    `data.train_files`, `data.val_files`, `sft.train_files` when `sft.steps > 0`, the custom
+    reward function's file, and a multi-turn run's tool / interaction config files."""
     fields = {"data.train_files": config.data.train_files, "data.val_files": config.data.val_files}
     if config.sft.steps > 0:
         fields["sft.train_files"] = config.sft.train_files
@@ -41,6 +42,15 @@ def check_data_files(config: RunConfig) -> None:
                 what = "demonstrations" if field.startswith("sft") else "data"
                 raise ConfigError(f"{field}[{i}]={path} does not exist{where}; fix the path, or leave "
                                   f"{field} empty to use the built-in task's {what} (data.builtin_task)")
+    mt, where = config.rollout.multi_turn, "rollout.multi_turn"
+    files = {"reward.custom_reward_function.path": config.reward.custom_reward_function.path}
+    if mt.enable:
+        files.update({f"{where}.tool_config_path": mt.tool_config_path,
+                      f"{where}.function_tool_path": mt.function_tool_path,
+                      f"{where}.interaction_config_path": mt.interaction_config_path})
+    for field, path in files.items():
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"{field}={path} is not a file (relative to {os.getcwd()} unless absolute)")
 
 
 def prepare_builtin_data(config: RunConfig) -> DataFiles:

@@ -131,6 +131,15 @@ def test_missing_data_file_is_an_error_naming_the_field_before_anything_is_writt
         start(config)
 
 
+@pytest.mark.parametrize("field", ["reward.custom_reward_function.path", "rollout.multi_turn.tool_config_path",
+                                   "rollout.multi_turn.function_tool_path"])
+def test_missing_reward_or_tool_file_is_an_error_naming_the_field(tmp_path, start, field):
+    config = load_config(f"{TOOLS}:tiny,local", tiny_overrides(tmp_path / "run", **{field: f"{tmp_path}/nope.py"}))
+    with pytest.raises(ConfigError, match=rf"^{field}={tmp_path}/nope.py is not a file"):
+        start(config)
+    assert not (tmp_path / "run").exists()
+
+
 def test_start_writes_the_resolved_config_json(tmp_path, start):
     config = load_config(f"{QUICKSTART}:tiny,local", tiny_overrides(tmp_path / "run", **{"actor.optim.lr": 0.0025}))
     start(config)
