@@ -76,8 +76,8 @@ def write_config_json(config: RunConfig, run_dir: str) -> str:
 
 
 def describe_run(config: RunConfig, files: DataFiles, agent_names: set[str] = frozenset()) -> str:
-    """One line: the data (files, row counts, generated or not), the reward function, the
-    tools and the agent loops. `agent_names`: the data's `agent_name` values."""
+    """One line: the data (files, row counts, generated or not), the SFT warm start's rows, the
+    reward function, the tools and the agent loops. `agent_names`: the data's `agent_name` values."""
     d = config.data
 
     def split(name, paths):
@@ -94,8 +94,12 @@ def describe_run(config: RunConfig, files: DataFiles, agent_names: set[str] = fr
         tools = ", ".join(tool_names(mt)) or "none"
     else:
         loops, tools = "none (single-turn generation)", "none"
-    return (f"run data: {split('train', files.train)}; {split('val', files.val)} | reward: {reward} "
-            f"| tools: {tools} | agent loops: {loops}")
+    s = config.sft
+    sft = ("none" if s.steps <= 0 else f"{s.steps} steps on " + (
+        ", ".join(f"{p} ({data.count_rows(p)} rows)" for p in s.train_files) if s.train_files
+        else f"built-in {d.builtin_task} demonstrations"))
+    return (f"run data: {split('train', files.train)}; {split('val', files.val)} | sft warm start: {sft} "
+            f"| reward: {reward} | tools: {tools} | agent loops: {loops}")
 
 
 def tool_names(multi_turn) -> list[str]:

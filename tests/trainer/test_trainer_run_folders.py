@@ -106,13 +106,16 @@ def test_user_train_file_is_read_as_is_and_never_written(tmp_path, start, caplog
     assert f"val: {trainer.data_files.val[0]} (16 rows, built-in arithmetic, generated)" in line[0]
     assert "reward: " + os.path.join(ROOT, "tests", "fixtures", "rewards", "length_parity.py") in line[0]
     assert "tools: none | agent loops: none" in line[0]
+    assert f"| sft warm start: {config.sft.steps} steps on built-in arithmetic demonstrations |" in line[0]
 
 
-def test_given_val_file_is_used_and_no_split_is_generated(tmp_path, start):
+def test_given_val_file_is_used_and_no_split_is_generated(tmp_path, start, caplog):
     train, val = _user_parquet(tmp_path / "t.parquet"), _user_parquet(tmp_path / "v.jsonl", n=5)
     config = load_config(f"{QUICKSTART}:tiny,local", tiny_overrides(
-        tmp_path / "run", **{"data.train_files": train, "data.val_files": val}))
-    trainer = start(config)
+        tmp_path / "run", **{"data.train_files": train, "data.val_files": val, "sft.steps": 0}))
+    with caplog.at_level(logging.INFO, logger=_rl.__name__):
+        trainer = start(config)
+    assert "| sft warm start: none |" in caplog.text
     assert trainer.val_set.num_rows == 5 and trainer.data_files.generated == ()
     assert not (tmp_path / "run" / "data").exists()
 
