@@ -160,7 +160,7 @@ DESCRIPTIONS = {
     "SFTConfig.lr": "SFT peak learning rate (cosine schedule).",
     "SFTConfig.warmup_steps": "SFT warm-up steps.",
     "SFTConfig.max_length": "SFT sequence length (prompt + answer tokens).",
-    "SFTConfig.train_files": "Chat-message files for SFT (see docs/agents.md for tool traces); empty = the built-in task's demonstrations (`arithmetic`, `arithmetic_tools` only; other tasks need files when `sft.steps > 0`).",
+    "SFTConfig.train_files": "Chat-message files for SFT (tool-call traces: docs/quickstart.md, \"SFT data for tool use\"); empty = the built-in task's demonstrations (`arithmetic`, `arithmetic_tools` only; other tasks need files when `sft.steps > 0`).",
     "SFTConfig.messages_key": "Column holding the messages.",
     "SFTConfig.builtin_size": "Built-in SFT rows generated.",
     "SFTConfig.builtin_off_by_one": "Arithmetic demos: fraction answered one too high (imperfect data for RL to fix).",
