@@ -11,9 +11,7 @@ from jaxrl_llm.config import base_config
 def get_config(arg: str | None = None):
     del arg
     c = base_config()
-    c.data.builtin_task = "arithmetic"
-    c.data.train_files = ("runs/gpu_arithmetic_100m/data/train.parquet",)
-    c.data.val_files = ("runs/gpu_arithmetic_100m/data/val.parquet",)
+    c.data.builtin_task = "arithmetic"  # generated under <trainer.default_local_dir>/data/builtin/
     c.data.builtin_max_operand = 99
     c.data.builtin_train_size = 20000
     c.data.builtin_val_size = 500

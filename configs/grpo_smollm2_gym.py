@@ -99,7 +99,5 @@ def get_config(arg: str | None = None):
         c.reward.num_workers = 0
         c.trainer.total_training_steps, c.trainer.test_freq = 2, 2
         run += "_cpu"
-    c.trainer.default_local_dir = run
-    c.data.train_files = (f"{run}/data/train.parquet",)
-    c.data.val_files = (f"{run}/data/val.parquet",)
+    c.trainer.default_local_dir = run  # the generated data goes to <run>/data/builtin/
     return c

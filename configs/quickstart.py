@@ -20,9 +20,7 @@ from jaxrl_llm.config import base_config
 
 def get_config(arg: str | None = None):
     c = base_config()
-    c.data.builtin_task = "arithmetic"
-    c.data.train_files = ("runs/quickstart/data/train.parquet",)
-    c.data.val_files = ("runs/quickstart/data/val.parquet",)
+    c.data.builtin_task = "arithmetic"  # no data.train_files/val_files: generated under <run>/data/builtin/
     c.data.builtin_train_size = 4000
     c.data.builtin_max_operand = 20  # a+b with a, b in [0, 20]; 59 held-out problems
     c.data.builtin_val_size = 59
@@ -98,7 +96,6 @@ def get_config(arg: str | None = None):
 
 
 def use_run_dir(c, run_dir: str) -> None:
-    """Puts the run (checkpoints, metrics) and its generated data files under `run_dir`."""
+    """Puts the run (checkpoints, metrics, config.json) and the built-in task's generated data
+    (`<run_dir>/data/builtin/`) under `run_dir`."""
     c.trainer.default_local_dir = run_dir
-    c.data.train_files = (f"{run_dir}/data/train.parquet",)
-    c.data.val_files = (f"{run_dir}/data/val.parquet",)

@@ -48,10 +48,9 @@ def get_config(arg: str | None = None):
     c.sft.builtin_no_tool = 0.3
     c.sft.builtin_trailing_junk = 0.7
     c.sft.max_length = 104  # the longest trace is 100 tokens
-    # run folder and generated data per variant size (a tiny run must not share the main one's)
+    # a run folder per variant size (a tiny run must not share the main one's); the generated
+    # data goes to <run>/data/builtin/
     c.trainer.default_local_dir = "runs/quickstart_tools-tiny" if "tiny" in variants else "runs/quickstart_tools"
-    c.data.train_files = (f"{c.trainer.default_local_dir}/data/train.parquet",)
-    c.data.val_files = (f"{c.trainer.default_local_dir}/data/val.parquet",)
     c.trainer.experiment_name = "quickstart_tools"
     if "tiny" in variants:
         c.data.builtin_val_size = 8

@@ -38,6 +38,12 @@ def main(argv) -> None:
     # Ray's notice that token authentication is on (its default, kept) on every start
     logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
     run = _cli.load_run(_CONFIG)
+    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.trainer._startup import check_data_files
+    try:  # a data file the config names that is not there: one line, before anything starts
+        check_data_files(run)
+    except ConfigError as e:
+        _cli.fail(str(e))
     _cli.enable_compilation_cache()
     done = _cli.completed_step(run)
     if done is not None:  # nothing to train: say so before starting Ray or compiling anything

@@ -56,8 +56,7 @@ def command(args, mode: str, run_dir: str) -> list[str]:
     o = {**mode_overrides(mode), "trainer.total_training_steps": args.steps,
          "trainer.default_local_dir": run_dir, "trainer.test_freq": 0, "trainer.save_freq": 0,
          "trainer.export_hf": False, "trainer.plot": False, "trainer.progress_bar": False,
-         "trainer.logger": "jsonl", "trainer.resume_mode": "disable",
-         "data.train_files": f"{run_dir}/data/train.parquet", "data.val_files": f"{run_dir}/data/val.parquet"}
+         "trainer.logger": "jsonl", "trainer.resume_mode": "disable"}
     return [sys.executable, "-m", "jaxrl_llm.train", f"--config={args.config}"] + [
         f"--config.{k}={v}" for k, v in o.items()] + list(args.override)
 

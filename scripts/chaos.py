@@ -12,7 +12,7 @@ weights and metrics with an uninterrupted run's.
 3. Both runs' `metrics.jsonl` and `val_generations.jsonl` must match row for row (timing and
    memory keys aside, rel 1e-5) and both exported `hf_actor` folders must hold the same tensors.
 
-Prints one JSON report; exits 1 when the runs differ. Both runs share one data folder.
+Prints one JSON report; exits 1 when the runs differ. Each run generates its built-in data in its own folder.
 """
 from __future__ import annotations
 
@@ -45,12 +45,10 @@ def parse_args(argv=None):
 
 
 def train_command(args, run_dir: Path) -> list[str]:
-    data = Path(args.out).absolute() / "data"
     overrides = {
         "trainer.default_local_dir": run_dir, "trainer.total_training_steps": args.steps,
         "trainer.save_freq": 1, "trainer.export_hf": True, "trainer.async_save": False,
         "trainer.progress_bar": False, "trainer.plot": False, "trainer.logger": "jsonl",
-        "data.train_files": data / "train.parquet", "data.val_files": data / "val.parquet",
     }
     return ([sys.executable, "-m", "jaxrl_llm.train", f"--config={args.config}"]
             + [f"--config.{k}={v}" for k, v in overrides.items()] + list(args.override))

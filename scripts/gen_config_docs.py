@@ -29,12 +29,12 @@ DOC = ROOT / "docs" / "configs.md"
 
 # "<DataclassName>.<field>": description. Shared classes (OptimConfig, MeshSection, ...) once.
 DESCRIPTIONS = {
-    "DataConfig.train_files": "Training prompt files (parquet or jsonl, verl schema); comma-separated on the command line.",
-    "DataConfig.val_files": "Validation prompt files; empty disables validation.",
-    "DataConfig.builtin_task": "`arithmetic`, `arithmetic_tools` (multiplication with the calculator tool, for `rollout.multi_turn`), `countdown` or `reasoning_gym:<dataset>` (e.g. `reasoning_gym:chain_sum`; needs the `gym` extra): generate `train_files`/`val_files` if missing; `\"\"` = use your files.",
+    "DataConfig.train_files": "Training prompt files (parquet or jsonl, verl schema), only ever read; comma-separated on the command line; empty = the built-in task's generated split.",
+    "DataConfig.val_files": "Validation prompt files; empty = the built-in task's validation split (if `data.builtin_task` is set and `builtin_val_size > 0`), else no validation.",
+    "DataConfig.builtin_task": "`arithmetic`, `arithmetic_tools` (multiplication with the calculator tool, for `rollout.multi_turn`), `countdown` or `reasoning_gym:<dataset>` (e.g. `reasoning_gym:chain_sum`; needs the `gym` extra): generates the train split when `train_files` is empty and the val split when `val_files` is empty, under `<trainer.default_local_dir>/data/builtin/<task>-<hash of the settings>/`; given files are never written; `\"\"` = use your files only.",
     "DataConfig.builtin_task_config": "`reasoning_gym:<dataset>` only: a JSON object of the dataset's config options (e.g. `{\"min_terms\": 2, \"max_digits\": 2}`) plus `answer_extraction` (`answer_tag` or `last_number`, see docs/quickstart.md) and `system_prompt` (a system message before each question); size and seed come from `builtin_*_size` and `data.seed`.",
     "DataConfig.builtin_train_size": "Rows generated for the built-in task's training file.",
-    "DataConfig.builtin_val_size": "Rows generated for the built-in task's validation file.",
+    "DataConfig.builtin_val_size": "Rows generated for the built-in task's validation file; 0 = no generated validation split.",
     "DataConfig.builtin_max_operand": "Arithmetic task: operands drawn from [0, builtin_max_operand].",
     "DataConfig.prompt_key": "Column holding the chat-message prompt.",
     "DataConfig.max_prompt_length": "Prompt tokens (after the chat template); longer prompts are dropped or truncated.",
@@ -160,7 +160,7 @@ DESCRIPTIONS = {
     "SFTConfig.lr": "SFT peak learning rate (cosine schedule).",
     "SFTConfig.warmup_steps": "SFT warm-up steps.",
     "SFTConfig.max_length": "SFT sequence length (prompt + answer tokens).",
-    "SFTConfig.train_files": "Chat-message files for SFT; empty = rows of the built-in task.",
+    "SFTConfig.train_files": "Chat-message files for SFT (tool-call traces: docs/quickstart.md, \"SFT data for tool use\"); empty = the built-in task's demonstrations (`arithmetic`, `arithmetic_tools` only; other tasks need files when `sft.steps > 0`).",
     "SFTConfig.messages_key": "Column holding the messages.",
     "SFTConfig.builtin_size": "Built-in SFT rows generated.",
     "SFTConfig.builtin_off_by_one": "Arithmetic demos: fraction answered one too high (imperfect data for RL to fix).",

@@ -212,8 +212,9 @@ def validate(c: RunConfig) -> None:
     _positive(c.actor.optim.lr, "actor.optim.lr")
     _positive(c.sft.steps, "sft.steps", allow_zero=True)
     _positive(c.trainer.log_val_generations, "trainer.log_val_generations", allow_zero=True)
-    if c.trainer.val_only and not c.data.val_files:
-        raise ConfigError("trainer.val_only=True needs validation data: set data.val_files")
+    if c.trainer.val_only and not (c.data.val_files or (c.data.builtin_task and c.data.builtin_val_size > 0)):
+        raise ConfigError("trainer.val_only=True needs validation data: set data.val_files (or "
+                          "data.builtin_val_size > 0 with a data.builtin_task)")
     if c.rollout.temperature < 0:
         raise ConfigError(f"rollout.temperature must be >= 0, got {c.rollout.temperature}")
     if not 0 < c.rollout.top_p <= 1:
@@ -239,9 +240,7 @@ def validate(c: RunConfig) -> None:
     _check_multi_turn(c)
     _check_dapo(c)
     _check_async(c)
-    if not c.data.train_files and not c.data.builtin_task:
-        raise ConfigError("data.train_files is empty and data.builtin_task is not set: give parquet/jsonl "
-                          "files or a built-in task ('arithmetic' or 'countdown')")
+    _check_data_sources(c)
     if not c.model.path and not c.model.tokenizer:
         raise ConfigError("model.path is empty (train from scratch), so model.tokenizer must name a "
                           "tokenizer: 'char' or a folder")
@@ -260,6 +259,25 @@ def validate(c: RunConfig) -> None:
         _positive(c.critic.ppo_micro_batch_size_per_device, "critic.ppo_micro_batch_size_per_device")
     if c.sft.steps > 0:
         _positive(c.sft.batch_size, "sft.batch_size")
+
+
+def _check_data_sources(c: RunConfig) -> None:
+    """Where the prompts and the SFT rows come from: given files, or a built-in task's generated
+    splits (train when data.train_files is empty, val when data.val_files is)."""
+    d = c.data
+    if not d.train_files and not d.builtin_task:
+        raise ConfigError("data.train_files is empty and data.builtin_task is not set: give parquet/jsonl "
+                          "files or a built-in task ('arithmetic' or 'countdown')")
+    if not d.train_files and d.builtin_train_size <= 0:
+        raise ConfigError(f"data.builtin_train_size must be > 0 (got {d.builtin_train_size}): data.train_files "
+                          f"is empty, so data.builtin_task={d.builtin_task!r} generates the training prompts")
+    _positive(d.builtin_val_size, "data.builtin_val_size", allow_zero=True)
+    from jaxrl_llm.data.tasks import SFT_DEMO_TASKS
+
+    if c.sft.steps > 0 and not c.sft.train_files and d.builtin_task not in SFT_DEMO_TASKS:
+        raise ConfigError(f"sft.steps={c.sft.steps} but sft.train_files is empty and data.builtin_task="
+                          f"{d.builtin_task!r} has no demonstrations (only {' and '.join(SFT_DEMO_TASKS)} "
+                          "do): give sft.train_files, or set sft.steps=0")
 
 
 def _check_lora(c: RunConfig) -> None:

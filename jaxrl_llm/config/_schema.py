@@ -14,10 +14,10 @@ from typing import Any
 class DataConfig:
     train_files: tuple[str, ...]
     val_files: tuple[str, ...]
-    builtin_task: str  # "", "arithmetic", "arithmetic_tools", "countdown" or "reasoning_gym:<dataset>": write the files above before training
+    builtin_task: str  # "", "arithmetic", "arithmetic_tools", "countdown" or "reasoning_gym:<dataset>": generates each split whose files above are empty, under <run>/data/builtin/
     builtin_task_config: str  # reasoning_gym tasks: JSON object of the dataset's config options (+ answer_extraction, system_prompt)
     builtin_train_size: int
-    builtin_val_size: int
+    builtin_val_size: int  # 0 = no generated validation split
     builtin_max_operand: int  # arithmetic task: operands in [0, builtin_max_operand]
     prompt_key: str
     max_prompt_length: int

@@ -106,6 +106,16 @@ def read_raw_rows(path: PathLike) -> list[dict]:
     raise DataError(f"{path}: unknown data file type; use .parquet, .jsonl or .json")
 
 
+def count_rows(path: PathLike) -> int:
+    """Rows in a data file (parquet: from its footer, without reading the columns)."""
+    if os.fspath(path).endswith(".parquet") and os.path.exists(path):
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{os.fspath(path)}: cannot read as parquet: {e}") from e
+    return len(read_raw_rows(path))
+
+
 def _read_json_rows(path: str) -> list[dict]:
     with open(path, "rb") as f:
         raw = f.read()

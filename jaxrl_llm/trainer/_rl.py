@@ -27,6 +27,7 @@ from jaxrl_llm.workers import HostWorker
 from . import _batch as B
 from ._backend import Method, P, R, WorkerError, make_group
 from ._sft_data import sft_batches, sft_dataset
+from ._startup import check_data_files, describe_run, prepare_builtin_data, write_config_json
 
 log = logging.getLogger(__name__)
 
@@ -49,54 +50,6 @@ def load_tokenizer(config: RunConfig):
     return models.load_tokenizer(spec)
 
 
-def prepare_builtin_data(config: RunConfig) -> None:
-    """Writes the built-in task's train/val files where the config expects them, unless they
-    exist and were made with the same generator settings (recorded in `<file>.settings.json`):
-    a file made with other settings (e.g. a smaller `builtin_train_size`) is made again.
-    `reasoning_gym:<dataset>`: both splits come from one pool seeded by `data.seed` (disjoint
-    questions; see jaxrl_llm/data/tasks/_reasoning_gym.py)."""
-    d = config.data
-    if not d.builtin_task:
-        return
-    makers = {"arithmetic": lambda p, n, seed, split: data.tasks.make_arithmetic_dataset(
-                  p, n, seed=seed, split=split, max_operand=d.builtin_max_operand),
-              "arithmetic_tools": lambda p, n, seed, split: data.tasks.make_tool_arithmetic_dataset(
-                  p, n, seed=seed, split=split, max_operand=d.builtin_max_operand),
-              "countdown": lambda p, n, seed, split: data.tasks.make_countdown_dataset(p, n, seed=seed)}
-    gym = data.tasks._reasoning_gym.dataset_name(d.builtin_task)
-    if gym is not None:  # one pool for both splits, seeded by data.seed
-        makers[d.builtin_task] = lambda p, n, seed, split: data.tasks.make_reasoning_gym_dataset(
-            p, gym, split=split, train_size=d.builtin_train_size, val_size=d.builtin_val_size,
-            seed=d.seed, options=d.builtin_task_config)
-    for paths, n, split, seed in ((d.train_files, d.builtin_train_size, "train", d.seed),
-                                  (d.val_files, d.builtin_val_size, "test", d.seed + 1)):
-        settings = {"task": d.builtin_task, "size": n, "seed": seed, "split": split,
-                    "max_operand": d.builtin_max_operand}
-        if gym is not None:
-            settings.update(seed=d.seed, sizes=[d.builtin_train_size, d.builtin_val_size],
-                            task_config=d.builtin_task_config)
-        for p in paths:
-            if not os.path.exists(p) or _read_json(p + ".settings.json") != settings:
-                # several processes of a multi-host run may share the folder: write a private
-                # file and rename it (atomic), so no reader ever sees a half-written file
-                folder, name = os.path.split(os.path.abspath(p))
-                os.makedirs(folder, exist_ok=True)
-                tmp = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
-                makers[d.builtin_task](tmp, n, seed, split)
-                os.replace(tmp, p)
-                with open(tmp, "w", encoding="utf-8") as f:
-                    json.dump(settings, f)
-                os.replace(tmp, p + ".settings.json")
-
-
-def _read_json(path: str):
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 class RLTrainer:
     """`RLTrainer(config).fit()` runs the whole job; see the module docstring for one step."""
 
@@ -113,18 +66,22 @@ class RLTrainer:
             # that the Ray workers own. Workers get the original environment (RayGroup).
             _use_cpu_for_controller()
         self.run_dir = c.trainer.default_local_dir
+        check_data_files(c)  # a missing file is an error before anything is written
         os.makedirs(self.run_dir, exist_ok=True)
+        write_config_json(c, self.run_dir)
         self.tokenizer = load_tokenizer(c)
-        prepare_builtin_data(c)
+        self.data_files = files = prepare_builtin_data(c)  # the config's files are only read
         d = c.data
-        self.train_set = data.RLDataset(d.train_files, self.tokenizer, max_prompt_length=d.max_prompt_length,
+        self.train_set = data.RLDataset(files.train, self.tokenizer, max_prompt_length=d.max_prompt_length,
                                         filter_overlong_prompts=d.filter_overlong_prompts,
                                         truncation=d.truncation, prompt_key=d.prompt_key, seed=d.seed,
                                         shuffle=d.shuffle)
-        self.val_set = (data.RLDataset(d.val_files, self.tokenizer, max_prompt_length=d.max_prompt_length,
+        self.val_set = (data.RLDataset(files.val, self.tokenizer, max_prompt_length=d.max_prompt_length,
                                        filter_overlong_prompts=d.filter_overlong_prompts,
                                        truncation=d.truncation, prompt_key=d.prompt_key, shuffle=False)
-                        if d.val_files else None)
+                        if files.val else None)
+        agents = {e.agent_name for ds in (self.train_set, self.val_set) if ds is not None for e in ds.examples}
+        log.info("%s", describe_run(c, files, agents))
         self.loader = data.PromptLoader(self.train_set, d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
         custom = c.reward.custom_reward_function
         custom_fn = rewards.load_custom_reward_fn(custom.path, custom.name) if custom.path else None

@@ -1,5 +1,6 @@
 """The SFT warm start's data, shared by the RL job (`RLTrainer.run_sft`) and `python -m jaxrl_llm.sft`:
-the dataset from `sft.train_files` (or the built-in arithmetic demonstrations) and its batches."""
+the dataset from `sft.train_files` (or a built-in task's demonstrations: arithmetic, arithmetic_tools)
+and its batches."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -7,23 +8,30 @@ from collections.abc import Iterator
 import numpy as np
 
 from jaxrl_llm import data
-from jaxrl_llm.config import RunConfig
+from jaxrl_llm.config import ConfigError, RunConfig
 
 
 def sft_dataset(run: RunConfig, tokenizer) -> data.SFTDataset:
+    """The rows of `sft.train_files` (all files, in order), else the built-in task's
+    demonstrations; ConfigError when there are neither."""
     s, d = run.sft, run.data
     if s.train_files:
-        files = s.train_files[0] if len(s.train_files) == 1 else list(s.train_files)
-        return data.SFTDataset(files, tokenizer, max_length=s.max_length, messages_key=s.messages_key)
+        # one file: given by path, so a bad row's error names it; several: their rows in order
+        source = (s.train_files[0] if len(s.train_files) == 1
+                  else [row for path in s.train_files for row in data.read_raw_rows(path)])
+        return data.SFTDataset(source, tokenizer, max_length=s.max_length, messages_key=s.messages_key)
     if d.builtin_task == "arithmetic_tools":
         rows = data.tasks.make_tool_arithmetic_sft_rows(
             s.builtin_size, d.seed + 7, max_operand=d.builtin_max_operand, no_tool=s.builtin_no_tool,
             trailing_junk=s.builtin_trailing_junk)
         return data.SFTDataset(rows, tokenizer, max_length=s.max_length)
-    rows = data.tasks.make_arithmetic_sft_rows(
-        s.builtin_size, d.seed + 7, max_operand=d.builtin_max_operand,
-        off_by_one=s.builtin_off_by_one, trailing_junk=s.builtin_trailing_junk)
-    return data.SFTDataset(rows, tokenizer, max_length=s.max_length)
+    if d.builtin_task == "arithmetic":
+        rows = data.tasks.make_arithmetic_sft_rows(
+            s.builtin_size, d.seed + 7, max_operand=d.builtin_max_operand,
+            off_by_one=s.builtin_off_by_one, trailing_junk=s.builtin_trailing_junk)
+        return data.SFTDataset(rows, tokenizer, max_length=s.max_length)
+    raise ConfigError(f"sft.train_files is empty and data.builtin_task={d.builtin_task!r} has no "
+                      f"demonstrations (only {' and '.join(data.tasks.SFT_DEMO_TASKS)} do): give sft.train_files")
 
 
 def sft_batches(run: RunConfig, dataset, pad_token_id: int) -> Iterator[data.Batch]:

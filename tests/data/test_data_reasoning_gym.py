@@ -122,21 +122,23 @@ def test_reward_manager_scores_gym_rows_with_acc_as_an_extra(num_workers):
 
 
 def test_builtin_task_config_writes_both_splits(tmp_path):
-    over = [f"data.train_files={tmp_path}/train.parquet", f"data.val_files={tmp_path}/val.parquet",
+    over = [f"trainer.default_local_dir={tmp_path}", "sft.steps=0",
             "data.builtin_task=reasoning_gym:chain_sum", "data.builtin_train_size=30",
             "data.builtin_val_size=12", f"data.builtin_task_config={json.dumps(CHAIN)}"]
     config = load_config(os.path.join(ROOT, "configs", "quickstart.py"), over)
-    prepare_builtin_data(config)
-    train, val = read_rows(tmp_path / "train.parquet"), read_rows(tmp_path / "val.parquet")
+    files = prepare_builtin_data(config)
+    train, val = read_rows(files.train[0]), read_rows(files.val[0])
     assert (len(train), len(val)) == (30, 12)
     assert {r["extra_info"]["split"] for r in val} == {"test"}
     assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in val}
-    settings = json.loads((tmp_path / "val.parquet.settings.json").read_text())
-    assert settings["sizes"] == [30, 12] and settings["task_config"] == json.dumps(CHAIN)
-    # another option: both files are made again
-    prepare_builtin_data(load_config(os.path.join(ROOT, "configs", "quickstart.py"),
-                                     over[:-1] + ['data.builtin_task_config={"max_digits": 1}']))
-    assert read_rows(tmp_path / "train.parquet") != train
+    folder = os.path.dirname(files.train[0])
+    assert os.path.basename(folder).startswith("reasoning_gym-chain_sum-")
+    settings = json.loads(open(os.path.join(folder, "settings.json")).read())
+    assert settings["val_size"] == 12 and settings["task_config"] == json.dumps(CHAIN)
+    # another option: both files are made again, in another folder
+    other = prepare_builtin_data(load_config(os.path.join(ROOT, "configs", "quickstart.py"),
+                                             over[:-1] + ['data.builtin_task_config={"max_digits": 1}']))
+    assert os.path.dirname(other.train[0]) != folder and read_rows(other.train[0]) != train
 
 
 def test_config_and_data_errors_name_the_problem(tmp_path):

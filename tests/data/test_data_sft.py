@@ -65,3 +65,28 @@ def test_collate_sft_right_pads(tokenizer):
     assert batch["attention_mask"][0].tolist() == [1] * n + [0] * (40 - n)
     assert batch["position_ids"][0, :n].tolist() == list(range(n))
     assert batch["loss_mask"][0].tolist() == ds[0].loss_mask + [0] * (40 - n)
+
+
+def test_the_documented_tool_trace_row_trains_on_the_call_and_the_answer_only():
+    """docs/quickstart.md's SFT row for tool use, as written there: the loss covers the hermes
+    call and the final answer; the user's question and the tool's reply are context."""
+    import json
+    import os
+    import re
+
+    from jaxrl_llm.agent import get_tool_parser
+    from jaxrl_llm.data import SFTDataset
+    from jaxrl_llm.models import CharTokenizer
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "quickstart.md")).read()
+    section = doc[doc.index("### SFT data for tool use"):]
+    row = json.loads(re.search(r"```json\n(.*?)```", section, re.S).group(1))
+    tok = CharTokenizer()
+    ex = SFTDataset([row], tok, max_length=200)[0]
+    trained = tok.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if m])
+    context = tok.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if not m])
+    call = row["messages"][1]["content"]
+    assert trained.startswith(call) and trained.endswith("1776") and "37*48=" not in trained
+    assert "37*48=" in context and "1776" in context  # the question and the tool's reply
+    (parsed,) = get_tool_parser("hermes").parse(call)[1]
+    assert (parsed.name, parsed.arguments, parsed.error) == ("calculator", {"expression": "37*48"}, None)

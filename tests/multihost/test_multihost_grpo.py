@@ -33,8 +33,7 @@ VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "rollout/sync_time_s")
 def _overrides(run_dir: Path, **extra) -> dict:
     o = {
         "trainer.default_local_dir": str(run_dir),
-        "data.train_files": f"{run_dir}/data/train.parquet",
-        "data.val_files": "",
+        "data.builtin_val_size": 0,  # no validation
         "trainer.progress_bar": False, "trainer.plot": False, "trainer.logger": "jsonl",
         "trainer.async_save": False, "trainer.export_hf": False,
         "trainer.val_before_train": False, "trainer.total_training_steps": 1,

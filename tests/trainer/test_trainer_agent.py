@@ -18,8 +18,6 @@ TOOLS = os.path.join(ROOT, "configs", "quickstart_tools.py")
 
 def tools_run(tmp_path, **extra):
     o = {"trainer.default_local_dir": str(tmp_path / "run"),
-         "data.train_files": f"{tmp_path}/run/data/train.parquet",
-         "data.val_files": f"{tmp_path}/run/data/val.parquet",
          "trainer.progress_bar": False, "trainer.plot": False, "trainer.logger": "jsonl",
          "trainer.async_save": False, **extra}
     return load_config(f"{TOOLS}:tiny,local", [f"{k}={v}" for k, v in o.items()])

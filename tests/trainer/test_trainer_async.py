@@ -51,7 +51,7 @@ def test_async_resume_repeats_the_next_step_exactly(tmp_path):
     """Checkpoint at every step; resuming from step 2 (queue, unfinished prompts, data position
     and policy version restored) gives step 3 exactly as the uninterrupted run had it."""
     o = {"trainer.total_training_steps": 3, "trainer.save_freq": 1, "trainer.max_to_keep": 3,
-         "trainer.test_freq": 0, "async_training.enable": True, "data.val_files": "[]"}
+         "trainer.test_freq": 0, "async_training.enable": True, "data.builtin_val_size": 0}
     RLTrainer(_run(tmp_path, "a", **o)).fit()
     first = _rows(tmp_path, "a")
     meta = json.load(open(tmp_path / "a" / "checkpoints" / "2" / "meta" / "metadata"))

@@ -16,12 +16,21 @@ from trainer_helpers import QUICKSTART, tiny_overrides
 
 
 def test_sft_trains_on_assistant_tokens_and_exports_a_loadable_model(tmp_path):
-    run = load_config(f"{QUICKSTART}:tiny,local", tiny_overrides(tmp_path / "sft", **{"sft.steps": 6}))
+    run_dir = tmp_path / "sft"
+    rl_files = {"metrics.jsonl": '{"step": 1}\n', "sft/metrics.jsonl": '{"step": 1, "sft/nll": 1.0}\n'}
+    for name, text in rl_files.items():  # an RL run's own files in the same folder
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(text)
+    run = load_config(f"{QUICKSTART}:tiny,local", tiny_overrides(run_dir, **{"sft.steps": 6}))
     out = run_sft(run)
-    # its rows go to <run>/sft/, as the RL job's warm start's do; the RL run's metrics.jsonl stays untouched
-    nll = [json.loads(x)["sft/nll"] for x in open(tmp_path / "sft" / "sft" / "metrics.jsonl")]
+    # everything it writes is in its own folder, <run>/sft_only/; the RL run's files stay as they were
+    assert out["run_dir"] == str(run_dir / "sft_only") and out["hf_dir"] == str(run_dir / "sft_only" / "hf")
+    assert sorted(os.listdir(run_dir)) == ["metrics.jsonl", "sft", "sft_only"]
+    assert {name: (run_dir / name).read_text() for name in rl_files} == rl_files
+    assert os.listdir(run_dir / "sft") == ["metrics.jsonl"]
+    nll = [json.loads(x)["sft/nll"] for x in open(run_dir / "sft_only" / "metrics.jsonl")]
     assert len(nll) == 6 and nll[-1] < nll[0]  # it learns
-    assert not (tmp_path / "sft" / "metrics.jsonl").exists()
+    assert json.loads((run_dir / "sft_only" / "config.json").read_text())["sft"]["steps"] == 6
     model = models.from_pretrained(out["hf_dir"])
     tok = models.load_tokenizer(out["hf_dir"])
     ids = np.asarray([tok.encode(tok.apply_chat_template([{"role": "user", "content": "1+2="}]))], np.int32)

@@ -19,8 +19,7 @@ def fake_group(*a, **k):  # where Ray would start: JAX's fork hook must not be i
     raise Stop("".join(calls[0]) if calls else "")
 _rl.make_group = fake_group
 run_dir = sys.argv[2]
-c = load_config(sys.argv[1], [f"trainer.default_local_dir={run_dir}", f"data.train_files={run_dir}/t.parquet",
-                              f"data.val_files={run_dir}/v.parquet"])
+c = load_config(sys.argv[1], [f"trainer.default_local_dir={run_dir}"])
 try:
     _rl.RLTrainer(c)
 except Stop as e:

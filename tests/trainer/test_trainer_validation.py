@@ -32,4 +32,4 @@ def test_val_only_reports_verl_metrics_and_writes_generations(tiny_run):
 
 def test_val_only_without_val_files_is_a_config_error(tiny_run):
     with pytest.raises(ConfigError, match="data.val_files"):
-        tiny_run(**{"trainer.val_only": True, "data.val_files": ""})
+        tiny_run(**{"trainer.val_only": True, "data.val_files": "", "data.builtin_val_size": 0})

@@ -10,8 +10,6 @@ REWARD_FN = os.path.join(ROOT, "tests", "fixtures", "rewards", "length_parity.py
 def tiny_overrides(run_dir, **extra):
     o = {
         "trainer.default_local_dir": str(run_dir),
-        "data.train_files": f"{run_dir}/data/train.parquet",
-        "data.val_files": f"{run_dir}/data/val.parquet",
         "trainer.progress_bar": False,
         "trainer.plot": False,
         "trainer.logger": "jsonl",

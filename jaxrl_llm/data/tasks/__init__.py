@@ -19,7 +19,10 @@ from jaxrl_llm.data.tasks._reasoning_gym import (
     make_reasoning_gym_rows,
 )
 
+SFT_DEMO_TASKS = ("arithmetic", "arithmetic_tools")  # built-in tasks with SFT demonstrations
+
 __all__ = [
+    "SFT_DEMO_TASKS",
     "extract_reasoning_gym_answer",
     "gsm8k_rows",
     "make_arithmetic_dataset",
