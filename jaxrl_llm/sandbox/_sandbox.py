@@ -149,7 +149,7 @@ class BwrapSandbox(Sandbox):
     def __init__(self, bwrap: str):
         self.bwrap = bwrap
 
-    def _mounts(self, scratch: str, ro_paths: Sequence[str]) -> list[str]:
+    def _mounts(self, scratch: str, ro_paths: Sequence[str], tmp_mb: int) -> list[str]:
         args, made, bound = ["--perms", "0755", "--dir", "/etc"], {"/etc"}, []
 
         def bind(how: str, path: str) -> None:
@@ -173,7 +173,9 @@ class BwrapSandbox(Sandbox):
             args += ["--ro-bind-try", path, path]
         for root in _python_roots():
             bind("--ro-bind", root)
-        args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
+        args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777"]
+        args += ["--size", str(tmp_mb << 20)] if tmp_mb > 0 else []  # /tmp is host memory
+        args += ["--tmpfs", "/tmp"]
         made.add("/tmp")
         binds = [(os.path.abspath(p), "--ro-bind") for p in ro_paths]
         binds.append((os.path.abspath(scratch), "--bind"))
@@ -191,7 +193,7 @@ class BwrapSandbox(Sandbox):
         unshare = (["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
                     "--unshare-cgroup-try"] if as_root else ["--unshare-all"])
         args = [self.bwrap, *unshare, "--die-with-parent", "--new-session",
-                "--hostname", "sandbox", *self._mounts(scratch, ro_paths),
+                "--hostname", "sandbox", *self._mounts(scratch, ro_paths, limits.fsize_mb),
                 "--chdir", os.path.abspath(scratch),
                 "--clearenv"]
         for key, value in env.items():

@@ -227,3 +227,14 @@ def test_sandbox_config_field_is_checked_and_reaches_the_python_tool(tmp_path):
     tools, _, pools = agent.load_agent_resources(mt)
     assert tools["python"].sandbox.name == "process" and pools == []
     assert load_tools(path, sandbox="process")["python"].sandbox.name == "process"
+
+
+def test_bwrap_private_tmp_is_capped_at_the_file_size_limit(tmp_path, bwrap_works):
+    """/tmp inside is memory of the host: many files under the per-file limit must not fill it."""
+    code = ("import os\nfor i in range(8):\n    try:\n"
+            "        open(f'/tmp/f{i}', 'wb').write(b'x' * (8 << 20))\n"
+            "    except OSError as e:\n        print(i, e.errno)\n        break")
+    argv, env = make_sandbox("bwrap").wrap([sys.executable, "-I", "-c", code], scratch=str(tmp_path),
+                                          limits=Limits(cpu_s=10, fsize_mb=20))
+    done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["2", "28"], done.stderr  # 28: ENOSPC after 16 of 20 MB
