@@ -12,7 +12,7 @@ process of the sandbox, since they all live in its PID namespace).
 
 `bwrap` (bubblewrap): new mount, PID, IPC, UTS and network namespaces; only the system dirs, the
 Python installation and `ro_paths` are visible, read-only; `scratch` is the one writable dir
-(cwd and HOME), /tmp is empty and private. Run as root, the code drops to an unprivileged uid of
+(cwd and HOME), /tmp is empty, private and `fsize_mb` large. Run as root, the code drops to an unprivileged uid of
 its own (random, >= 2**20) after the mounts, so that the process cap (RLIMIT_NPROC, which the
 kernel skips for uid 0) holds and counts this sandbox's processes only; run as another user,
 bwrap makes a user namespace and the cap counts the processes inside it.
@@ -54,7 +54,8 @@ class SandboxError(RuntimeError):
 class Limits:
     """Per-process resource limits; 0 = not limited. `cpu_s`: CPU seconds (RLIMIT_CPU),
     `memory_mb`: address space (RLIMIT_AS), `nproc`: processes (RLIMIT_NPROC; enforced by the
-    `bwrap` backend only), `fsize_mb`: largest file it may write (RLIMIT_FSIZE)."""
+    `bwrap` backend only), `fsize_mb`: largest file it may write (RLIMIT_FSIZE; under `bwrap`
+    also the size of its private /tmp)."""
 
     cpu_s: int = 0
     memory_mb: int = 0
