@@ -227,7 +227,7 @@ def _probe_bwrap(bwrap: str) -> str:
                                           timeout=60, check=False)
                     _probe[bwrap] = "" if done.returncode == 0 else (
                         f"exit code {done.returncode}: "
-                        f"{done.stderr.decode(errors='replace').strip()[-300:]}")
+                        f"{' '.join(done.stderr.decode(errors='replace').split())[-300:]}")
                 except (OSError, subprocess.SubprocessError, SandboxError) as e:
                     _probe[bwrap] = f"{type(e).__name__}: {e}"
         return _probe[bwrap]

@@ -215,6 +215,10 @@ def test_auto_falls_back_to_process_with_one_warning_when_bwrap_is_missing(monke
     assert "NOT contained" in warnings[0] and "network" in warnings[0]
     with pytest.raises(SandboxError, match="install bubblewrap"):
         make_sandbox("bwrap")
+    mt = load_config(CONFIG, ["rollout.multi_turn.sandbox=bwrap"]).rollout.multi_turn
+    with pytest.raises(SandboxError, match=r"^rollout.multi_turn.sandbox='bwrap': .*bwrap is not "
+                                           r"installed.*apt-get install bubblewrap"):
+        agent.load_agent_resources(mt)
 
 
 def test_sandbox_config_field_is_checked_and_reaches_the_python_tool(tmp_path):
