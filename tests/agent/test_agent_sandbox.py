@@ -242,3 +242,36 @@ def test_bwrap_private_tmp_is_capped_at_the_file_size_limit(tmp_path, bwrap_work
                                           limits=Limits(cpu_s=10, fsize_mb=20))
     done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["2", "28"], done.stderr  # 28: ENOSPC after 16 of 20 MB
+
+
+def test_bwrap_kills_a_background_child_that_outlives_the_snippet_in_its_own_session(char_tok,
+                                                                                     bwrap_works):
+    """Every process of the call dies with it (its PID namespace ends), setsid() or not."""
+    marker = "sandboxed_sleeper_" + secrets.token_hex(6)
+    code = ("import subprocess, sys\n"
+            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {marker!r}],"
+            " start_new_session=True)\nprint('spawned')")
+    messages, _ = run_calls(char_tok, [code], "bwrap")
+    assert messages == ["spawned\n"]
+    left = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    left.append(int(pid))
+        except OSError:
+            pass
+    assert all(_exits_soon(pid) for pid in left)
+
+
+def _exits_soon(pid: int) -> bool:
+    """True once `pid` has exited (within 10 s; pidfd polls readable)."""
+    import select
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], 10.0)[0])
+    finally:
+        os.close(fd)
