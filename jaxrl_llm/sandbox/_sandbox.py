@@ -12,10 +12,10 @@ process of the sandbox, since they all live in its PID namespace).
 
 `bwrap` (bubblewrap): new mount, PID, IPC, UTS and network namespaces; only the system dirs, the
 Python installation and `ro_paths` are visible, read-only; `scratch` is the one writable dir
-(cwd and HOME), /tmp is empty, private and `fsize_mb` large. Run as root, the code drops to an unprivileged uid of
-its own (random, >= 2**20) after the mounts, so that the process cap (RLIMIT_NPROC, which the
-kernel skips for uid 0) holds and counts this sandbox's processes only; run as another user,
-bwrap makes a user namespace and the cap counts the processes inside it.
+(cwd and HOME), /tmp is empty, private and `fsize_mb` large. Run as root, the code drops to an
+unprivileged uid of its own (random, >= 2**20) after the mounts, so that the process cap
+(RLIMIT_NPROC, which the kernel skips for uid 0) holds and counts this sandbox's processes only;
+run as another user, bwrap makes a user namespace and the cap counts the processes inside it.
 `process`: the rlimits (not the process cap) and a scrubbed environment only.
 docs/agents.md, "What the sandbox contains and what it does not", has the exact lists.
 """

@@ -228,7 +228,7 @@ def test_sandbox_config_field_is_checked_and_reaches_the_python_tool(tmp_path):
     path = tmp_path / "tools.json"
     path.write_text(json.dumps({"tools": [{"class_name": "python"}]}))
     mt = load_config(CONFIG, [f"rollout.multi_turn.tool_config_path={path}",
-                                             "rollout.multi_turn.sandbox=process"]).rollout.multi_turn
+                              "rollout.multi_turn.sandbox=process"]).rollout.multi_turn
     tools, _, pools = agent.load_agent_resources(mt)
     assert tools["python"].sandbox.name == "process" and pools == []
     assert load_tools(path, sandbox="process")["python"].sandbox.name == "process"
@@ -239,8 +239,8 @@ def test_bwrap_private_tmp_is_capped_at_the_file_size_limit(tmp_path, bwrap_work
     code = ("import os\nfor i in range(8):\n    try:\n"
             "        open(f'/tmp/f{i}', 'wb').write(b'x' * (8 << 20))\n"
             "    except OSError as e:\n        print(i, e.errno)\n        break")
-    argv, env = make_sandbox("bwrap").wrap([sys.executable, "-I", "-c", code], scratch=str(tmp_path),
-                                          limits=Limits(cpu_s=10, fsize_mb=20))
+    argv, env = make_sandbox("bwrap").wrap([sys.executable, "-I", "-c", code],
+                                          scratch=str(tmp_path), limits=Limits(cpu_s=10, fsize_mb=20))
     done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["2", "28"], done.stderr  # 28: ENOSPC after 16 of 20 MB
 
@@ -263,4 +263,3 @@ def test_bwrap_kills_a_background_child_that_outlives_the_snippet_in_its_own_ses
         except OSError:
             pass
     assert all(_wait_for_exit(pid) for pid in left)  # within 10 s, not 600
-

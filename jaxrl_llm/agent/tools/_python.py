@@ -119,7 +119,8 @@ def run_error(run: PythonRun, *, timeout_s: float, memory_mb: int, max_processes
     if run.returncode is not None and run.returncode < 0:
         return "killed", f"killed by {_signal_name(-run.returncode)}"
     if run.returncode is not None and run.returncode > 128:  # bwrap: 128 + the child's signal
-        return "killed", f"exit code {run.returncode} (killed by {_signal_name(run.returncode - 128)}?)"
+        name = _signal_name(run.returncode - 128)
+        return "killed", f"exit code {run.returncode} (killed by {name}?)"
     return "exit_code", f"exit code {run.returncode}"
 
 
