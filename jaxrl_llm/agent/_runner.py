@@ -19,21 +19,28 @@ from jaxrl_llm.rewards import RewardFunctionError
 from jaxrl_llm.agent._loop import AgentContext, AgentLoopOutput, AgentSample, get_agent_loop
 from jaxrl_llm.agent.interactions import load_interactions
 from jaxrl_llm.agent.tools import load_isolated_function_tools, load_tools
+from jaxrl_llm.sandbox import SandboxError, make_sandbox
 
 
 def load_agent_resources(multi_turn) -> tuple[dict, dict, list]:
     """(tools by name, interactions by name, processes to close) from `rollout.multi_turn`'s
     config paths. Function tools (`function_tool_path`) run in worker processes and tool-config
     classes that are not built-ins in a process each, all with `tool_memory_limit_gb`; the
-    built-in tools run in this process."""
+    built-in tools run in this process. Model-written code (the `python` tool) and the function
+    tools' workers run in the `multi_turn.sandbox` backend."""
     limits = dict(timeout_s=multi_turn.tool_timeout_s, memory_limit_gb=multi_turn.tool_memory_limit_gb)
-    tools = load_tools(multi_turn.tool_config_path, isolated=limits) if (
+    try:
+        box = make_sandbox(multi_turn.sandbox)
+    except SandboxError as e:
+        raise SandboxError(f"rollout.multi_turn.sandbox={multi_turn.sandbox!r}: {e}") from None
+    tools = load_tools(multi_turn.tool_config_path, isolated=limits, sandbox=box) if (
         multi_turn.tool_config_path) else {}
     pools = [t for t in tools.values() if hasattr(t, "close")]  # tool classes' host processes
     if multi_turn.function_tool_path:
         isolated, pool = load_isolated_function_tools(
             multi_turn.function_tool_path, timeout_s=multi_turn.tool_timeout_s,
-            memory_limit_gb=multi_turn.tool_memory_limit_gb, num_workers=multi_turn.tool_workers)
+            memory_limit_gb=multi_turn.tool_memory_limit_gb, num_workers=multi_turn.tool_workers,
+            sandbox=box)
         pools.append(pool)
         for name, tool in isolated.items():
             if name in tools:

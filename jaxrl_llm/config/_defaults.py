@@ -43,7 +43,7 @@ def base_config() -> ConfigDict:
             enable=False, default_agent_loop="single_turn_agent", max_assistant_turns=0,
             max_user_turns=0, max_parallel_calls=1, max_tool_response_length=256,
             tool_response_truncate_side="middle", tool_timeout_s=10.0, tool_memory_limit_gb=4.0,
-            tool_workers=2, tool_config_path="",
+            tool_workers=2, sandbox="auto", tool_config_path="",
             function_tool_path="", interaction_config_path="", format="hermes",
             tokenization_sanity_check_mode="strict"))
     c.algorithm = dict(

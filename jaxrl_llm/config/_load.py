@@ -17,6 +17,8 @@ from typing import Any
 from absl import flags
 from ml_collections import ConfigDict, config_flags
 
+from jaxrl_llm.sandbox import SANDBOX_KINDS
+
 from ._schema import RunConfig
 
 ADV_ESTIMATORS = ("gae", "grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus",
@@ -300,6 +302,7 @@ def _check_lora(c: RunConfig) -> None:
 def _check_multi_turn(c: RunConfig) -> None:
     mt, where = c.rollout.multi_turn, "rollout.multi_turn"
     _choice(mt.format, TOOL_CALL_FORMATS, f"{where}.format")
+    _choice(mt.sandbox, SANDBOX_KINDS, f"{where}.sandbox")
     _choice(mt.tool_response_truncate_side, ("left", "middle", "right"),
             f"{where}.tool_response_truncate_side")
     _choice(mt.tokenization_sanity_check_mode, ("strict", "ignore_strippable", "disable"),

@@ -142,6 +142,7 @@ class MultiTurnConfig:
     tool_timeout_s: float  # one tool call's wall-clock limit
     tool_memory_limit_gb: float  # address-space limit of the processes that run user tools
     tool_workers: int  # processes that run the function tools (function_tool_path)
+    sandbox: str  # auto | bwrap | process: how tool code runs (docs/agents.md says what each contains)
     tool_config_path: str  # verl tool config (yaml/json): tools by class name
     function_tool_path: str  # a Python file whose @function_tool functions become tools
     interaction_config_path: str  # verl interaction config (simulated users)

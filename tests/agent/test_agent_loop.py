@@ -22,7 +22,7 @@ def multi_turn(**kw):
     base = dict(enable=True, default_agent_loop="tool_agent", max_assistant_turns=0,
                 max_user_turns=0, max_parallel_calls=1, max_tool_response_length=256,
                 tool_response_truncate_side="middle", tool_timeout_s=5.0, tool_memory_limit_gb=4.0,
-                tool_workers=1, tool_config_path="",
+                tool_workers=1, sandbox="auto", tool_config_path="",
                 function_tool_path="", interaction_config_path="", format="hermes",
                 tokenization_sanity_check_mode="strict")
     base.update(kw)

@@ -48,7 +48,8 @@ def _runner(server, tok):
     mt = MultiTurnConfig(enable=False, default_agent_loop="single_turn_agent", max_assistant_turns=0,
                          max_user_turns=0, max_parallel_calls=1, max_tool_response_length=256,
                          tool_response_truncate_side="middle", tool_timeout_s=5.0,
-                         tool_memory_limit_gb=4.0, tool_workers=1, tool_config_path="",
+                         tool_memory_limit_gb=4.0, tool_workers=1, sandbox="process",
+                         tool_config_path="",
                          function_tool_path="", interaction_config_path="", format="hermes",
                          tokenization_sanity_check_mode="strict")
     return agent.AgentRunner(server, tok, mt, max_prompt_length=16, max_response_length=16,

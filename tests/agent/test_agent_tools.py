@@ -199,8 +199,8 @@ def test_function_tool_accepts_int_for_number_and_refuses_untyped_parameters():
 
 # ---------------------------------------------------------------- python tool
 
-def python_call(code, **config):
-    return call(PythonTool(config=config), {"code": code}, timeout_s=30)
+def python_call(code, sandbox="auto", **config):
+    return call(PythonTool(config=config, sandbox=sandbox), {"code": code}, timeout_s=30)
 
 
 def test_python_tool_returns_stdout_and_stderr():
@@ -256,7 +256,8 @@ def test_python_tool_timeout_kills_process_group_and_keeps_event_loop_free(tmp_p
         while True:
             pass
     """)
-    tool, order = PythonTool(config={"timeout_s": 1}), []
+    # the process backend: the pid file is outside the scratch dir (bwrap: test_agent_sandbox.py)
+    tool, order = PythonTool(config={"timeout_s": 1}, sandbox="process"), []
 
     async def python():
         result = await run_tool_call(tool, "i", {"code": code}, timeout_s=30)
@@ -286,7 +287,7 @@ def test_python_tool_returns_when_snippet_exits_and_kills_its_background_child(t
         open({str(pid_file)!r}, "w").write(str(child.pid))
         print("done")
     """)
-    response, _, metrics = python_call(code, timeout_s=20)
+    response, _, metrics = python_call(code, sandbox="process", timeout_s=20)
     assert response.text == "done\n" and metrics == {"returncode": 0, "timed_out": False}
     assert _wait_for_exit(int(pid_file.read_text()))
 

@@ -25,8 +25,10 @@ from jaxrl_llm.agent.tools._files import (
 from jaxrl_llm.agent.tools._function import FunctionTool
 from jaxrl_llm.agent.tools._python import PythonTool
 from jaxrl_llm.agent.tools._schema import OpenAIFunctionToolSchema
+from jaxrl_llm.sandbox import Sandbox
 
 BUILTIN_TOOLS: dict[str, type[BaseTool]] = {"calculator": CalculatorTool, "python": PythonTool}
+_SANDBOXED_BUILTINS = {"python"}  # built-ins that run model-written code: they take `sandbox=`
 _ENTRY_KEYS = {"class_name", "config", "tool_schema"}
 
 
@@ -42,7 +44,8 @@ def _add(tools: dict[str, BaseTool], tool: BaseTool, source: str) -> None:
     tools[tool.name] = tool
 
 
-def _build(entry: dict, where: str, isolated: dict | None = None) -> BaseTool:
+def _build(entry: dict, where: str, isolated: dict | None = None,
+           sandbox: str | Sandbox = "auto") -> BaseTool:
     unknown = set(entry) - _ENTRY_KEYS
     if unknown or "class_name" not in entry:
         raise ValueError(f"{where}: each tool needs 'class_name' and may have 'config' and "
@@ -56,21 +59,24 @@ def _build(entry: dict, where: str, isolated: dict | None = None) -> BaseTool:
     schema = entry.get("tool_schema")
     if schema is not None:
         schema = OpenAIFunctionToolSchema.from_dict(schema)
+    kwargs = {"sandbox": sandbox} if entry["class_name"] in _SANDBOXED_BUILTINS else {}
     return get_tool_class(entry["class_name"])(config=entry.get("config") or {},
-                                               tool_schema=schema)
+                                               tool_schema=schema, **kwargs)
 
 
-def load_tools(tool_config_path: str | os.PathLike, *,
-               isolated: dict | None = None) -> dict[str, BaseTool]:
+def load_tools(tool_config_path: str | os.PathLike, *, isolated: dict | None = None,
+               sandbox: str | Sandbox = "auto") -> dict[str, BaseTool]:
     """{tool name: tool} from a tool config file (format above), in file order.
 
     isolated: `{"timeout_s": ..., "memory_limit_gb": ...}` runs every class that is not a
-    built-in in a process of its own (`RemoteTool`); None builds them all in this process."""
+    built-in in a process of its own (`RemoteTool`); None builds them all in this process.
+    sandbox: the backend (name or `Sandbox`) of the built-ins that run model-written code
+    (`python`)."""
     entries = config_entries(read_config_file(tool_config_path), "tools", tool_config_path)
     tools: dict[str, BaseTool] = {}
     for i, entry in enumerate(entries):
-        _add(tools, _build(entry, f"{os.fspath(tool_config_path)}: tools[{i}]", isolated),
-             os.fspath(tool_config_path))
+        _add(tools, _build(entry, f"{os.fspath(tool_config_path)}: tools[{i}]", isolated,
+                           sandbox), os.fspath(tool_config_path))
     return tools
 
 
