@@ -102,3 +102,72 @@ def test_a_hostile_tool_class_costs_the_call_not_the_run(counter, mode, message)
     (bad, _, bad_m), (good, _, _) = asyncio.run(flow())
     assert bad.text.startswith("Error") and message in bad.text and "error" in bad_m, bad.text
     assert good.text == "1"
+
+
+SIDE_EFFECT_TOOLS = '''
+import os
+import time
+
+from jaxrl_llm.agent.tools import function_tool
+
+
+@function_tool
+def record(path: str, tag: str, seconds: float = 0.0) -> str:
+    """Waits `seconds`, then appends `tag` to the file `path`."""
+    time.sleep(seconds)
+    with open(path, "a") as f:
+        f.write(tag + "\\n")
+    return tag
+
+
+@function_tool
+def env(name: str) -> str:
+    """The worker's environment variable `name` ("" when unset)."""
+    return os.environ.get(name, "")
+'''
+
+
+@pytest.fixture
+def side_effect_file(tmp_path):
+    path = tmp_path / "side_effect_tools.py"
+    path.write_text(SIDE_EFFECT_TOOLS)
+    return str(path)
+
+
+def test_a_timed_out_call_never_runs_and_queued_calls_wait_without_their_clock(side_effect_file,
+                                                                                tmp_path):
+    from jaxrl_llm.agent.tools import load_isolated_function_tools
+    # the process backend: the tools write to a file of the test (bwrap would hide it)
+    tools, pool = load_isolated_function_tools(side_effect_file, timeout_s=2.0, memory_limit_gb=1.5,
+                                               num_workers=1, sandbox="process")
+    log = str(tmp_path / "calls.log")
+    calls = [{"path": log, "tag": "slow", "seconds": 600}] + [
+        {"path": log, "tag": tag} for tag in ("a", "b", "c")]
+
+    async def flow():  # one worker: a, b, c queue behind the hanging call
+        return await asyncio.gather(*(run_tool_call(tools["record"], "i", args, timeout_s=2.0)
+                                      for args in calls))
+    try:
+        results = asyncio.run(flow())
+        texts = [response.text for response, _, _ in results]
+        done = {args["tag"] for args, (_, _, metrics) in zip(calls, results) if not metrics}
+        assert "timed out after 2 s" in texts[0] and results[0][2] == {"error": "timeout"}
+        assert texts[1:] == ["a", "b", "c"], texts  # their time in the queue was not counted
+        with open(log) as f:
+            assert set(f.read().split()) == done == {"a", "b", "c"}
+    finally:
+        pool.close()  # waits for every call the pool still had
+    with open(log) as f:
+        assert sorted(f.read().split()) == ["a", "b", "c"]  # the timed-out call never ran later
+
+
+def test_a_function_tool_worker_does_not_see_the_trainers_secrets(side_effect_file, monkeypatch):
+    from jaxrl_llm.agent.tools import load_isolated_function_tools
+    monkeypatch.setenv("JAXRL_TEST_SECRET", "hunter2")
+    tools, pool = load_isolated_function_tools(side_effect_file, timeout_s=30.0,
+                                               memory_limit_gb=1.5, num_workers=1)
+    try:
+        assert call(tools["env"], {"name": "JAXRL_TEST_SECRET"}) == ("", {})
+        assert call(tools["env"], {"name": "HOME"})[0] != os.environ["HOME"]  # its scratch dir
+    finally:
+        pool.close()
