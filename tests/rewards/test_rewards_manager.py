@@ -143,3 +143,33 @@ def test_consecutive_timeouts_fail_fast(hostile_fn):
                        max_consecutive_timeouts=2) as manager:
         with pytest.raises(RewardFunctionError, match="timed out 2 times in a row"):
             manager.score_batch(["s"] * 40, ["hang"] * 40, [""] * 40)
+
+
+def test_reward_workers_that_keep_dying_stop_the_run_naming_the_function_and_exit_codes(hostile_fn):
+    with RewardManager(num_workers=1, timeout_s=30.0, custom_fn=hostile_fn,
+                       max_consecutive_worker_deaths=3) as manager:
+        scores, _, _ = manager.score_batch(["s"] * 3, ["exit", "exit", "ok"], [""] * 3)
+        assert scores.tolist() == [0.0, 0.0, 1.0]  # two deaths, then a score resets the count
+        with pytest.raises(RewardFunctionError, match=r"hostile\.py.*compute_score.*died 3 times in "
+                                                      r"a row.*last exit codes \[1, 1, 1\]"):
+            manager.score_batch(["s"] * 20, ["exit"] * 20, [""] * 20)
+        # the third death in a row ends the batch: the last worker of batch 1 and two more
+        assert manager._pool.num_started == 3 + 2
+
+
+SECRET_FN = textwrap.dedent('''
+    import os
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": float(os.environ.get("JAXRL_TEST_SECRET", "") == "hunter2"),
+                "home_is_scratch": float(os.environ["HOME"] == os.getcwd())}
+''')
+
+
+def test_a_reward_worker_does_not_see_the_trainers_secrets(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXRL_TEST_SECRET", "hunter2")
+    path = tmp_path / "secret_reward.py"
+    path.write_text(SECRET_FN)
+    with RewardManager(num_workers=1, custom_fn=load_custom_reward_fn(path)) as manager:
+        scores, extra, _ = manager.score_batch(["s"], ["x"], [""])
+    assert scores.tolist() == [0.0] and extra["home_is_scratch"].tolist() == [1.0]
