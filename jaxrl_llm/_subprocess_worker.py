@@ -60,9 +60,13 @@ class WorkerProcess:
                                  scratch=self.scratch, limits=limits,
                                  ro_paths=(*ro_paths, _PACKAGE_DIR),
                                  env={"PYTHONPATH": os.pathsep.join(paths)})
-        self.process = subprocess.Popen(argv, env=env, cwd=self.scratch, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, start_new_session=True,
-                                        close_fds=True)
+        try:
+            self.process = subprocess.Popen(argv, env=env, cwd=self.scratch,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            start_new_session=True, close_fds=True)
+        except OSError:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            raise
         self._buffer = b""
 
     def fileno(self) -> int:
@@ -85,6 +89,7 @@ class WorkerProcess:
         line came, else None; WorkerBroken on end of file or a malformed reply."""
         chunk = os.read(self.fileno(), 1 << 16)
         if not chunk:
+            self.signal_group()  # whatever it started goes too (and it, if it only closed stdout)
             code = self.wait_exit()
             raise WorkerBroken(f"{self.name} exited with {code}", code)
         self._buffer += chunk
@@ -125,7 +130,10 @@ class WorkerProcess:
             return None
 
     def signal_group(self) -> None:
-        """SIGKILL to the worker and everything it started (its own session)."""
+        """SIGKILL to the worker and everything it started (its own session). Only until it is
+        reaped: after that its id may belong to another process."""
+        if self.process.returncode is not None:
+            return
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

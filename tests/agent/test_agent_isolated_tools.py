@@ -171,3 +171,21 @@ def test_a_function_tool_worker_does_not_see_the_trainers_secrets(side_effect_fi
         assert call(tools["env"], {"name": "HOME"})[0] != os.environ["HOME"]  # its scratch dir
     finally:
         pool.close()
+
+
+def test_a_cancelled_call_is_killed_and_a_queued_one_never_starts(side_effect_file, tmp_path):
+    from jaxrl_llm.agent.tools import load_isolated_function_tools
+    tools, pool = load_isolated_function_tools(side_effect_file, timeout_s=60.0, memory_limit_gb=1.5,
+                                               num_workers=1, sandbox="process")
+    log = str(tmp_path / "calls.log")
+
+    async def flow():  # the rollout gives up on both calls before the first one writes
+        calls = [run_tool_call(tools["record"], "i", {"path": log, "tag": "late", "seconds": 3})
+                 for _ in range(2)]
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*calls), 1.0)
+    try:
+        asyncio.run(flow())
+    finally:
+        pool.close()  # waits for every call the pool still had
+    assert not os.path.exists(log)  # neither the running call nor the queued one wrote later

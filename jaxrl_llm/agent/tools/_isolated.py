@@ -85,6 +85,11 @@ class ToolProcessPool:
             if ticket.worker is not None:
                 ticket.worker.signal_group()
 
+    def _release(self, ticket: _Ticket) -> None:
+        """The call no longer runs in `ticket.worker`: `cancel` must not signal it any more."""
+        with self._lock:
+            ticket.worker = None
+
     def call(self, name: str, arguments: dict, timeout_s: float,
              ticket: _Ticket | None = None) -> tuple[str | None, str]:
         """(None, the tool's result as text), or (error kind: "timeout" | "isolated", an error
@@ -101,8 +106,7 @@ class ToolProcessPool:
                     return "isolated", f"Error: tool {name!r} could not run: {e}"
             return self._run(i, name, arguments, timeout_s, ticket)
         finally:
-            with self._lock:
-                ticket.worker = None
+            self._release(ticket)
             self._idle.put(i)
 
     def _run(self, i: int, name: str, arguments: dict, timeout_s: float, ticket: _Ticket
@@ -116,10 +120,12 @@ class ToolProcessPool:
             w.send({"name": name, "arguments": arguments})
             reply = w.receive(timeout_s)
         except WorkerBroken as e:
+            self._release(ticket)
             self._kill(i)
             if ticket.cancelled:
                 return "isolated", f"Error: tool {name!r} was cancelled (its process was killed)"
             return "isolated", f"Error: tool {name!r} crashed (its process exited with {e.exit_code})"
+        self._release(ticket)
         if reply is None:
             self._kill(i)  # dead before we answer: the call cannot finish later
             return "timeout", f"Error: tool {name!r} timed out after {timeout_s:g} s"
