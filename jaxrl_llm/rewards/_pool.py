@@ -96,7 +96,8 @@ class WorkerPool:
         self._max_deaths = max_consecutive_deaths
         self.consecutive_timeouts = 0
         self.consecutive_deaths = 0
-        self._death_codes: collections.deque = collections.deque(maxlen=5)  # the last of those in a row
+        # exit codes of the last deaths in a row
+        self._death_codes: collections.deque = collections.deque(maxlen=5)
 
     def _start(self, slots: list[int]) -> None:
         self.num_started += len(slots)
@@ -118,11 +119,13 @@ class WorkerPool:
         if worker is not None:
             worker.kill()
 
-    def _died(self, slot: int, code: int | None) -> str:
+    def _died(self, slot: int, broken: WorkerBroken) -> str:
         self._kill(slot)
-        self._death_codes.append(code)
+        self._death_codes.append(broken.exit_code)
         self.consecutive_deaths += 1
-        return f"reward worker died while scoring (exit code {code})"
+        if broken.exit_code is None:  # alive, but it broke the protocol
+            return f"reward worker broke while scoring: {broken}"
+        return f"reward worker died while scoring (exit code {broken.exit_code})"
 
     def _dispatch(self, tasks, pending, busy, results) -> None:
         idle = [s for s in range(len(self._workers)) if s not in busy]
@@ -142,7 +145,7 @@ class WorkerPool:
                 results[i] = ("error", f"could not send task: {type(e).__name__}: {e}", None)
                 continue
             except WorkerBroken as e:
-                results[i] = ("error", self._died(slot, e.exit_code), None)
+                results[i] = ("error", self._died(slot, e), None)
                 continue
             busy[slot] = (i, time.monotonic())
 
@@ -157,7 +160,7 @@ class WorkerPool:
             try:
                 reply = self._workers[slot].read_available()
             except WorkerBroken as e:
-                results[busy.pop(slot)[0]] = ("error", self._died(slot, e.exit_code), None)
+                results[busy.pop(slot)[0]] = ("error", self._died(slot, e), None)
                 continue
             if reply is None:
                 continue  # part of a line: the rest comes later

@@ -123,6 +123,7 @@ def record(path: str, tag: str, seconds: float = 0.0) -> str:
 @function_tool
 def env(name: str) -> str:
     """The worker's environment variable `name` ("" when unset)."""
+    print("a print does not disturb the worker's replies", flush=True)
     return os.environ.get(name, "")
 '''
 
@@ -175,8 +176,9 @@ def test_a_function_tool_worker_does_not_see_the_trainers_secrets(side_effect_fi
 
 def test_a_cancelled_call_is_killed_and_a_queued_one_never_starts(side_effect_file, tmp_path):
     from jaxrl_llm.agent.tools import load_isolated_function_tools
-    tools, pool = load_isolated_function_tools(side_effect_file, timeout_s=60.0, memory_limit_gb=1.5,
-                                               num_workers=1, sandbox="process")
+    tools, pool = load_isolated_function_tools(side_effect_file, timeout_s=60.0,
+                                               memory_limit_gb=1.5, num_workers=1,
+                                               sandbox="process")
     log = str(tmp_path / "calls.log")
 
     async def flow():  # the rollout gives up on both calls before the first one writes

@@ -124,7 +124,10 @@ class ToolProcessPool:
             self._kill(i)
             if ticket.cancelled:
                 return "isolated", f"Error: tool {name!r} was cancelled (its process was killed)"
-            return "isolated", f"Error: tool {name!r} crashed (its process exited with {e.exit_code})"
+            if e.exit_code is None:  # alive, but it broke the protocol
+                return "isolated", f"Error: tool {name!r} broke its worker process ({e})"
+            return "isolated", (f"Error: tool {name!r} crashed (its process exited with "
+                                f"{e.exit_code})")
         self._release(ticket)
         if reply is None:
             self._kill(i)  # dead before we answer: the call cannot finish later
