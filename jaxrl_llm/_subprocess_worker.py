@@ -4,8 +4,9 @@
 a private scratch dir as HOME and cwd, rlimits; the `bwrap` backend adds namespaces), in its own
 session so that killing it kills whatever it started. Messages are JSON lines over its
 stdin/stdout; a reply longer than `MAX_REPLY_BYTES` or not JSON counts as a broken worker. The
-worker sees the user's file and this package read-only (`ro_paths`), and the parent's PYTHONPATH.
-Timeouts and the choice of when to kill are the caller's (the tool and reward pools).
+worker sees the user's file and this package read-only (`ro_paths`); its PYTHONPATH is this
+package's root and the parent's own sys.path entries (not the interpreter's). Timeouts and the
+choice of when to kill are the caller's (the tool pools and the reward pool).
 """
 from __future__ import annotations
 
@@ -47,6 +48,19 @@ def encode(message: dict) -> bytes:
     return json.dumps(message, default=_json_default, allow_nan=False).encode() + b"\n"
 
 
+def _python_path() -> str:
+    """This package's root first, then the parent's own sys.path entries (a user's modules;
+    not the interpreter's, which the worker finds itself)."""
+    own = [sys.prefix, sys.base_prefix, sys.exec_prefix]
+    paths = [os.path.dirname(_PACKAGE_DIR)]
+    for p in sys.path:
+        p = os.path.abspath(p or os.curdir)
+        if (os.path.isdir(p) and p not in paths
+                and not any(p == o or p.startswith(o + os.sep) for o in own)):
+            paths.append(p)
+    return os.pathsep.join(paths)
+
+
 class WorkerProcess:
     """One running `python -m jaxrl_llm._worker_main <args>`; `kill()` when done."""
 
@@ -54,12 +68,10 @@ class WorkerProcess:
                  ro_paths: Sequence[str], name: str):
         self.name = name
         self.scratch = tempfile.mkdtemp(prefix=f"jaxrl-{name}-")
-        paths = [os.path.dirname(_PACKAGE_DIR), *filter(None, os.environ.get(
-            "PYTHONPATH", "").split(os.pathsep))]
         argv, env = sandbox.wrap([sys.executable, "-m", "jaxrl_llm._worker_main", *args],
                                  scratch=self.scratch, limits=limits,
                                  ro_paths=(*ro_paths, _PACKAGE_DIR),
-                                 env={"PYTHONPATH": os.pathsep.join(paths)})
+                                 env={"PYTHONPATH": _python_path()})
         try:
             self.process = subprocess.Popen(argv, env=env, cwd=self.scratch,
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -150,9 +162,9 @@ class WorkerProcess:
                 pass
         shutil.rmtree(self.scratch, ignore_errors=True)
 
-    def wait_ready(self, timeout_s: float, what: str) -> None:
-        """Waits for the worker's first message: RuntimeError naming `what` if it could not
-        import the user's file, died or did not answer within `timeout_s`."""
+    def wait_ready(self, timeout_s: float, what: str) -> dict:
+        """The worker's first message, {"ready": true, ...}: RuntimeError naming `what` if it
+        could not import the user's file, died or did not answer within `timeout_s`."""
         try:
             reply = self.receive(timeout_s)
         except WorkerBroken as e:
@@ -165,3 +177,4 @@ class WorkerProcess:
         if reply.get("ready") is not True:
             self.kill()
             raise RuntimeError(f"{what}: the worker could not load it: {reply.get('error')}")
+        return reply

@@ -88,6 +88,22 @@ def test_a_tool_class_keeps_its_state_in_its_own_process(counter):
     assert texts == ["11", "12", "1"] and (ra, rb) == (12.0, 1.0) and pid != os.getpid()
 
 
+def test_a_tool_class_process_does_not_see_the_trainers_secrets(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    from jaxrl_llm.agent.tools import load_tools
+    monkeypatch.setenv("JAXRL_TEST_SECRET", "hunter2")
+    monkeypatch.setattr(sys, "path", [os.path.dirname(FILE), *sys.path])
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps({"tools": [{"class_name": "hostile_class_tool.CounterTool"}]}))
+    tool = load_tools(path, isolated={"timeout_s": 30.0, "memory_limit_gb": 1.5})["counter"]
+    try:
+        assert asyncio.run(run_tool_call(tool, "i", {"mode": "secret"}))[0].text == ""
+    finally:
+        tool.close()
+
+
 @pytest.mark.parametrize("mode, message", [
     ("hang", "timed out after 3 s"), ("exit", "exit code 5"), ("hog", "MemoryError"),
     ("raise", "kaput")])
