@@ -41,7 +41,8 @@ def test_builtin_scorers_by_data_source(num_workers):
         scores, extra, metrics = manager.score_batch(
             ["openai/gsm8k", "math", "arithmetic", "arithmetic", "countdown"],
             ["#### 1,000", r"\boxed{\dfrac12}", "7", "8", "<answer>(1+2)*3</answer>"],
-            ["1000", "0.5", "7", "7", {"target": 9, "numbers": [1, 2, 3]}],
+            ["1000", "0.5", "7", "7",  # numpy values (parquet rows) reach the workers as JSON
+             {"target": np.int64(9), "numbers": np.array([1, 2, 3])}],
             [{}, {}, {}, {}, {}])
     assert scores.dtype == np.float32
     assert scores.tolist() == [1.0, 1.0, 1.0, 0.0, 1.0]
