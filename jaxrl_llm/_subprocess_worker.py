@@ -67,7 +67,7 @@ class WorkerProcess:
     def __init__(self, args: Sequence[str], *, sandbox: Sandbox, limits: Limits,
                  ro_paths: Sequence[str], name: str):
         self.name = name
-        self.scratch = tempfile.mkdtemp(prefix=f"jaxrl-{name}-")
+        self.scratch = tempfile.mkdtemp(prefix=f"jaxrl-{name.replace(' ', '-')}-")
         argv, env = sandbox.wrap([sys.executable, "-m", "jaxrl_llm._worker_main", *args],
                                  scratch=self.scratch, limits=limits,
                                  ro_paths=(*ro_paths, _PACKAGE_DIR),
@@ -79,7 +79,7 @@ class WorkerProcess:
         except OSError:
             shutil.rmtree(self.scratch, ignore_errors=True)
             raise
-        self._buffer = b""
+        self._buffer = bytearray()  # what came after the last whole line
 
     def fileno(self) -> int:
         return self.process.stdout.fileno()
@@ -104,16 +104,21 @@ class WorkerProcess:
             self.signal_group()  # whatever it started goes too (and it, if it only closed stdout)
             code = self.wait_exit()
             raise WorkerBroken(f"{self.name} exited with {code}", code)
-        self._buffer += chunk
-        line, newline, rest = self._buffer.partition(b"\n")
-        if not newline:
+        self._buffer.extend(chunk)
+        return self._next_line()
+
+    def _next_line(self) -> dict | None:
+        """The first whole line of the buffer as a JSON object (None: no whole line yet)."""
+        end = self._buffer.find(b"\n")
+        if end < 0:
             if len(self._buffer) > MAX_REPLY_BYTES:
                 raise WorkerBroken(f"{self.name} sent a reply over {MAX_REPLY_BYTES >> 20} MiB")
             return None
-        self._buffer = rest
+        line = bytes(self._buffer[:end])
+        del self._buffer[:end + 1]
         try:
             reply = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             reply = None
         if not isinstance(reply, dict):
             raise WorkerBroken(f"{self.name} sent a reply that is not a JSON object")
@@ -121,6 +126,9 @@ class WorkerProcess:
 
     def receive(self, timeout_s: float | None) -> dict | None:
         """The next reply, or None after `timeout_s` (None = no limit); WorkerBroken."""
+        reply = self._next_line()  # several replies may have come in one read
+        if reply is not None:
+            return reply
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with selectors.DefaultSelector() as selector:
             selector.register(self.fileno(), selectors.EVENT_READ)

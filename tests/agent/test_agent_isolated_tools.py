@@ -207,3 +207,12 @@ def test_a_cancelled_call_is_killed_and_a_queued_one_never_starts(side_effect_fi
     finally:
         pool.close()  # waits for every call the pool still had
     assert not os.path.exists(log)  # neither the running call nor the queued one wrote later
+
+
+def test_worker_replies_that_arrive_in_one_read_are_each_delivered_and_garbage_is_refused():
+    from jaxrl_llm._subprocess_worker import WorkerBroken, WorkerProcess
+    worker = WorkerProcess.__new__(WorkerProcess)  # only its buffer: no process needed
+    worker.name, worker._buffer = "w", bytearray(b'{"id": 1}\n{"id": 2}\n' + b"[" * 10**5 + b"\n")
+    assert worker.receive(0) == {"id": 1} and worker.receive(0) == {"id": 2}
+    with pytest.raises(WorkerBroken, match="not a JSON object"):  # nested past the recursion limit
+        worker.receive(0)
