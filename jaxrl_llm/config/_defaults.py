@@ -56,7 +56,8 @@ def base_config() -> ConfigDict:
             rollout_token_veto_threshold=0.0),
         filter_groups=dict(enable=False, metric="acc", max_num_gen_batches=0))
     c.reward = dict(num_workers=2, timeout_s=10.0, max_error_fraction=0.5,
-                    max_consecutive_timeouts=8, memory_limit_gb=8.0,
+                    max_consecutive_timeouts=8, max_consecutive_worker_deaths=5,
+                    memory_limit_gb=8.0, sandbox="auto",
                     custom_reward_function=dict(path="", name="compute_score"),
                     model=dict(path="", micro_batch_size_per_device=8),
                     overlong_buffer=dict(enable=False, len=0, penalty_factor=1.0))

@@ -252,7 +252,10 @@ def validate(c: RunConfig) -> None:
         raise ConfigError(f"trainer.max_to_keep must be >= 1, got {c.trainer.max_to_keep}")
     _positive(c.trainer.max_nonfinite_steps, "trainer.max_nonfinite_steps")
     _positive(c.reward.max_consecutive_timeouts, "reward.max_consecutive_timeouts", allow_zero=True)
+    _positive(c.reward.max_consecutive_worker_deaths, "reward.max_consecutive_worker_deaths",
+              allow_zero=True)
     _positive(c.reward.memory_limit_gb, "reward.memory_limit_gb", allow_zero=True)
+    _choice(c.reward.sandbox, ("auto", "bwrap", "process"), "reward.sandbox")
     if not 0 <= c.reward.max_error_fraction <= 1:
         raise ConfigError(f"reward.max_error_fraction must be in [0, 1] (1 = never stop), got "
                           f"{c.reward.max_error_fraction}")

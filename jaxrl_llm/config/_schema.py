@@ -245,7 +245,9 @@ class RewardConfig:
     timeout_s: float
     max_error_fraction: float  # stop when more of a batch's scores fail (error/timeout/non-finite)
     max_consecutive_timeouts: int  # stop after this many scoring calls in a row time out; 0 = never
+    max_consecutive_worker_deaths: int  # stop after this many scoring processes in a row die; 0 = never
     memory_limit_gb: float  # address-space limit of each scoring process; 0 = none
+    sandbox: str  # auto | bwrap | process: contains the scoring processes (num_workers=0: built-ins in-process, uncontained)
     custom_reward_function: CustomRewardConfig
     model: RewardModelConfig
     overlong_buffer: OverlongBufferConfig

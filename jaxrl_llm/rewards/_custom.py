@@ -2,7 +2,8 @@
 
 The function is called with verl's keywords
 `(data_source=..., solution_str=..., ground_truth=..., extra_info=...)` and returns a float or
-a dict with "score". The loaded object pickles as (path, name) so worker processes reload it.
+a dict with "score". Reward worker processes import the file themselves from (path, name); the
+object also pickles as (path, name).
 """
 from __future__ import annotations
 

@@ -2,11 +2,14 @@
 
 A scorer that raises, returns something that is not a number finite in float32 / a
 {"score": ...} dict, hangs past `timeout_s`, runs out of its memory limit, or kills its process
-gives reward 0 and is counted in `reward/num_errors` or `reward/num_timeouts`. Two circuit
-breakers stop the run instead (`RewardFunctionError`, naming the reward function and the first
-failure): more than `max_error_fraction` of a batch failed, or `max_consecutive_timeouts`
-calls in a row timed out. Custom reward functions always run in the process pool, even with
-`num_workers=0` (then one worker). Turning scores into token-level rewards is the trainer's job.
+gives reward 0 and is counted in `reward/num_errors` or `reward/num_timeouts`. Three circuit
+breakers stop the run instead (`RewardFunctionError`, naming the reward function): more than
+`max_error_fraction` of a batch failed (with the first failure), `max_consecutive_timeouts`
+calls in a row timed out, or `max_consecutive_worker_deaths` workers in a row died while scoring
+(with their exit codes). Custom reward functions always run in sandboxed worker processes, even
+with `num_workers=0` (then one worker); with `num_workers=0` the built-in scorers run in this
+process (our code: no sandbox, no timeout). Turning scores into token-level rewards is the
+trainer's job.
 """
 from __future__ import annotations
 
@@ -16,8 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.rewards._pool import ConsecutiveTimeouts, WorkerPool
+from jaxrl_llm.rewards._pool import (ConsecutiveDeaths, ConsecutiveTimeouts, WorkerPool,
+                                     reward_source)
 from jaxrl_llm.rewards._registry import get_scorer, score_one
+from jaxrl_llm.sandbox import Sandbox, make_sandbox
 
 logger = logging.getLogger(__name__)
 
@@ -30,18 +35,20 @@ class RewardManager:
     """Scores batches with the built-in scorers by `data_source`, or `custom_fn` for every row.
 
     num_workers > 0: a pool of processes (created on the first batch, reused, a hung or dead
-    worker replaced) with a per-call timeout of `timeout_s` seconds and an address-space limit
-    of `memory_limit_gb` per worker (0 = none). num_workers == 0: the built-in scorers run in
-    this process (no timeout: they are ours and fast); a `custom_fn` still gets a pool of one
-    worker, so user code can never hang, kill or exhaust the trainer. `custom_fn` must be
-    picklable (use `load_custom_reward_fn`, or a module-level function). `max_error_fraction`
-    (1 = off) and `max_consecutive_timeouts` (0 = off) are the circuit breakers. Not thread-safe.
+    worker replaced) contained by `sandbox` (a `jaxrl_llm.sandbox.Sandbox` or its kind), with a
+    per-call timeout of `timeout_s` seconds and an address-space limit of `memory_limit_gb` per
+    worker (0 = none). num_workers == 0: the built-in scorers run in this process (no sandbox,
+    no timeout: they are ours and fast); a `custom_fn` still gets a pool of one worker, so user
+    code can never hang, kill or exhaust the trainer nor read its environment. `custom_fn`:
+    `load_custom_reward_fn(path, name)` or a function at the top level of a .py file (workers
+    import the file themselves). `max_error_fraction` (1 = off), `max_consecutive_timeouts` and
+    `max_consecutive_worker_deaths` (0 = off) are the circuit breakers. Not thread-safe.
     """
 
     def __init__(self, *, num_workers: int = 4, timeout_s: float = 10.0,
-                 custom_fn: Callable[..., Any] | None = None, start_method: str = "forkserver",
+                 custom_fn: Callable[..., Any] | None = None, sandbox: Sandbox | str = "auto",
                  max_error_fraction: float = 1.0, max_consecutive_timeouts: int = 0,
-                 memory_limit_gb: float = 0.0):
+                 max_consecutive_worker_deaths: int = 0, memory_limit_gb: float = 0.0):
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if timeout_s <= 0:
@@ -50,11 +57,15 @@ class RewardManager:
             raise ValueError(f"max_error_fraction must be in [0, 1], got {max_error_fraction}")
         self.num_workers = num_workers if custom_fn is None else max(num_workers, 1)
         self.timeout_s = timeout_s
+        reward_source(custom_fn)  # one the workers cannot load is an error now
         self.custom_fn = custom_fn
         self.max_error_fraction = max_error_fraction
         self.max_consecutive_timeouts = max_consecutive_timeouts
+        self.max_consecutive_worker_deaths = max_consecutive_worker_deaths
         self.memory_limit_gb = memory_limit_gb
-        self._start_method = start_method
+        # made now, so that a sandbox that cannot run here fails at start-up
+        self.sandbox = (None if self.num_workers == 0 else
+                        make_sandbox(sandbox) if isinstance(sandbox, str) else sandbox)
         self._pool: WorkerPool | None = None
 
     def describe(self) -> str:
@@ -89,6 +100,13 @@ class RewardManager:
                 f"{self.timeout_s}, reward.max_consecutive_timeouts={self.max_consecutive_timeouts}); "
                 "stopping instead of waiting out every row. Make it faster or raise the "
                 "timeout.") from None
+        except ConsecutiveDeaths as e:
+            raise RewardFunctionError(
+                f"{self.describe()}: its worker process died {e.count} times in a row while "
+                f"scoring (last exit codes {e.exit_codes}; a negative code is the signal that "
+                f"killed it, -9 often the memory limit; reward.max_consecutive_worker_deaths="
+                f"{self.max_consecutive_worker_deaths}); stopping instead of replacing it "
+                "forever. Call it on one row by hand to see why.") from None
         scores, extra, metrics = self._assemble(outcomes)
         self._check_failures(outcomes, data_sources)
         return scores, extra, metrics
@@ -113,9 +131,10 @@ class RewardManager:
                     outcomes.append(("error", f"{type(e).__name__}: {e}", None))
             return outcomes
         if self._pool is None:
-            self._pool = WorkerPool(self.num_workers, self.custom_fn, self._start_method,
+            self._pool = WorkerPool(self.num_workers, self.custom_fn, sandbox=self.sandbox,
                                     memory_limit_gb=self.memory_limit_gb,
-                                    max_consecutive_timeouts=self.max_consecutive_timeouts)
+                                    max_consecutive_timeouts=self.max_consecutive_timeouts,
+                                    max_consecutive_deaths=self.max_consecutive_worker_deaths)
         return self._pool.run(tasks, self.timeout_s)
 
     @staticmethod

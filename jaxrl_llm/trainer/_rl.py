@@ -88,7 +88,8 @@ class RLTrainer:
         self.reward = rewards.RewardManager(num_workers=c.reward.num_workers, timeout_s=c.reward.timeout_s,
                                             custom_fn=custom_fn, max_error_fraction=c.reward.max_error_fraction,
                                             max_consecutive_timeouts=c.reward.max_consecutive_timeouts,
-                                            memory_limit_gb=c.reward.memory_limit_gb)
+                                            max_consecutive_worker_deaths=c.reward.max_consecutive_worker_deaths,
+                                            memory_limit_gb=c.reward.memory_limit_gb, sandbox=c.reward.sandbox)
         self.pad_id = self.tokenizer.pad_token_id
         stop_ids = tuple(getattr(self.tokenizer, "eos_token_ids", (self.tokenizer.eos_token_id,)))
         # one-step-off-policy: (handle of the generate call in flight, its prompts, the data

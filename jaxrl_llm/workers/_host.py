@@ -191,7 +191,8 @@ class HostWorker:
             manager = rewards.RewardManager(num_workers=r.num_workers, timeout_s=r.timeout_s,
                                             custom_fn=custom_fn, max_error_fraction=1.0,
                                             max_consecutive_timeouts=r.max_consecutive_timeouts,
-                                            memory_limit_gb=r.memory_limit_gb)
+                                            max_consecutive_worker_deaths=r.max_consecutive_worker_deaths,
+                                            memory_limit_gb=r.memory_limit_gb, sandbox=r.sandbox)
             self._agents = agent.AgentRunner(
                 self.server, models.load_tokenizer(c.model.tokenizer or c.model.path),
                 c.rollout.multi_turn, max_prompt_length=c.data.max_prompt_length,

@@ -88,6 +88,22 @@ def test_a_tool_class_keeps_its_state_in_its_own_process(counter):
     assert texts == ["11", "12", "1"] and (ra, rb) == (12.0, 1.0) and pid != os.getpid()
 
 
+def test_a_tool_class_process_does_not_see_the_trainers_secrets(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    from jaxrl_llm.agent.tools import load_tools
+    monkeypatch.setenv("JAXRL_TEST_SECRET", "hunter2")
+    monkeypatch.setattr(sys, "path", [os.path.dirname(FILE), *sys.path])
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps({"tools": [{"class_name": "hostile_class_tool.CounterTool"}]}))
+    tool = load_tools(path, isolated={"timeout_s": 30.0, "memory_limit_gb": 1.5})["counter"]
+    try:
+        assert asyncio.run(run_tool_call(tool, "i", {"mode": "secret"}))[0].text == ""
+    finally:
+        tool.close()
+
+
 @pytest.mark.parametrize("mode, message", [
     ("hang", "timed out after 3 s"), ("exit", "exit code 5"), ("hog", "MemoryError"),
     ("raise", "kaput")])
@@ -102,3 +118,101 @@ def test_a_hostile_tool_class_costs_the_call_not_the_run(counter, mode, message)
     (bad, _, bad_m), (good, _, _) = asyncio.run(flow())
     assert bad.text.startswith("Error") and message in bad.text and "error" in bad_m, bad.text
     assert good.text == "1"
+
+
+SIDE_EFFECT_TOOLS = '''
+import os
+import time
+
+from jaxrl_llm.agent.tools import function_tool
+
+
+@function_tool
+def record(path: str, tag: str, seconds: float = 0.0) -> str:
+    """Waits `seconds`, then appends `tag` to the file `path`."""
+    time.sleep(seconds)
+    with open(path, "a") as f:
+        f.write(tag + "\\n")
+    return tag
+
+
+@function_tool
+def env(name: str) -> str:
+    """The worker's environment variable `name` ("" when unset)."""
+    print("a print does not disturb the worker's replies", flush=True)
+    return os.environ.get(name, "")
+'''
+
+
+@pytest.fixture
+def side_effect_file(tmp_path):
+    path = tmp_path / "side_effect_tools.py"
+    path.write_text(SIDE_EFFECT_TOOLS)
+    return str(path)
+
+
+def test_a_timed_out_call_never_runs_and_queued_calls_wait_without_their_clock(side_effect_file,
+                                                                                tmp_path):
+    from jaxrl_llm.agent.tools import load_isolated_function_tools
+    # the process backend: the tools write to a file of the test (bwrap would hide it)
+    tools, pool = load_isolated_function_tools(side_effect_file, timeout_s=2.0, memory_limit_gb=1.5,
+                                               num_workers=1, sandbox="process")
+    log = str(tmp_path / "calls.log")
+    calls = [{"path": log, "tag": "slow", "seconds": 600}] + [
+        {"path": log, "tag": tag} for tag in ("a", "b", "c")]
+
+    async def flow():  # one worker: a, b, c queue behind the hanging call
+        return await asyncio.gather(*(run_tool_call(tools["record"], "i", args, timeout_s=2.0)
+                                      for args in calls))
+    try:
+        results = asyncio.run(flow())
+        texts = [response.text for response, _, _ in results]
+        done = {args["tag"] for args, (_, _, metrics) in zip(calls, results) if not metrics}
+        assert "timed out after 2 s" in texts[0] and results[0][2] == {"error": "timeout"}
+        assert texts[1:] == ["a", "b", "c"], texts  # their time in the queue was not counted
+        with open(log) as f:
+            assert set(f.read().split()) == done == {"a", "b", "c"}
+    finally:
+        pool.close()  # waits for every call the pool still had
+    with open(log) as f:
+        assert sorted(f.read().split()) == ["a", "b", "c"]  # the timed-out call never ran later
+
+
+def test_a_function_tool_worker_does_not_see_the_trainers_secrets(side_effect_file, monkeypatch):
+    from jaxrl_llm.agent.tools import load_isolated_function_tools
+    monkeypatch.setenv("JAXRL_TEST_SECRET", "hunter2")
+    tools, pool = load_isolated_function_tools(side_effect_file, timeout_s=30.0,
+                                               memory_limit_gb=1.5, num_workers=1)
+    try:
+        assert call(tools["env"], {"name": "JAXRL_TEST_SECRET"}) == ("", {})
+        assert call(tools["env"], {"name": "HOME"})[0] != os.environ["HOME"]  # its scratch dir
+    finally:
+        pool.close()
+
+
+def test_a_cancelled_call_is_killed_and_a_queued_one_never_starts(side_effect_file, tmp_path):
+    from jaxrl_llm.agent.tools import load_isolated_function_tools
+    tools, pool = load_isolated_function_tools(side_effect_file, timeout_s=60.0,
+                                               memory_limit_gb=1.5, num_workers=1,
+                                               sandbox="process")
+    log = str(tmp_path / "calls.log")
+
+    async def flow():  # the rollout gives up on both calls before the first one writes
+        calls = [run_tool_call(tools["record"], "i", {"path": log, "tag": "late", "seconds": 3})
+                 for _ in range(2)]
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*calls), 1.0)
+    try:
+        asyncio.run(flow())
+    finally:
+        pool.close()  # waits for every call the pool still had
+    assert not os.path.exists(log)  # neither the running call nor the queued one wrote later
+
+
+def test_worker_replies_that_arrive_in_one_read_are_each_delivered_and_garbage_is_refused():
+    from jaxrl_llm._subprocess_worker import WorkerBroken, WorkerProcess
+    worker = WorkerProcess.__new__(WorkerProcess)  # only its buffer: no process needed
+    worker.name, worker._buffer = "w", bytearray(b'{"id": 1}\n{"id": 2}\n' + b"[" * 10**5 + b"\n")
+    assert worker.receive(0) == {"id": 1} and worker.receive(0) == {"id": 2}
+    with pytest.raises(WorkerBroken, match="not a JSON object"):  # nested past the recursion limit
+        worker.receive(0)

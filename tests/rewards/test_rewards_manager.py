@@ -41,7 +41,8 @@ def test_builtin_scorers_by_data_source(num_workers):
         scores, extra, metrics = manager.score_batch(
             ["openai/gsm8k", "math", "arithmetic", "arithmetic", "countdown"],
             ["#### 1,000", r"\boxed{\dfrac12}", "7", "8", "<answer>(1+2)*3</answer>"],
-            ["1000", "0.5", "7", "7", {"target": 9, "numbers": [1, 2, 3]}],
+            ["1000", "0.5", "7", "7",  # numpy values (parquet rows) reach the workers as JSON
+             {"target": np.int64(9), "numbers": np.array([1, 2, 3])}],
             [{}, {}, {}, {}, {}])
     assert scores.dtype == np.float32
     assert scores.tolist() == [1.0, 1.0, 1.0, 0.0, 1.0]
@@ -143,3 +144,47 @@ def test_consecutive_timeouts_fail_fast(hostile_fn):
                        max_consecutive_timeouts=2) as manager:
         with pytest.raises(RewardFunctionError, match="timed out 2 times in a row"):
             manager.score_batch(["s"] * 40, ["hang"] * 40, [""] * 40)
+
+
+def test_reward_workers_that_keep_dying_stop_the_run_naming_function_and_exit_codes(hostile_fn):
+    with RewardManager(num_workers=1, timeout_s=30.0, custom_fn=hostile_fn,
+                       max_consecutive_worker_deaths=3) as manager:
+        scores, _, _ = manager.score_batch(["s"] * 3, ["exit", "exit", "ok"], [""] * 3)
+        assert scores.tolist() == [0.0, 0.0, 1.0]  # two deaths, then a score resets the count
+        with pytest.raises(RewardFunctionError, match=r"hostile\.py.*compute_score.*died 3 "
+                                                      r"times in a row.*exit codes \[1, 1, 1\]"):
+            manager.score_batch(["s"] * 20, ["exit"] * 20, [""] * 20)
+        # the third death in a row ends the batch: the last worker of batch 1 and two more
+        assert manager._pool.num_started == 3 + 2
+
+
+SECRET_FN = textwrap.dedent('''
+    import os
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        print("a print does not disturb the worker's replies", flush=True)
+        return {"score": float(os.environ.get("JAXRL_TEST_SECRET", "") == "hunter2"),
+                "home_is_scratch": float(os.environ["HOME"] == os.getcwd())}
+''')
+
+
+def test_a_reward_worker_does_not_see_the_trainers_secrets(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXRL_TEST_SECRET", "hunter2")
+    path = tmp_path / "secret_reward.py"
+    path.write_text(SECRET_FN)
+    with RewardManager(num_workers=1, custom_fn=load_custom_reward_fn(path)) as manager:
+        scores, extra, _ = manager.score_batch(["s"], ["x"], [""])
+    assert scores.tolist() == [0.0] and extra["home_is_scratch"].tolist() == [1.0]
+
+
+def test_a_reply_the_worker_would_not_send_is_rejected_not_trusted():
+    from jaxrl_llm.rewards._pool import _outcome
+    assert _outcome({"ok": True, "score": 1, "extras": {"acc": 0.5, "note": "x"}}) == (
+        "ok", 1.0, {"acc": 0.5})
+    assert _outcome({"ok": False, "error": "E: bad"}) == ("error", "E: bad", None)
+    for reply in ({"ok": True, "score": float("nan"), "extras": {}},  # JSON can carry NaN
+                  {"ok": True, "score": 1e39, "extras": {}},
+                  {"ok": True, "score": "1", "extras": {}},
+                  {"ok": True, "score": 1.0}, {"ok": "yes", "score": 1.0, "extras": {}},
+                  {"ok": False, "error": 3}, {}):
+        assert _outcome(reply) is None, reply

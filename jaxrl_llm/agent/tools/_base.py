@@ -31,6 +31,11 @@ class BaseTool:
     keeps per-trajectory state). Built-in tools set `default_tool_schema()`; a custom class
     may instead get its schema from the tool config's `tool_schema:` block."""
 
+    # True when `execute` enforces the per-call timeout itself, from the moment the call starts
+    # running (IsolatedFunctionTool: not while it waits for a free worker); `run_tool_call`
+    # then adds no clock of its own
+    times_own_calls: bool = False
+
     def __init__(self, config: Mapping[str, Any] | None = None,
                  tool_schema: OpenAIFunctionToolSchema | Mapping[str, Any] | None = None):
         self.config = dict(config or {})

@@ -55,7 +55,7 @@ def _build(entry: dict, where: str, isolated: dict | None = None,
 
         get_tool_class(entry["class_name"])  # a bad class name is an error here, not in a child
         return RemoteTool(entry["class_name"], entry.get("config"), entry.get("tool_schema"),
-                          **isolated)
+                          sandbox=sandbox, **isolated)
     schema = entry.get("tool_schema")
     if schema is not None:
         schema = OpenAIFunctionToolSchema.from_dict(schema)

@@ -37,13 +37,14 @@ def _normalize(tool: BaseTool, result: Any) -> tuple[ToolResponse, float, dict]:
 
 async def run_tool_call(tool: BaseTool, instance_id: str, arguments: Any, *,
                         timeout_s: float = 30.0, **kwargs) -> tuple[ToolResponse, float, dict]:
-    """`await tool.execute(instance_id, arguments, **kwargs)` within `timeout_s` seconds."""
+    """`await tool.execute(instance_id, arguments, **kwargs)` within `timeout_s` seconds (a
+    tool with `times_own_calls` keeps its own clock, which starts when the call starts)."""
     if not isinstance(arguments, dict):
         return _failure(f"Error: arguments for tool {tool.name!r} must be a JSON object, "
                         f"got {type(arguments).__name__}.", "invalid_arguments")
     try:
         result = await asyncio.wait_for(tool.execute(instance_id, arguments, **kwargs),
-                                        timeout_s)
+                                        None if tool.times_own_calls else timeout_s)
     except asyncio.TimeoutError:
         return _failure(f"Error: tool {tool.name!r} timed out after {timeout_s:g} s",
                         "timeout")
