@@ -2,22 +2,104 @@
 
 A mistake the user can fix (a config file that is not there, a misspelt or ill-typed override,
 a value outside its choices) ends the process with one line on stderr and exit status 2, not a
-traceback. Running the job itself is left to the trainer.
+traceback. A machine without a TPU does not start libtpu (`skip_absent_tpu`). Running the job
+itself is left to the trainer.
 """
 from __future__ import annotations
 
+import glob
+import importlib.util
 import os
+import pkgutil
 import sys
 
 from absl import flags
 
 USAGE_ERROR = 2
+PLATFORMS_ENV = "JAX_PLATFORMS"
+# set beside JAX_PLATFORMS when skip_absent_tpu chose it (not the user): the Ray backend then does
+# not forward it to other nodes, which decide for themselves (one of them may hold a TPU)
+PLATFORMS_AUTO_ENV = "JAXRL_LLM_AUTO_JAX_PLATFORMS"
+_GPU_DEVICES = {"cuda": ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg"), "rocm": ("/dev/kfd",)}
+_PCI_GOOGLE = "0x1ae0"
 
 
 def fail(message: str) -> None:
     """One line on stderr, exit status 2."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(USAGE_ERROR)
+
+
+def tpu_present() -> bool:
+    """Whether this machine may hold a TPU: a `/dev/accel*` or `/dev/vfio/*` device (how TPU VMs
+    expose their chips) or a Google PCI device that is neither storage nor network (JAX's own
+    check looks at the PCI vendor too). Errs towards True."""
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/*"):
+        return True
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f:
+                if f.read().strip() != _PCI_GOOGLE:
+                    continue
+            with open(os.path.join(os.path.dirname(vendor), "class")) as f:
+                pci_class = f.read().strip()
+        except OSError:
+            return True
+        if not pci_class.startswith(("0x01", "0x02")):  # gVNIC and Google NVMe are not TPUs
+            return True
+    return False
+
+
+def _jax_plugins() -> list[str]:
+    """Names of the installed JAX PJRT plugins (`jax_plugins` entry points and namespace
+    modules, e.g. xla_cuda12), found without importing them."""
+    from importlib.metadata import entry_points
+
+    names = [e.name for e in entry_points(group="jax_plugins")]
+    spec = importlib.util.find_spec("jax_plugins")
+    if spec is not None and spec.submodule_search_locations:
+        names += [m.name for m in pkgutil.iter_modules(list(spec.submodule_search_locations))]
+    return names
+
+
+def platforms_without_tpu() -> str | None:
+    """The JAX_PLATFORMS value that leaves out the TPU on a machine that has none ("cpu", or
+    "cuda,cpu" where an NVIDIA GPU and JAX's CUDA plugin are both present), or None to leave JAX
+    to choose: JAX_PLATFORMS (or JAX_FORCE_TPU_INIT) set by the user, libtpu not installed (no
+    TPU to start), a TPU device present, or a JAX plugin for hardware this rule does not know."""
+    if PLATFORMS_ENV in os.environ or "JAX_FORCE_TPU_INIT" in os.environ:
+        return None
+    if importlib.util.find_spec("libtpu") is None and not os.environ.get("TPU_LIBRARY_PATH"):
+        return None
+    if tpu_present():
+        return None
+    platforms = []
+    for name in _jax_plugins():
+        kind = next((k for k in _GPU_DEVICES if k in name), None)
+        if kind is None:
+            if "tpu" in name:
+                continue
+            return None  # some other accelerator's plugin: JAX's own choice stays
+        if kind not in platforms and any(os.path.exists(d) for d in _GPU_DEVICES[kind]):
+            platforms.append(kind)
+    return ",".join(platforms + ["cpu"])
+
+
+def skip_absent_tpu() -> str | None:
+    """Keeps JAX from starting libtpu where there is no TPU: with libtpu installed (the test
+    extras) JAX otherwise tries it in every process and libtpu prints errors that look fatal
+    (and takes /tmp/libtpu_lockfile). Sets JAX_PLATFORMS to `platforms_without_tpu()` when that is
+    not None, in this process's environment (child processes inherit it) and in JAX's config if
+    JAX is already imported (its backends must not have started yet). Called first by the
+    command-line entry points and, as Ray's `worker_process_setup_hook`, in every Ray worker.
+    Returns the value set, or None."""
+    value = platforms_without_tpu()
+    if value is None:
+        return None
+    os.environ[PLATFORMS_ENV] = os.environ[PLATFORMS_AUTO_ENV] = value
+    if "jax" in sys.modules:
+        sys.modules["jax"].config.update("jax_platforms", value)
+    return value
 
 
 def _text(e: BaseException) -> str:
@@ -41,7 +123,9 @@ def last_override_wins(argv: list[str]) -> list[str]:
 
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing (an `app.run` flags_parser) with an unknown config field, a value
-    of the wrong type or an unknown flag reported as one line."""
+    of the wrong type or an unknown flag reported as one line. The first thing both commands
+    run, so it also calls `skip_absent_tpu` (before a config file can import JAX)."""
+    skip_absent_tpu()
     try:
         return flags.FLAGS(last_override_wins(argv))
     except flags.Error as e:
