@@ -1,5 +1,7 @@
 """`MetricsLogger`: one call per training step → console line, metrics.jsonl, TensorBoard.
 
+A metric has one name everywhere: the console, metrics.jsonl and the TensorBoard tag.
+
 JSON has no NaN or infinity, so non-finite floats are written as the strings "NaN",
 "Infinity" and "-Infinity"; `read_jsonl` turns them back into floats. Only process 0 writes.
 """
@@ -110,9 +112,13 @@ class MetricsLogger:
             self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
             self._jsonl.flush()
         if self._tb is not None:
-            for key, value in values.items():
-                # TensorBoard names allow [A-Za-z0-9_./-]: 'mean@1' -> 'mean_at_1' (jsonl keeps verl's)
-                self._tb.add_scalar(key.replace("@", "_at_"), value, global_step=int(step))
+            from tensorboardX.proto.summary_pb2 import Summary
+
+            # the tag is the printed name, 'mean@1' included: tensorboardX's add_scalar would turn
+            # characters outside [A-Za-z0-9_./-] into '_', so the summary is written as is
+            summary = Summary(value=[Summary.Value(tag=key, simple_value=float(value))
+                                     for key, value in values.items()])
+            self._tb.file_writer.add_summary(summary, global_step=int(step))
             self._tb.flush()
         if "console" in self.backends and self._calls % self.console_every == 0:
             write_console(format_summary(values, int(step)))

@@ -135,3 +135,33 @@ def test_rewind_drops_rows_after_the_step_and_purges_tensorboard(tmp_path, monke
         (1, 1.0), (2, 2.0), (3, 30.0)]
     assert [r["response"] for r in read_jsonl(tmp_path / "val_generations.jsonl")] == ["r1", "r2"]
     assert purges[-1] == 3
+
+
+def _tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} read back from the event files (TFRecord framing: length,
+    its CRC, the Event proto, its CRC)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(folder.glob("events.out.tfevents*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for v in event.summary.value:
+                if v.HasField("simple_value"):
+                    out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
+
+
+def test_tensorboard_tags_are_the_printed_and_jsonl_names(tmp_path):
+    name = "val-core/arithmetic/reward/mean@1"
+    with MetricsLogger(tmp_path, backends=("tensorboard", "jsonl")) as logger:
+        logger.log({name: 0.25, "actor/pg_loss": 0.5}, step=3)
+    (row,) = read_jsonl(tmp_path / "metrics.jsonl")
+    scalars = _tensorboard_scalars(tmp_path / "tensorboard")
+    assert set(scalars) == set(row) - {"training/global_step"} == {name, "actor/pg_loss"}
+    assert scalars[name] == [(3, 0.25)] and scalars["actor/pg_loss"] == [(3, 0.5)]
