@@ -131,9 +131,10 @@ class MetricsLogger:
         return self.run_dir / "val_generations.jsonl"
 
     def log_generations(self, samples: list[Mapping[str, Any]], step: int) -> None:
-        """Validation samples (prompt, response, score, ground truth, ...): one JSON row per
-        sample in `<run_dir>/val_generations.jsonl` and a markdown table as TensorBoard text
-        `val/generations` (verl's `log_val_generations`)."""
+        """Validation samples (prompt, response, score, ground truth, ...; an agent sample's
+        `turns`, [{role, content}, ...]): one JSON row per sample in
+        `<run_dir>/val_generations.jsonl` and a markdown table as TensorBoard text
+        `val/generations` (verl's `log_val_generations`; turns there as `role: content` lines)."""
         if not self.enable or not samples:
             return
         if "jsonl" in self.backends:
@@ -141,8 +142,8 @@ class MetricsLogger:
                 for s in samples:
                     f.write(json.dumps({STEP_KEY: int(step), **s}, default=str) + "\n")
         if self._tb is not None:
-            cols = list(samples[0])
-            cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
+            cols = list(dict.fromkeys(c for s in samples for c in s))
+            cell = lambda v: _cell_text(v).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
             table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
             table += ["| " + " | ".join(cell(s.get(c, "")) for c in cols) + " |" for s in samples]
             self._tb.add_text("val/generations", "\n".join(table), global_step=int(step))
@@ -162,6 +163,13 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _cell_text(value: Any) -> str:
+    """A table cell: a list of turns as one `role: content` line each, anything else as str."""
+    if isinstance(value, list) and value and all(isinstance(t, Mapping) and "role" in t for t in value):
+        return "\n".join(f"{t['role']}: {t.get('content', '')}" for t in value)
+    return str(value)
 
 
 def _truncate_jsonl(path: Path, step: int) -> None:

@@ -638,7 +638,7 @@ class RLTrainer:
         c = self.config
         v = c.rollout.val
         examples = list(self.val_set)
-        rows = dict(data_source=[], prompt=[], response=[], ground_truth=[])
+        rows = dict(data_source=[], prompt=[], response=[], ground_truth=[], turns=[])
         infos: dict[str, list[float]] = {"reward": []}
         for start in range(0, len(examples), c.data.val_batch_size):
             chunk = examples[start:start + c.data.val_batch_size]
@@ -647,6 +647,8 @@ class RLTrainer:
                 scores, extra = gen["scores"], gen["reward_extra"]
                 prompts = [self.tokenizer.decode(list(ids)) for ids in gen["prompt_ids"]]
                 lengths = np.asarray(gen["response_attention_mask"]).sum(-1)
+                rows["turns"] += [_turns(m, e.raw_prompt, turns) for m, e, turns in
+                                  zip(gen["messages"], (e for e in chunk for _ in range(v.n)), gen["turn_texts"])]
             else:
                 gen = self.call0(HostWorker.generate, [e.prompt_ids for e in chunk], n=v.n,
                                  max_new_tokens=c.data.max_response_length,
@@ -657,6 +659,7 @@ class RLTrainer:
                 scores, extra, _ = self._score(chunk, batch, v.n)
                 prompts = [self.tokenizer.decode(list(e.prompt_ids)) for e in chunk for _ in range(v.n)]
                 lengths = gen["response_mask"].sum(-1)
+                rows["turns"] += [None] * len(prompts)  # one completion: prompt and response say it all
             rows["prompt"] += prompts
             rows["response"] += [self.tokenizer.decode(r[:k].tolist()) for r, k in zip(gen["responses"], lengths)]
             rows["data_source"] += [e.data_source for e in chunk for _ in range(v.n)]
@@ -675,14 +678,18 @@ class RLTrainer:
 
     def _log_val_generations(self, rows: dict, scores: list[float], step: int) -> None:
         """verl's `log_val_generations`: the same `trainer.log_val_generations` responses
-        (a fixed random choice) at every validation, with prompt, score and ground truth."""
+        (a fixed random choice) at every validation, with prompt, score and ground truth; an
+        agent-loop sample also has its conversation as `turns`, [{role, content}, ...] (the
+        prompt's messages, then the model's, tools' and user's turns apart)."""
         k = min(self.config.trainer.log_val_generations, len(scores))
         if k == 0 or not self.logger_enabled:
             return
         pick = sorted(np.random.default_rng(42).permutation(len(scores))[:k].tolist())
         samples = [{"data_source": rows["data_source"][i], "prompt": rows["prompt"][i],
                     "response": rows["response"][i], "score": scores[i],
-                    "ground_truth": _jsonable(rows["ground_truth"][i])} for i in pick]
+                    "ground_truth": _jsonable(rows["ground_truth"][i]),
+                    **({"turns": rows["turns"][i]} if rows["turns"][i] is not None else {})}
+                   for i in pick]
         self.logger.log_generations(samples, step=step)
 
     # -- checkpoints -----------------------------------------------------------------------------------
@@ -719,6 +726,14 @@ class RLTrainer:
 
 def _jsonable(x):
     return x if isinstance(x, (str, int, float, bool, type(None), list, dict)) else str(x)
+
+
+def _turns(messages: list[dict] | None, raw_prompt: list[dict], turn_texts: list[str]) -> list[dict]:
+    """An agent trajectory as [{role, content}, ...]: the loop's `messages` when it kept them,
+    else the prompt's messages and its assistant turns (`turn_texts`)."""
+    if messages is None:
+        messages = [*raw_prompt, *({"role": "assistant", "content": t} for t in turn_texts)]
+    return [{"role": str(m["role"]), "content": _jsonable(m.get("content", ""))} for m in messages]
 
 
 def _use_cpu_for_controller() -> None:

@@ -165,3 +165,15 @@ def test_tensorboard_tags_are_the_printed_and_jsonl_names(tmp_path):
     scalars = _tensorboard_scalars(tmp_path / "tensorboard")
     assert set(scalars) == set(row) - {"training/global_step"} == {name, "actor/pg_loss"}
     assert scalars[name] == [(3, 0.25)] and scalars["actor/pg_loss"] == [(3, 0.5)]
+
+
+def test_generation_turns_stay_apart_in_jsonl_and_the_tensorboard_table(tmp_path):
+    turns = [{"role": "user", "content": "37*48="}, {"role": "assistant", "content": "<call>"},
+             {"role": "tool", "content": "1776"}, {"role": "assistant", "content": "1776"}]
+    with MetricsLogger(tmp_path, backends=("tensorboard", "jsonl")) as logger:
+        logger.log_generations([{"prompt": "37*48=", "response": "<call>1776", "score": 1.0, "turns": turns}],
+                               step=2)
+    (row,) = [json.loads(x) for x in open(tmp_path / "val_generations.jsonl")]
+    assert row["turns"] == turns and row["response"] == "<call>1776"
+    data = b"".join(p.read_bytes() for p in (tmp_path / "tensorboard").glob("events.out.tfevents*"))
+    assert b"user: 37*48=<br>assistant: <call><br>tool: 1776<br>assistant: 1776" in data
