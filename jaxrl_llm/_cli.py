@@ -16,6 +16,9 @@ import sys
 from absl import flags
 
 USAGE_ERROR = 2
+CONFIGS_DOC = "docs/configs.md"
+CONFIG_HELP = ("Run config file, path.py[:variant] (the shipped ones are in configs/); override any "
+               f"field with --config.a.b=value. Every field, its default and meaning: {CONFIGS_DOC}.")
 PLATFORMS_ENV = "JAX_PLATFORMS"
 # set beside JAX_PLATFORMS when skip_absent_tpu chose it (not the user): the Ray backend then does
 # not forward it to other nodes, which decide for themselves (one of them may hold a TPU)
@@ -124,8 +127,11 @@ def last_override_wins(argv: list[str]) -> list[str]:
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing (an `app.run` flags_parser) with an unknown config field, a value
     of the wrong type or an unknown flag reported as one line. The first thing both commands
-    run, so it also calls `skip_absent_tpu` (before a config file can import JAX)."""
+    run, so it also calls `skip_absent_tpu` (before a config file can import JAX) and gives the
+    --config flag the help text that points to docs/configs.md."""
     skip_absent_tpu()
+    if "config" in flags.FLAGS:  # --help of both commands says where the fields are documented
+        flags.FLAGS["config"].help = CONFIG_HELP
     try:
         return flags.FLAGS(last_override_wins(argv))
     except flags.Error as e:
@@ -150,12 +156,39 @@ def load_run(config_flag, flag_name: str = "config"):
             fail(f"--{flag_name}: config file {path!r} not found{where}")
         fail(f"--{flag_name}: could not load {path!r}: {_text(object.__getattribute__(value, '_error'))}")
     try:
-        return to_run_config(value)
+        run = to_run_config(value)
     except ConfigError as e:
         fail(_text(e))
     except (AttributeError, KeyError, TypeError, ValueError) as e:  # a config file's own check
         fail(f"--{flag_name}: {_text(e)}")
-    return None  # unreachable
+    check_files(run)
+    return run
+
+
+def _config_files(run) -> list[tuple[str, str, str]]:
+    """(field, path, what it must be) of every file or folder the config names, data aside."""
+    mt, tok = run.rollout.multi_turn, run.model.tokenizer
+    files = [("model.path", run.model.path, "model folder"),
+             ("model.tokenizer", "" if tok == "char" else tok, "tokenizer folder"),
+             ("reward.model.path", run.reward.model.path, "reward model folder"),
+             ("reward.custom_reward_function.path", run.reward.custom_reward_function.path, "file"),
+             ("rollout.multi_turn.tool_config_path", mt.tool_config_path, "file"),
+             ("rollout.multi_turn.function_tool_path", mt.function_tool_path, "file"),
+             ("rollout.multi_turn.interaction_config_path", mt.interaction_config_path, "file")]
+    if run.trainer.backend == "ray" and os.environ.get("RAY_ADDRESS"):
+        files = []  # the workers open these on the cluster's nodes, which this one may not see
+    if run.trainer.resume_mode not in ("auto", "disable"):
+        files.append(("trainer.resume_mode", run.trainer.resume_mode, "checkpoint (a path, or auto / disable)"))
+    return [(field, path, what) for field, path, what in files if path and "://" not in path]
+
+
+def check_files(run) -> None:
+    """A file or folder the config names that is not there is one line naming the field (the
+    data files are the data loader's to check), before anything starts."""
+    for field, path, what in _config_files(run):
+        if not os.path.exists(path):
+            where = "" if os.path.isabs(path) else f" (relative to the current directory {os.getcwd()})"
+            fail(f"{field}={path!r}: {what} not found{where}")
 
 
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"

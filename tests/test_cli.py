@@ -47,6 +47,36 @@ def test_relative_config_path_from_another_directory_says_not_found(tmp_path):
                                   f"(relative to the current directory {tmp_path})")
 
 
+def _command(module, *args, cwd=ROOT):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("module, flags", [("jaxrl_llm.train", ["--config", "--num_hosts", "--process_id"]),
+                                           ("jaxrl_llm.sft", ["--config"])])
+def test_help_points_to_the_config_reference_and_lists_the_flags(module, flags):
+    out = _command(module, "--help")
+    assert "docs/configs.md" in out.stdout and os.path.isfile(os.path.join(ROOT, "docs", "configs.md"))
+    assert all(f"  {flag}:" in out.stdout for flag in flags), out.stdout
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("module, field, what", [
+    ("jaxrl_llm.train", "model.path", "model folder"),
+    ("jaxrl_llm.train", "trainer.resume_mode", "checkpoint (a path, or auto / disable)"),
+    ("jaxrl_llm.train", "rollout.multi_turn.function_tool_path", "file"),
+    ("jaxrl_llm.sft", "model.tokenizer", "tokenizer folder"),
+])
+def test_a_missing_file_the_config_names_is_one_line_naming_the_field(module, field, what, tmp_path):
+    missing = str(tmp_path / "not-there")
+    out = _command(module, "--config=configs/quickstart.py:tiny,local", f"--config.{field}={missing}",
+                   f"--config.trainer.default_local_dir={tmp_path / 'run'}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip() == f"error: {field}={missing!r}: {what} not found", out.stderr[-2000:]
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
 def test_compilation_cache_is_on_by_default_and_respects_the_users_setting(tmp_path, monkeypatch):
     import jax
 
