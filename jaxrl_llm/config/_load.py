@@ -214,6 +214,12 @@ def validate(c: RunConfig) -> None:
     _positive(c.trainer.log_val_generations, "trainer.log_val_generations", allow_zero=True)
     if c.trainer.val_only and not c.data.val_files:
         raise ConfigError("trainer.val_only=True needs validation data: set data.val_files")
+    best = c.trainer.keep_best_val_metric
+    if best and not best.startswith(("val-core/", "val-aux/")):
+        raise ConfigError(f"trainer.keep_best_val_metric={best!r} is not a validation metric: give one "
+                          "printed at validation, e.g. 'val-core/<data_source>/reward/mean@1' ('' = off)")
+    if best and not c.data.val_files:
+        raise ConfigError("trainer.keep_best_val_metric needs validation data: set data.val_files")
     if c.rollout.temperature < 0:
         raise ConfigError(f"rollout.temperature must be >= 0, got {c.rollout.temperature}")
     if not 0 < c.rollout.top_p <= 1:

@@ -152,6 +152,7 @@ class RLTrainer:
         self.global_step = 0
         self.nonfinite_steps = 0  # steps with a skipped (NaN/inf) optimizer update, in all
         self.nonfinite_streak = 0  # ... in a row, up to now
+        self._best_val: float | None = None  # trainer.keep_best_val_metric's best (read lazily)
 
     def call0(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Calls `method` (a `HostWorker` function) on every host; hosts return identical
@@ -176,6 +177,7 @@ class RLTrainer:
             if c.trainer.val_before_train and self.val_set is not None and self.global_step == 0:
                 last_val = self.validate()
                 self.logger.log(last_val, step=0)
+                self._keep_best(last_val)
             bar = _progress(c, self.global_step)
             while self.global_step < c.trainer.total_training_steps:
                 step_metrics = self.train_step()
@@ -187,6 +189,7 @@ class RLTrainer:
                     self._settle()  # the engine must be idle and hold the newest weights
                     last_val = self.validate()
                     step_metrics.update(last_val)
+                    self._keep_best(last_val)
                 # the row goes in before the checkpoint: a resume rewinds the files to the
                 # checkpoint's step, so the row of a saved step is never lost or doubled
                 self.logger.log(step_metrics, step=self.global_step)
@@ -692,6 +695,37 @@ class RLTrainer:
                    for i in pick]
         self.logger.log_generations(samples, step=step)
 
+    def _keep_best(self, val: dict) -> None:
+        """`trainer.keep_best_val_metric`: when this validation's value of the metric beats the
+        best so far (higher is better; the best so far is `<run>/hf_best/best.json`'s, so it
+        survives a resume), the actor is exported to `<run>/hf_best/` (a Hugging Face folder,
+        written beside it and then swapped in) with best.json = {metric, step, value}."""
+        name = self.config.trainer.keep_best_val_metric
+        if not name:
+            return
+        if name not in val:
+            have = sorted(k for k in val if k.startswith("val-core/"))
+            raise ValueError(f"trainer.keep_best_val_metric={name!r} is not among this run's validation "
+                             f"metrics; its val-core metrics are {have}")
+        value, final = float(val[name]), f"{self.run_dir}/hf_best"
+        if self._best_val is None:  # the first validation of this process: the folder's record
+            record = _read_best(final)
+            self._best_val = record["value"] if record and record.get("metric") == name else -math.inf
+        if not value > self._best_val:  # NaN never improves
+            return
+        self._best_val = value
+        partial = f"{final}.partial"
+        if self.logger_enabled:  # a folder left by a killed export
+            import shutil
+
+            shutil.rmtree(partial, ignore_errors=True)
+        self.call0(HostWorker.export_hf, partial, tokenizer=self.tokenizer)  # every process takes part
+        if self.logger_enabled:  # process 0 moves the files
+            with open(f"{partial}/best.json", "w", encoding="utf-8") as f:
+                json.dump({"metric": name, "step": self.global_step, "value": value}, f)
+            _swap_in(partial, final)
+        log.info("%s=%.4g at step %d is the best so far: exported to %s", name, value, self.global_step, final)
+
     # -- checkpoints -----------------------------------------------------------------------------------
     def _meta(self) -> dict:
         # with a rollout in flight, the saved data position is before its prompts: a resumed run
@@ -722,6 +756,28 @@ class RLTrainer:
             self._fed_batches, self._stale_groups = int(state["fed_batches"]), int(state["stale_groups"])
             self._outstanding = len(state["pending"]) + len(state["queued"])
         log.info("resumed from %s at step %d", directory, self.global_step)
+
+
+def _read_best(folder: str) -> dict | None:
+    """`<folder>/best.json` ({metric, step, value}), or None when there is none to read."""
+    try:
+        with open(os.path.join(folder, "best.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _swap_in(new: str, final: str) -> None:
+    """Replaces the folder `final` with `new`: a reader sees the old or the new folder, and a kill
+    in between leaves `final.old` (the previous best) beside them."""
+    import shutil
+
+    old = f"{final}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(final):
+        os.replace(final, old)
+    os.replace(new, final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _jsonable(x):
