@@ -34,10 +34,10 @@ def fail(message: str) -> None:
 
 
 def tpu_present() -> bool:
-    """Whether this machine may hold a TPU: a `/dev/accel*` or `/dev/vfio/*` device (how TPU VMs
+    """Whether this machine may hold a TPU: a `/dev/accel*` or `/dev/vfio/<n>` device (how TPU VMs
     expose their chips) or a Google PCI device that is neither storage nor network (JAX's own
     check looks at the PCI vendor too). Errs towards True."""
-    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/*"):
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
         return True
     for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
         try:
