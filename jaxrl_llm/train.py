@@ -1,5 +1,8 @@
 """`python -m jaxrl_llm.train --config=configs/X.py[:variant] [--config.a.b=v ...]`: run a job.
 
+Every config field, its default and meaning: docs/configs.md. The shipped configs (configs/)
+say their variants and launch command in their docstrings.
+
 Multi-host, local backend (`trainer.backend=local`): every host runs this same command;
 `--coordinator_address`, `--num_processes` and `--process_id` (or the SLURM / TPU VM environment)
 start `jax.distributed` first, and only process 0 writes metrics.
@@ -21,7 +24,7 @@ from ml_collections import config_flags
 import sharding
 from jaxrl_llm import _cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Run config file.",
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", _cli.CONFIG_HELP,
                                           lock_config=True)
 _COORD = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host).")
 _NPROC = flags.DEFINE_integer("num_processes", None, "Number of JAX processes (multi-host).")

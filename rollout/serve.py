@@ -88,6 +88,9 @@ def start(args):
 
 
 def main(argv=None):
+    from jaxrl_llm._cli import skip_absent_tpu
+
+    skip_absent_tpu()  # before JAX starts: a machine without a TPU does not start libtpu
     args = parse_args(argv)
     server = start(args)
     print(f"JetStream gRPC server on {args.host}:{args.port} serving {args.checkpoint}", flush=True)

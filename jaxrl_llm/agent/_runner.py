@@ -112,7 +112,9 @@ class AgentRunner:
         """responses / response_mask / response_attention_mask int32[b, t], rollout_log_probs
         f32[b, t], rollout_versions int32[b, t] (the policy version of each model token, -1
         elsewhere), prompt_ids (lists), scores f32[b], reward_extra {key: f32[b]}, num_turns
-        int32[b], finished_s / scored_s f32[b] (seconds from the batch start), metrics."""
+        int32[b], finished_s / scored_s f32[b] (seconds from the batch start), metrics, and per
+        row the loop's conversation `messages` (prompt and turns, {role, content}; None for a loop
+        that keeps none, e.g. single_turn_agent)."""
         b, t = len(results), self.max_response_length
         responses = np.full((b, t), self.pad_token_id, np.int32)
         mask, attn = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
@@ -145,7 +147,8 @@ class AgentRunner:
                 "num_turns": np.asarray([o.num_turns for o in outs], np.int32),
                 "finish_reasons": [o.extra_fields.get("finish_reason", "stop") for o in outs],
                 "finished_s": finished, "scored_s": scored, "metrics": metrics,
-                "turn_texts": [o.extra_fields.get("turn_texts", []) for o in outs]}
+                "turn_texts": [o.extra_fields.get("turn_texts", []) for o in outs],
+                "messages": [o.extra_fields.get("messages") for o in outs]}
 
 
     def _check_reward_failures(self, samples, results) -> None:

@@ -74,6 +74,6 @@ def base_config() -> ConfigDict:
         val_only=False, log_val_generations=10,
         default_local_dir="runs/default", resume_mode="auto", max_to_keep=2, max_nonfinite_steps=3,
         async_save=True,
-        export_hf=True, logger=("console", "jsonl", "tensorboard"), project_name="jaxrl_llm",
+        export_hf=True, keep_best_val_metric="", logger=("console", "jsonl", "tensorboard"), project_name="jaxrl_llm",
         experiment_name="default", seed=0, progress_bar=True, plot=True)
     return c

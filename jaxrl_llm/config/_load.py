@@ -214,8 +214,16 @@ def validate(c: RunConfig) -> None:
     _positive(c.actor.optim.lr, "actor.optim.lr")
     _positive(c.sft.steps, "sft.steps", allow_zero=True)
     _positive(c.trainer.log_val_generations, "trainer.log_val_generations", allow_zero=True)
-    if c.trainer.val_only and not (c.data.val_files or (c.data.builtin_task and c.data.builtin_val_size > 0)):
+    has_val = bool(c.data.val_files or (c.data.builtin_task and c.data.builtin_val_size > 0))
+    if c.trainer.val_only and not has_val:
         raise ConfigError("trainer.val_only=True needs validation data: set data.val_files (or "
+                          "data.builtin_val_size > 0 with a data.builtin_task)")
+    best = c.trainer.keep_best_val_metric
+    if best and not best.startswith(("val-core/", "val-aux/")):
+        raise ConfigError(f"trainer.keep_best_val_metric={best!r} is not a validation metric: give one "
+                          "printed at validation, e.g. 'val-core/<data_source>/reward/mean@1' ('' = off)")
+    if best and not has_val:
+        raise ConfigError("trainer.keep_best_val_metric needs validation data: set data.val_files (or "
                           "data.builtin_val_size > 0 with a data.builtin_task)")
     if c.rollout.temperature < 0:
         raise ConfigError(f"rollout.temperature must be >= 0, got {c.rollout.temperature}")

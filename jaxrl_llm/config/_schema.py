@@ -324,6 +324,7 @@ class TrainerConfig:
     max_nonfinite_steps: int  # stop after this many consecutive steps with a skipped NaN/inf update
     async_save: bool
     export_hf: bool  # save the actor as a Hugging Face folder at the end
+    keep_best_val_metric: str  # a validation metric (e.g. "val-core/<source>/reward/mean@1"): after each validation that raises it (higher is better), the actor goes to <run>/hf_best/ with best.json (step, value); "" = off
     logger: tuple[str, ...]
     project_name: str
     experiment_name: str

@@ -1,5 +1,7 @@
 """`MetricsLogger`: one call per training step → console line, metrics.jsonl, TensorBoard.
 
+A metric has one name everywhere: the console, metrics.jsonl and the TensorBoard tag.
+
 JSON has no NaN or infinity, so non-finite floats are written as the strings "NaN",
 "Infinity" and "-Infinity"; `read_jsonl` turns them back into floats. Only process 0 writes.
 """
@@ -110,9 +112,13 @@ class MetricsLogger:
             self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
             self._jsonl.flush()
         if self._tb is not None:
-            for key, value in values.items():
-                # TensorBoard names allow [A-Za-z0-9_./-]: 'mean@1' -> 'mean_at_1' (jsonl keeps verl's)
-                self._tb.add_scalar(key.replace("@", "_at_"), value, global_step=int(step))
+            from tensorboardX.proto.summary_pb2 import Summary
+
+            # the tag is the printed name, 'mean@1' included: tensorboardX's add_scalar would turn
+            # characters outside [A-Za-z0-9_./-] into '_', so the summary is written as is
+            summary = Summary(value=[Summary.Value(tag=key, simple_value=float(value))
+                                     for key, value in values.items()])
+            self._tb.file_writer.add_summary(summary, global_step=int(step))
             self._tb.flush()
         if "console" in self.backends and self._calls % self.console_every == 0:
             write_console(format_summary(values, int(step)))
@@ -125,9 +131,10 @@ class MetricsLogger:
         return self.run_dir / "val_generations.jsonl"
 
     def log_generations(self, samples: list[Mapping[str, Any]], step: int) -> None:
-        """Validation samples (prompt, response, score, ground truth, ...): one JSON row per
-        sample in `<run_dir>/val_generations.jsonl` and a markdown table as TensorBoard text
-        `val/generations` (verl's `log_val_generations`)."""
+        """Validation samples (prompt, response, score, ground truth, ...; an agent sample's
+        `turns`, [{role, content}, ...]): one JSON row per sample in
+        `<run_dir>/val_generations.jsonl` and a markdown table as TensorBoard text
+        `val/generations` (verl's `log_val_generations`; turns there as `role: content` lines)."""
         if not self.enable or not samples:
             return
         if "jsonl" in self.backends:
@@ -135,8 +142,8 @@ class MetricsLogger:
                 for s in samples:
                     f.write(json.dumps({STEP_KEY: int(step), **s}, default=str) + "\n")
         if self._tb is not None:
-            cols = list(samples[0])
-            cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
+            cols = list(dict.fromkeys(c for s in samples for c in s))
+            cell = lambda v: _cell_text(v).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
             table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
             table += ["| " + " | ".join(cell(s.get(c, "")) for c in cols) + " |" for s in samples]
             self._tb.add_text("val/generations", "\n".join(table), global_step=int(step))
@@ -156,6 +163,13 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _cell_text(value: Any) -> str:
+    """A table cell: a list of turns as one `role: content` line each, anything else as str."""
+    if isinstance(value, list) and value and all(isinstance(t, Mapping) and "role" in t for t in value):
+        return "\n".join(f"{t['role']}: {t.get('content', '')}" for t in value)
+    return str(value)
 
 
 def _truncate_jsonl(path: Path, step: int) -> None:

@@ -11,8 +11,10 @@ controller then stops cleanly.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -24,6 +26,9 @@ _FORWARD_ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_ENABLE_X64", "CUDA_VISIBLE_DE
                 "TOKENIZERS_PARALLELISM", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
                 "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
 
+
+# Runs first in every Ray worker process: a node without a TPU does not start libtpu there
+_WORKER_SETUP_HOOK = "jaxrl_llm._cli.skip_absent_tpu"
 
 # Custom Ray resource that marks a node as one training host (one HostWorker actor each).
 HOST_RESOURCE = "jaxrl_host"
@@ -106,9 +111,10 @@ class RayGroup:
 
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
-            env = forward_env()
+            if not address:
+                _no_stale_tpu_logs()
             ray.init(address=address, include_dashboard=False, log_to_driver=True,
-                     runtime_env={"env_vars": env} if env else None,
+                     runtime_env=worker_runtime_env(),
                      num_cpus=None if address else os.cpu_count(), ignore_reinit_error=True)
         self._ray = ray
         placements = host_placements(ray, num_hosts)
@@ -117,7 +123,6 @@ class RayGroup:
                            "coordinator_address": free_address_on(ray, placements[0])}
         if distributed is not None:
             distributed = {**distributed, "num_processes": num_hosts}
-        env = forward_env()
         # max_concurrency > 1 makes a threaded actor: call_async and call run side by side
         self.cls = cls
         actor_cls = ray.remote(num_cpus=0, max_concurrency=max_concurrency)(cls)
@@ -126,9 +131,8 @@ class RayGroup:
             kw = dict(kwargs)
             if distributed is not None:
                 kw["distributed"] = {**distributed, "process_id": i}
-            opts = dict(placements[i])
-            if env:  # this process's devices/env now, also when Ray was started earlier
-                opts["runtime_env"] = {"env_vars": env}
+            # this process's devices/env now, also when Ray was started earlier
+            opts = {**placements[i], "runtime_env": worker_runtime_env()}
             self.workers.append(actor_cls.options(**opts).remote(*args, **kw))
         self.call(cls.info)  # surface construction errors now
 
@@ -158,8 +162,43 @@ class RayGroup:
 
 
 def forward_env() -> dict[str, str]:
-    """The variables of `_FORWARD_ENV` that are set in this process."""
-    return {k: os.environ[k] for k in _FORWARD_ENV if k in os.environ}
+    """The variables of `_FORWARD_ENV` that are set in this process, less a JAX_PLATFORMS that
+    `_cli.skip_absent_tpu` chose for this machine (another node may hold a TPU; the workers'
+    setup hook decides there)."""
+    from jaxrl_llm._cli import PLATFORMS_AUTO_ENV, PLATFORMS_ENV
+
+    env = {k: os.environ[k] for k in _FORWARD_ENV if k in os.environ}
+    if PLATFORMS_ENV in env and env[PLATFORMS_ENV] == os.environ.get(PLATFORMS_AUTO_ENV):
+        del env[PLATFORMS_ENV]
+    return env
+
+
+def worker_runtime_env() -> dict:
+    """Ray's runtime_env of the workers: the forwarded variables and the setup hook that keeps
+    a node without a TPU from starting libtpu."""
+    env = forward_env()
+    return {"worker_process_setup_hook": _WORKER_SETUP_HOOK, **({"env_vars": env} if env else {})}
+
+
+def _no_stale_tpu_logs() -> None:
+    """A local Ray streams the files of `$TPU_LOG_DIR` (default /tmp/tpu_logs, libtpu's log
+    folder, left by any earlier run on the machine) into this process's output. On a machine
+    without a TPU nothing there is ours: unless the user set TPU_LOG_DIR, point it at an empty
+    folder (removed at exit) for the Ray that is about to start."""
+    from jaxrl_llm._cli import tpu_present
+
+    if "TPU_LOG_DIR" in os.environ or tpu_present():
+        return
+    empty = tempfile.mkdtemp(prefix="jaxrl_llm-no-tpu-logs-")
+    os.environ["TPU_LOG_DIR"] = empty
+    atexit.register(_remove_if_empty, empty)
+
+
+def _remove_if_empty(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 def host_placements(ray, num_hosts: int) -> list[dict]:

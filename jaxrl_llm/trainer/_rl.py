@@ -110,6 +110,7 @@ class RLTrainer:
         self.global_step = 0
         self.nonfinite_steps = 0  # steps with a skipped (NaN/inf) optimizer update, in all
         self.nonfinite_streak = 0  # ... in a row, up to now
+        self._best_val: float | None = None  # trainer.keep_best_val_metric's best (read lazily)
 
     def call0(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Calls `method` (a `HostWorker` function) on every host; hosts return identical
@@ -134,6 +135,7 @@ class RLTrainer:
             if c.trainer.val_before_train and self.val_set is not None and self.global_step == 0:
                 last_val = self.validate()
                 self.logger.log(last_val, step=0)
+                self._keep_best(last_val)
             bar = _progress(c, self.global_step)
             while self.global_step < c.trainer.total_training_steps:
                 step_metrics = self.train_step()
@@ -145,6 +147,7 @@ class RLTrainer:
                     self._settle()  # the engine must be idle and hold the newest weights
                     last_val = self.validate()
                     step_metrics.update(last_val)
+                    self._keep_best(last_val)
                 # the row goes in before the checkpoint: a resume rewinds the files to the
                 # checkpoint's step, so the row of a saved step is never lost or doubled
                 self.logger.log(step_metrics, step=self.global_step)
@@ -596,7 +599,7 @@ class RLTrainer:
         c = self.config
         v = c.rollout.val
         examples = list(self.val_set)
-        rows = dict(data_source=[], prompt=[], response=[], ground_truth=[])
+        rows = dict(data_source=[], prompt=[], response=[], ground_truth=[], turns=[])
         infos: dict[str, list[float]] = {"reward": []}
         for start in range(0, len(examples), c.data.val_batch_size):
             chunk = examples[start:start + c.data.val_batch_size]
@@ -605,6 +608,8 @@ class RLTrainer:
                 scores, extra = gen["scores"], gen["reward_extra"]
                 prompts = [self.tokenizer.decode(list(ids)) for ids in gen["prompt_ids"]]
                 lengths = np.asarray(gen["response_attention_mask"]).sum(-1)
+                rows["turns"] += [_turns(m, e.raw_prompt, turns) for m, e, turns in
+                                  zip(gen["messages"], (e for e in chunk for _ in range(v.n)), gen["turn_texts"])]
             else:
                 gen = self.call0(HostWorker.generate, [e.prompt_ids for e in chunk], n=v.n,
                                  max_new_tokens=c.data.max_response_length,
@@ -615,6 +620,7 @@ class RLTrainer:
                 scores, extra, _ = self._score(chunk, batch, v.n)
                 prompts = [self.tokenizer.decode(list(e.prompt_ids)) for e in chunk for _ in range(v.n)]
                 lengths = gen["response_mask"].sum(-1)
+                rows["turns"] += [None] * len(prompts)  # one completion: prompt and response say it all
             rows["prompt"] += prompts
             rows["response"] += [self.tokenizer.decode(r[:k].tolist()) for r, k in zip(gen["responses"], lengths)]
             rows["data_source"] += [e.data_source for e in chunk for _ in range(v.n)]
@@ -633,15 +639,50 @@ class RLTrainer:
 
     def _log_val_generations(self, rows: dict, scores: list[float], step: int) -> None:
         """verl's `log_val_generations`: the same `trainer.log_val_generations` responses
-        (a fixed random choice) at every validation, with prompt, score and ground truth."""
+        (a fixed random choice) at every validation, with prompt, score and ground truth; an
+        agent-loop sample also has its conversation as `turns`, [{role, content}, ...] (the
+        prompt's messages, then the model's, tools' and user's turns apart)."""
         k = min(self.config.trainer.log_val_generations, len(scores))
         if k == 0 or not self.logger_enabled:
             return
         pick = sorted(np.random.default_rng(42).permutation(len(scores))[:k].tolist())
         samples = [{"data_source": rows["data_source"][i], "prompt": rows["prompt"][i],
                     "response": rows["response"][i], "score": scores[i],
-                    "ground_truth": _jsonable(rows["ground_truth"][i])} for i in pick]
+                    "ground_truth": _jsonable(rows["ground_truth"][i]),
+                    **({"turns": rows["turns"][i]} if rows["turns"][i] is not None else {})}
+                   for i in pick]
         self.logger.log_generations(samples, step=step)
+
+    def _keep_best(self, val: dict) -> None:
+        """`trainer.keep_best_val_metric`: when this validation's value of the metric beats the
+        best so far (higher is better; the best so far is `<run>/hf_best/best.json`'s, so it
+        survives a resume), the actor is exported to `<run>/hf_best/` (a Hugging Face folder,
+        written beside it and then swapped in) with best.json = {metric, step, value}."""
+        name = self.config.trainer.keep_best_val_metric
+        if not name:
+            return
+        if name not in val:
+            have = sorted(k for k in val if k.startswith("val-core/"))
+            raise ValueError(f"trainer.keep_best_val_metric={name!r} is not among this run's validation "
+                             f"metrics; its val-core metrics are {have}")
+        value, final = float(val[name]), f"{self.run_dir}/hf_best"
+        if self._best_val is None:  # the first validation of this process: the folder's record
+            record = _read_best(final)
+            self._best_val = record["value"] if record and record.get("metric") == name else -math.inf
+        if not value > self._best_val:  # NaN never improves
+            return
+        self._best_val = value
+        partial = f"{final}.partial"
+        if self.logger_enabled:  # a folder left by a killed export
+            import shutil
+
+            shutil.rmtree(partial, ignore_errors=True)
+        self.call0(HostWorker.export_hf, partial, tokenizer=self.tokenizer)  # every process takes part
+        if self.logger_enabled:  # process 0 moves the files
+            with open(f"{partial}/best.json", "w", encoding="utf-8") as f:
+                json.dump({"metric": name, "step": self.global_step, "value": value}, f)
+            _swap_in(partial, final)
+        log.info("%s=%.4g at step %d is the best so far: exported to %s", name, value, self.global_step, final)
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def _meta(self) -> dict:
@@ -675,8 +716,38 @@ class RLTrainer:
         log.info("resumed from %s at step %d", directory, self.global_step)
 
 
+def _read_best(folder: str) -> dict | None:
+    """`<folder>/best.json` ({metric, step, value}), or None when there is none to read."""
+    try:
+        with open(os.path.join(folder, "best.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _swap_in(new: str, final: str) -> None:
+    """Replaces the folder `final` with `new`: a reader sees the old or the new folder, and a kill
+    in between leaves `final.old` (the previous best) beside them."""
+    import shutil
+
+    old = f"{final}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(final):
+        os.replace(final, old)
+    os.replace(new, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _jsonable(x):
     return x if isinstance(x, (str, int, float, bool, type(None), list, dict)) else str(x)
+
+
+def _turns(messages: list[dict] | None, raw_prompt: list[dict], turn_texts: list[str]) -> list[dict]:
+    """An agent trajectory as [{role, content}, ...]: the loop's `messages` when it kept them,
+    else the prompt's messages and its assistant turns (`turn_texts`)."""
+    if messages is None:
+        messages = [*raw_prompt, *({"role": "assistant", "content": t} for t in turn_texts)]
+    return [{"role": str(m["role"]), "content": _jsonable(m.get("content", ""))} for m in messages]
 
 
 def _use_cpu_for_controller() -> None:

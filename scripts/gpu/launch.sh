@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Launch jaxrl-llm on GPU hosts: over ssh from a host list, or by submitting scripts/gpu/slurm.sbatch.
 #
-#   scripts/gpu/launch.sh ssh   --hosts=gpu1,gpu2 [--port=12345] [--dry-run] -- --config=configs/X.py ...
+#   scripts/gpu/launch.sh ssh   --hosts=gpu1,gpu2 [--port=12345] [--dry-run] -- --config=configs/grpo_gsm8k.py ...
 #   scripts/gpu/launch.sh ssh   --hostfile=hosts.txt ...          (one host per line, # comments)
 #   scripts/gpu/launch.sh stop  --hosts=gpu1,gpu2                 (kill the runs `ssh` started, by pid)
-#   scripts/gpu/launch.sh slurm --nodes=4 [--tasks-per=node|gpu] [--dry-run] -- --config=configs/X.py ...
+#   scripts/gpu/launch.sh slurm --nodes=4 [--tasks-per=node|gpu] [--dry-run] -- --config=configs/grpo_gsm8k.py ...
 #
 # ssh: host i runs `python3 -m jaxrl_llm.train --coordinator_address=HOST0:PORT --num_processes=N
 #   --process_id=i <training flags>` in --repo-dir (same path on every host: a shared filesystem or
@@ -56,7 +56,7 @@ host_list() {
 }
 
 need_train_flags() {
-  [[ ${#TRAIN[@]} -gt 0 ]] || { echo "launch.sh: pass the training flags after --, at least --config=configs/X.py" >&2; exit 2; }
+  [[ ${#TRAIN[@]} -gt 0 ]] || { echo "launch.sh: pass the training flags after --, at least --config=FILE, e.g. --config=configs/grpo_gsm8k.py" >&2; exit 2; }
 }
 
 case "$COMMAND" in

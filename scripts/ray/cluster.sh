@@ -4,7 +4,7 @@
 #   scripts/ray/cluster.sh head    [--accelerator=gpu|tpu|cpu] [--gpus-per-host=8] [--ray-port=6379]
 #   scripts/ray/cluster.sh worker  --head=HEAD_IP [--accelerator=...]    (run on every other host)
 #   scripts/ray/cluster.sh up      --hosts=h0,h1,... [--accelerator=...]  (head on h0, workers on the rest, over ssh)
-#   scripts/ray/cluster.sh submit  --head=HEAD_IP --num-hosts=N -- --config=configs/X.py [--config.a=b ...]
+#   scripts/ray/cluster.sh submit  --head=HEAD_IP --num-hosts=N -- --config=configs/grpo_gsm8k.py [--config.a=b ...]
 #   scripts/ray/cluster.sh status  --head=HEAD_IP
 #   scripts/ray/cluster.sh down    [--hosts=h0,h1,...]                    (ray stop here, or on every host)
 #
@@ -65,7 +65,7 @@ case "$COMMAND" in
     ;;
   submit)
     need HEAD head; need NUM_HOSTS num-hosts
-    [[ ${#TRAIN[@]} -gt 0 ]] || { echo "cluster.sh: pass the training flags after --, at least --config=configs/X.py" >&2; exit 2; }
+    [[ ${#TRAIN[@]} -gt 0 ]] || { echo "cluster.sh: pass the training flags after --, at least --config=FILE, e.g. --config=configs/grpo_gsm8k.py" >&2; exit 2; }
     run ray job submit --address="http://$HEAD:$DASH_PORT" --working-dir="$REPO_DIR" \
       --runtime-env-json='{"excludes": [".git", "runs", "*.egg-info"]}' -- \
       "$PYTHON" -m jaxrl_llm.train "${TRAIN[@]}" --config.trainer.backend=ray --num_hosts="$NUM_HOSTS"

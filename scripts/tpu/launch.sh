@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Launch jaxrl-llm on a Cloud TPU VM slice (single host or pod), driven by a config file.
 #
-#   scripts/tpu/launch.sh -c scripts/tpu/v5p-16.env [--dry-run] COMMAND [-- --config.a.b=v ...]
+#   scripts/tpu/launch.sh -c my-slice.env [--dry-run] COMMAND [-- --config.a.b=v ...]
+#   (my-slice.env: your copy of scripts/tpu/example.env, edited for your slice)
 #
 # Commands (run in this order, or `up` for create+setup+run+logs):
 #   check    compile the run's programs for TOPOLOGY here, on this machine (no TPU needed;

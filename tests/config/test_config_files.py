@@ -42,6 +42,27 @@ def test_smollm2_gym_variants_load(variant):
         load_config(os.path.join(ROOT, "configs/grpo_smollm2_gym.py") + ":tool")
 
 
+@pytest.mark.parametrize("variant", ["tiny", "tiny,local"])
+def test_dapo_tiny_is_dapo_on_cpu_with_nothing_to_download(variant):
+    full, run = load_config(os.path.join(ROOT, "configs/dapo.py")), \
+        load_config(os.path.join(ROOT, "configs/dapo.py") + f":{variant}")
+    assert run.trainer.backend == ("local" if "local" in variant else "ray")
+    # no model or tokenizer to fetch, data generated into its own run folder
+    assert run.model.path == "" and run.model.tokenizer == "char" and run.data.builtin_task
+    assert run.trainer.default_local_dir == "runs/dapo-tiny"
+    assert all(f.startswith("runs/dapo-tiny/") for f in run.data.train_files + run.data.val_files)
+    assert run.model.init.hidden_size <= 32 and run.trainer.total_training_steps <= 2
+    # the algorithm is the full config's
+    for section, fields in [("actor", ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode",
+                                       "use_kl_loss")),
+                            ("algorithm", ("adv_estimator", "use_kl_in_reward", "filter_groups"))]:
+        for f in fields:
+            assert getattr(getattr(run, section), f) == getattr(getattr(full, section), f), f
+    assert run.reward.overlong_buffer.enable and run.reward.overlong_buffer.penalty_factor == 1.0
+    with pytest.raises(Exception, match="unknown dapo variant"):
+        load_config(os.path.join(ROOT, "configs/dapo.py") + ":tyni")
+
+
 def test_override_changes_the_typed_value():
     run = load_config(os.path.join(ROOT, "configs/quickstart.py"),
                       ["actor.optim.lr=0.5", "rollout.n=4", "trainer.backend=local"])

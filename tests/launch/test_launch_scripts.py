@@ -6,6 +6,7 @@ parse them with `shlex.split` and check the arguments that matter.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -250,3 +251,18 @@ def test_tpu_failing_check_stops_the_launch(tpu_config):
     assert res.returncode != 0 and "gcloud" not in res.stdout  # nothing after the failed check
     res = _run(TPU, "-c", tpu_config(), "--dry-run", "check", ok=False)
     assert res.returncode == 2 and "TOPOLOGY" in res.stderr
+
+
+_REPO_PATH = re.compile(r"\b(?:configs|scripts|docs|tests|jaxrl_llm|rollout|sharding)/[\w./-]*\w")
+
+
+@pytest.mark.parametrize("script", [TPU, SBATCH, GPU, RAY], ids=lambda p: p.name)
+def test_every_repo_path_in_usage_and_messages_exists(script):
+    """The usage text (`--help`) and the script's messages name only files that are in the repo:
+    a user copies them as they are."""
+    help_text = _run(script, "--help").stdout
+    paths = set(_REPO_PATH.findall(help_text))
+    assert any(p.startswith("scripts/") for p in paths), help_text  # the usage names the script itself
+    paths |= set(_REPO_PATH.findall(script.read_text()))
+    missing = sorted(p for p in paths if not (ROOT / p).exists())
+    assert missing == [], f"{script.name} names files that do not exist: {missing}"

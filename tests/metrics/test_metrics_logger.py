@@ -135,3 +135,45 @@ def test_rewind_drops_rows_after_the_step_and_purges_tensorboard(tmp_path, monke
         (1, 1.0), (2, 2.0), (3, 30.0)]
     assert [r["response"] for r in read_jsonl(tmp_path / "val_generations.jsonl")] == ["r1", "r2"]
     assert purges[-1] == 3
+
+
+def _tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} read back from the event files (TFRecord framing: length,
+    its CRC, the Event proto, its CRC)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(folder.glob("events.out.tfevents*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for v in event.summary.value:
+                if v.HasField("simple_value"):
+                    out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
+
+
+def test_tensorboard_tags_are_the_printed_and_jsonl_names(tmp_path):
+    name = "val-core/arithmetic/reward/mean@1"
+    with MetricsLogger(tmp_path, backends=("tensorboard", "jsonl")) as logger:
+        logger.log({name: 0.25, "actor/pg_loss": 0.5}, step=3)
+    (row,) = read_jsonl(tmp_path / "metrics.jsonl")
+    scalars = _tensorboard_scalars(tmp_path / "tensorboard")
+    assert set(scalars) == set(row) - {"training/global_step"} == {name, "actor/pg_loss"}
+    assert scalars[name] == [(3, 0.25)] and scalars["actor/pg_loss"] == [(3, 0.5)]
+
+
+def test_generation_turns_stay_apart_in_jsonl_and_the_tensorboard_table(tmp_path):
+    turns = [{"role": "user", "content": "37*48="}, {"role": "assistant", "content": "<call>"},
+             {"role": "tool", "content": "1776"}, {"role": "assistant", "content": "1776"}]
+    with MetricsLogger(tmp_path, backends=("tensorboard", "jsonl")) as logger:
+        logger.log_generations([{"prompt": "37*48=", "response": "<call>1776", "score": 1.0, "turns": turns}],
+                               step=2)
+    (row,) = [json.loads(x) for x in open(tmp_path / "val_generations.jsonl")]
+    assert row["turns"] == turns and row["response"] == "<call>1776"
+    data = b"".join(p.read_bytes() for p in (tmp_path / "tensorboard").glob("events.out.tfevents*"))
+    assert b"user: 37*48=<br>assistant: <call><br>tool: 1776<br>assistant: 1776" in data

@@ -92,6 +92,24 @@ def test_validation_uses_the_agent_loops(started):
     assert 0.0 <= val["val-core/arithmetic/reward/mean@1"] <= 1.0
 
 
+def test_validation_generations_keep_the_turns_of_a_conversation_apart(started):
+    import json
+
+    started.validate(step=7)
+    path = os.path.join(started.config.trainer.default_local_dir, "val_generations.jsonl")
+    rows = [r for r in map(json.loads, open(path)) if r["training/global_step"] == 7]
+    assert 0 < len(rows) <= started.config.trainer.log_val_generations
+    for row in rows:
+        assert {"prompt", "response", "score", "ground_truth"} <= set(row)  # the single-turn fields
+        turns = row["turns"]
+        assert all(set(t) == {"role", "content"} and isinstance(t["content"], str) for t in turns)
+        roles = [t["role"] for t in turns]
+        assert roles[0] in ("system", "user") and "assistant" in roles
+        assert set(roles) <= {"system", "user", "assistant", "tool"}
+        # the model's turns are its own text, not the prompt or tool output run together
+        assert all(t["content"] in row["response"] for t in turns if t["role"] == "assistant")
+
+
 def test_multi_turn_with_one_step_off_policy_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="one_step_off_policy cannot be combined"):
         tools_run(tmp_path, **{"placement.mode": "separate", "placement.one_step_off_policy": True,
