@@ -241,3 +241,19 @@ def test_inconsistent_length_flags_are_one_line_errors(quickstart_export, capsys
         assert f"{flag} must be" in line, line
     line = _error_line(capsys, ["--checkpoint", os.path.dirname(quickstart_export)])
     assert "config.json not found" in line
+
+
+def test_the_quickstart_export_is_served_with_default_flags(quickstart_export):
+    """The README's command on a quickstart-like export (only --port added): it starts, serves
+    text through the char tokenizer, and refuses a prompt past the derived max prefill (32)."""
+    port = portpicker.pick_unused_port()
+    server = serve.start(serve.parse_args(["--checkpoint", quickstart_export, "--port", str(port)]))
+    try:
+        client = _Client(port)
+        assert len(client.decode(_text("1+1=", max_tokens=4))) > 0
+        err = client.status_of(_text("x" * 33))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max prefill length 32" in err.details()
+        client.channel.close()
+    finally:
+        server.stop()
