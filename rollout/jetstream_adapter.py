@@ -19,31 +19,31 @@ Every driver thread is a `JetThread`, which SIGKILLs the whole process on any ex
   the second one then raises "Event loop is closed". Results posted to a closed loop are now
   dropped, since nobody is left to read them.
 
-`run_server` puts a request boundary in front of the orchestrator, because anything that fails in
-a driver thread kills the process: every `Decode` request is checked (`check_request`: a prompt,
-token ids inside the model's vocabulary, text the tokenizer can encode, a length that fits the
-prefill, `max_tokens >= 1`; a body that does not parse, e.g. invalid UTF-8, too) and refused with
-INVALID_ARGUMENT before a thread sees it; requests past `max_requests` in flight get
-RESOURCE_EXHAUSTED; with an auth token, calls without `authorization: Bearer <token>` metadata get
-UNAUTHENTICATED.
+`run_server` puts a request boundary (`rollout._grpc_server`) in front of the orchestrator,
+because anything that fails in a driver thread kills the process: every `Decode` request is
+checked (`check_request`: a prompt, token ids inside the model's vocabulary, text the tokenizer can
+encode, a length that fits the prefill, `max_tokens >= 1`; a body that does not parse, e.g.
+invalid UTF-8, too) and refused with INVALID_ARGUMENT before a thread sees it; requests past the
+driver's `max_requests` in flight get RESOURCE_EXHAUSTED; with an auth token, calls without
+`authorization: Bearer <token>` metadata get UNAUTHENTICATED.
 """
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import functools
-import hmac
-import ipaddress
 import logging
 import queue
 import threading
-from concurrent import futures
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
 
 from ._engine import Engine
+from ._grpc_server import (RequestLimits, Server, bearer_auth, check_request, is_loopback,
+                           make_servicer)
+
+__all__ = ["import_jetstream", "as_jetstream_engine", "make_driver", "run_server", "Server",
+           "RequestLimits", "check_request", "is_loopback"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -289,223 +289,6 @@ def make_driver(engine: Engine, *, max_requests: int | None = None):
                                   interleaved_mode=True, max_requests=max_requests)
 
 
-# ------------------------------------------------------------------------- the request boundary
-@dataclasses.dataclass(frozen=True)
-class RequestLimits:
-    """What a `DecodeRequest` must satisfy for `engine` (see `check_request`)."""
-
-    vocab_size: int
-    max_prefill_length: int
-    adds_bos: bool  # one token is prepended to every prompt
-    encode: Callable[[str], Any] | None  # the tokenizer's encode; None: token_content only
-
-    @classmethod
-    def of(cls, engine: Engine) -> "RequestLimits":
-        tokenizer = engine.tokenizer
-        bos = engine.config.bos_token_id
-        if bos is None:
-            bos = getattr(tokenizer, "bos_token_id", None)
-        return cls(vocab_size=int(engine.config.vocab_size),
-                   max_prefill_length=int(engine.max_prefill_length), adds_bos=bos is not None,
-                   encode=None if tokenizer is None else tokenizer.encode)
-
-
-def check_request(request, limits: RequestLimits) -> str | None:
-    """The problem with a `DecodeRequest` (one line naming the field), or None when it can be served.
-
-    Everything the orchestrator's threads would die on, or silently get wrong, is refused here.
-    """
-    which = request.WhichOneof("content")
-    if which is None:
-        return "DecodeRequest has no prompt: set text_content or token_content"
-    if request.max_tokens < 1:
-        return f"max_tokens must be >= 1 (tokens to generate), got {request.max_tokens}"
-    if request.session_cache:
-        return "session_cache is not supported by this server: leave it empty"
-    if which == "text_content":
-        if not request.text_content.text:
-            return "empty prompt: text_content.text is empty"
-        if limits.encode is None:
-            return "this server has no tokenizer: send token_content (token ids), not text_content"
-        try:
-            ids = [int(t) for t in limits.encode(request.text_content.text)]
-        except Exception as e:  # noqa: BLE001 - any tokenizer failure is the request's problem
-            return f"text_content cannot be tokenized by the checkpoint's tokenizer: {e}"
-        field = "text_content (after tokenization)"
-    else:
-        ids = list(request.token_content.token_ids)
-        field = "token_content.token_ids"
-    if not ids:
-        return f"empty prompt: {field} has no tokens"
-    bad = next((i for i, t in enumerate(ids) if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        return (f"{field}: token id {ids[bad]} at position {bad} is outside the model's vocabulary "
-                f"[0, {limits.vocab_size})")
-    n = len(ids) + int(limits.adds_bos)
-    if n > limits.max_prefill_length:
-        return (f"prompt of {n} tokens is longer than the server's max prefill length "
-                f"{limits.max_prefill_length} (--max-prefill-length): shorten it")
-    return None
-
-
-class _Unparsable:
-    """Stands in for a request body that is not a DecodeRequest (e.g. text that is not UTF-8)."""
-
-    def __init__(self, error: Exception):
-        self.problem = f"the request is not a valid DecodeRequest ({error})"
-
-
-def _lenient(message_cls):
-    def parse(data: bytes):
-        try:
-            return message_cls.FromString(data)
-        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError; refused in Decode
-            return _Unparsable(e)
-    return parse
-
-
-async def _abort(context, code, details: str):
-    if context is None:  # called in-process, as LLMOrchestrator allows
-        raise ValueError(details)
-    await context.abort(code, details)
-
-
-def make_servicer(js, driver, limits: RequestLimits):
-    """JetStream's `LLMOrchestrator` over `driver`, refusing bad requests and overload first."""
-    import grpc
-
-    class Orchestrator(js.orchestrator.LLMOrchestrator):
-        async def Decode(self, request, context=None):  # noqa: N802 - the gRPC method name
-            if isinstance(request, _Unparsable):
-                problem = request.problem
-            else:
-                problem = check_request(request, limits)
-            if problem is not None:
-                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
-            bound = driver.max_requests
-            if bound is not None and driver.in_flight >= bound:
-                # the driver's own check is the exact one; this one only gives the clearer message
-                await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"the server is busy: {bound} requests in flight (--slots + "
-                             f"--max-queued-requests); retry later")
-            async for response in super().Decode(request, context):
-                yield response
-
-    return Orchestrator(driver=driver)
-
-
-def _add_servicer(js, servicer, server):
-    """Like jetstream_pb2_grpc.add_OrchestratorServicer_to_server, with a Decode body that does
-    not parse reaching `Decode` (to be refused with INVALID_ARGUMENT) instead of gRPC's INTERNAL."""
-    import grpc
-    pb = js.jetstream_pb2
-    handlers = {
-        "Decode": grpc.unary_stream_rpc_method_handler(
-            servicer.Decode, request_deserializer=_lenient(pb.DecodeRequest),
-            response_serializer=pb.DecodeResponse.SerializeToString),
-        "HealthCheck": grpc.unary_unary_rpc_method_handler(
-            servicer.HealthCheck, request_deserializer=pb.HealthCheckRequest.FromString,
-            response_serializer=pb.HealthCheckResponse.SerializeToString),
-    }
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("jetstream_proto.Orchestrator", handlers),))
-
-
-def _bearer_auth(token: str):
-    """A gRPC aio server interceptor: calls without metadata `authorization: Bearer <token>` are
-    answered UNAUTHENTICATED (constant-time comparison)."""
-    import grpc
-
-    expected = f"Bearer {token}".encode()
-    details = "missing or wrong token: send gRPC metadata 'authorization: Bearer <token>'"
-
-    async def deny_unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
-
-    async def deny_stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
-        yield  # an async generator, as a streaming handler must be
-
-    class BearerAuth(grpc.aio.ServerInterceptor):
-        async def intercept_service(self, continuation, call_details):
-            metadata = dict(call_details.invocation_metadata or ())
-            sent = metadata.get("authorization", "")
-            sent = sent.encode() if isinstance(sent, str) else bytes(sent)
-            handler = await continuation(call_details)
-            if handler is None or hmac.compare_digest(sent, expected):
-                return handler
-            if handler.response_streaming:
-                return grpc.unary_stream_rpc_method_handler(deny_stream)
-            return grpc.unary_unary_rpc_method_handler(deny_unary)
-
-    return BearerAuth()
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` only accepts connections from this machine (127.x, ::1, localhost)."""
-    host = host.strip("[]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # another host name: assume it is reachable from elsewhere
-        return False
-
-
-class Server:
-    """JetStream's Orchestrator gRPC service for one `Driver`, on its own event-loop thread
-    (like 0.2.2's `server_lib.JetStreamServer`, which has no way to add interceptors or a
-    servicer of our own). `port` is the bound port; `.stop()` shuts everything down."""
-
-    def __init__(self, js, driver, servicer, *, address: str, credentials, interceptors=(),
-                 threads: int):
-        import grpc
-        self.driver = driver
-        self._executor = futures.ThreadPoolExecutor(max_workers=threads)
-        self._loop = asyncio.new_event_loop()
-        self._loop.set_default_executor(self._executor)
-        self._thread = threading.Thread(target=self._loop.run_forever, name="jetstream-grpc",
-                                        daemon=True)
-        self._thread.start()
-
-        async def start():
-            server = grpc.aio.server(self._executor, interceptors=list(interceptors))
-            _add_servicer(js, servicer, server)
-            try:
-                port = server.add_secure_port(address, credentials)
-            except RuntimeError as e:
-                raise OSError(f"cannot listen on {address}: {e}") from None
-            await server.start()
-            return server, port
-
-        try:
-            self._grpc, self.port = self._call(start())
-        except BaseException:
-            self._shutdown_loop()
-            raise
-
-    def _call(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
-
-    def _shutdown_loop(self):
-        self.driver.stop()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._executor.shutdown(wait=False)
-
-    def stop(self, grace: float = 5.0) -> None:
-        if not self._thread.is_alive():
-            return
-        self._call(self._grpc.stop(grace=grace))
-        self._shutdown_loop()
-
-    def wait_for_termination(self) -> None:
-        try:
-            self._call(self._grpc.wait_for_termination())
-        finally:
-            self.stop()
-
-
 def run_server(engine: Engine, port: int, *, host: str = "127.0.0.1", credentials: Any = None,
                threads: int | None = None, auth_token: str | None = None, insecure: bool = False,
                max_queued_requests: int | None = 64) -> Server:
@@ -532,7 +315,7 @@ def run_server(engine: Engine, port: int, *, host: str = "127.0.0.1", credential
         engine.max_concurrent_decodes + max_queued_requests)
     driver = make_driver(engine, max_requests=bound)
     servicer = make_servicer(js, driver, RequestLimits.of(engine))
-    interceptors = () if auth_token is None else (_bearer_auth(auth_token),)
+    interceptors = () if auth_token is None else (bearer_auth(auth_token),)
     name = host.strip("[]")
     address = f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
     # as 0.2.2's server_lib: enough handler threads to keep every decode slot busy
