@@ -201,7 +201,9 @@ class Server:
         self._thread.start()
 
         async def start():
-            server = grpc.aio.server(self._executor, interceptors=list(interceptors))
+            # no SO_REUSEPORT: a second server on a port in use is an error, not a silent sharer
+            server = grpc.aio.server(self._executor, interceptors=list(interceptors),
+                                     options=[("grpc.so_reuseport", 0)])
             _add_servicer(js, servicer, server)
             try:
                 port = server.add_secure_port(address, credentials)

@@ -257,3 +257,16 @@ def test_the_quickstart_export_is_served_with_default_flags(quickstart_export):
         client.channel.close()
     finally:
         server.stop()
+
+
+def test_a_port_in_use_is_an_error_not_a_shared_port(tiny_engine, prompts, expected):
+    port = portpicker.pick_unused_port()
+    server = jetstream_adapter.run_server(tiny_engine, port)
+    try:
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            jetstream_adapter.run_server(tiny_engine, port)
+        client = _Client(port)
+        assert client.decode(_tokens(prompts[0])) == expected  # the first server still serves
+        client.channel.close()
+    finally:
+        server.stop()
