@@ -172,7 +172,10 @@ def main(argv=None):
     print(f"JetStream gRPC server on {args.host}:{server.port} serving {args.checkpoint} "
           f"(max prefill {args.max_prefill_length}, max target {args.max_target_length} tokens; "
           f"{auth})", flush=True)
-    server.wait_for_termination()
+    try:
+        server.wait_for_termination()  # stops the server when it returns or raises
+    except KeyboardInterrupt:
+        pass
 
 
 if __name__ == "__main__":
