@@ -18,17 +18,32 @@ Every driver thread is a `JetThread`, which SIGKILLs the whole process on any ex
   receiver can finish after the first one and close its loop (e.g. `asyncio.run` returning), and
   the second one then raises "Event loop is closed". Results posted to a closed loop are now
   dropped, since nobody is left to read them.
+
+`run_server` puts a request boundary (`rollout._grpc_server`) in front of the orchestrator,
+because anything that fails in a driver thread kills the process: every `Decode` request is
+checked (`check_request`: a prompt, token ids inside the model's vocabulary, text the tokenizer can
+encode, a length that fits the prefill, `max_tokens >= 1`; a body that does not parse, e.g.
+invalid UTF-8, too) and refused with INVALID_ARGUMENT before a thread sees it; requests past the
+driver's `max_requests` in flight get RESOURCE_EXHAUSTED; with an auth token, calls without
+`authorization: Bearer <token>` metadata get UNAUTHENTICATED.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import queue
+import threading
 from typing import Any
 
 import jax
 import numpy as np
 
 from ._engine import Engine
+from ._grpc_server import (RequestLimits, Server, bearer_auth, check_request, is_loopback,
+                           make_servicer)
+
+__all__ = ["import_jetstream", "as_jetstream_engine", "make_driver", "run_server", "Server",
+           "RequestLimits", "check_request", "is_loopback"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,7 +112,44 @@ def _patch_driver(base):
     """`base` (0.2.2's Driver) with a generate thread that restarts after the all-slots-free race."""
 
     class Driver(base):
+        """0.2.2's Driver, plus: at most `max_requests` requests admitted and not yet finished
+        (None: no bound); past it `place_request_on_prefill_queue` raises `queue.Full`, which the
+        orchestrator answers with RESOURCE_EXHAUSTED."""
+
         _jaxrl_llm_patched = True
+
+        def __init__(self, *args, max_requests: int | None = None, **kwargs):
+            self.max_requests = max_requests
+            self.in_flight = 0  # admitted requests whose return channel is not closed yet
+            self.admission = threading.Condition()
+            super().__init__(*args, **kwargs)
+
+        def place_request_on_prefill_queue(self, request):
+            with self.admission:
+                if self.max_requests is not None and self.in_flight >= self.max_requests:
+                    raise queue.Full
+                self.in_flight += 1
+                self.admission.notify_all()
+            channel = request.return_channel
+            close = channel.close
+
+            def close_and_release():  # the detokenize thread closes a request when it is done
+                try:
+                    close()
+                finally:
+                    self._release()
+
+            channel.close = close_and_release
+            try:
+                super().place_request_on_prefill_queue(request)
+            except BaseException:
+                self._release()
+                raise
+
+        def _release(self):
+            with self.admission:
+                self.in_flight -= 1
+                self.admission.notify_all()
 
         def _generate_thread(self, idx: int):
             slots = self._generate_slots[idx]
@@ -226,37 +278,47 @@ def as_jetstream_engine(engine: Engine):
     return JetStreamEngine()
 
 
-def make_driver(engine: Engine):
-    """An in-process JetStream `orchestrator.Driver` (interleaved mode) serving `engine`."""
+def make_driver(engine: Engine, *, max_requests: int | None = None):
+    """An in-process JetStream `orchestrator.Driver` (interleaved mode) serving `engine`; at most
+    `max_requests` requests in flight (None: no bound)."""
     js = import_jetstream()
     jse = as_jetstream_engine(engine)
     params = jse.load_params()
     return js.orchestrator.Driver(prefill_engines=[jse], generate_engines=[jse],
                                   prefill_params=[params], generate_params=[params],
-                                  interleaved_mode=True)
+                                  interleaved_mode=True, max_requests=max_requests)
 
 
 def run_server(engine: Engine, port: int, *, host: str = "127.0.0.1", credentials: Any = None,
-               threads: int | None = None):
-    """Starts JetStream's gRPC server (server_lib.run) for `engine` on `host:port`.
+               threads: int | None = None, auth_token: str | None = None, insecure: bool = False,
+               max_queued_requests: int | None = 64) -> Server:
+    """Serves `engine` with JetStream's orchestrator over gRPC on `host:port`; returns the `Server`.
 
-    Binds loopback by default (0.2.2 binds every interface; we narrow it). Returns the
-    `JetStreamServer`; call `.stop()` to shut it down.
+    Binds loopback by default. A host other than loopback needs `auth_token` (checked on every
+    call) or `insecure=True`. credentials None: gRPC local credentials on loopback, plaintext
+    elsewhere (put TLS in front, e.g. a proxy, on an untrusted network). At most
+    `max_concurrent_decodes + max_queued_requests` requests are in flight (None: no bound).
     """
-    js = import_jetstream()
-    import dataclasses
-
     import grpc
-
-    jse = as_jetstream_engine(engine)
-
-    @dataclasses.dataclass
-    class Config(js.config_lib.ServerConfig):
-        interleaved_slices: tuple = ("cpu=1",)
-        interleaved_engine_create_fns: tuple = (lambda devices: jse,)
-
-    js.server_lib._HOST = host  # noqa: SLF001 - 0.2.2 has no host argument
+    if auth_token is not None and not auth_token:
+        raise ValueError("auth_token is empty: pass a non-empty token or None")
+    if not is_loopback(host) and auth_token is None and not insecure:
+        raise ValueError(f"host {host!r} is not a loopback address: pass auth_token, or "
+                         "insecure=True to serve it without authentication")
+    if max_queued_requests is not None and max_queued_requests < 0:
+        raise ValueError(f"max_queued_requests must be >= 0 or None, got {max_queued_requests}")
+    js = import_jetstream()
     if credentials is None:
-        credentials = grpc.local_server_credentials()
-    return js.server_lib.run(port=port, config=Config, devices=[None], credentials=credentials,
-                             threads=threads)
+        credentials = (grpc.local_server_credentials() if is_loopback(host)
+                       else grpc.insecure_server_credentials())
+    bound = None if max_queued_requests is None else (
+        engine.max_concurrent_decodes + max_queued_requests)
+    driver = make_driver(engine, max_requests=bound)
+    servicer = make_servicer(js, driver, RequestLimits.of(engine))
+    interceptors = () if auth_token is None else (bearer_auth(auth_token),)
+    name = host.strip("[]")
+    address = f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
+    # as 0.2.2's server_lib: enough handler threads to keep every decode slot busy
+    threads = threads or max(engine.max_concurrent_decodes, 64)
+    return Server(js, driver, servicer, address=address, credentials=credentials,
+                  interceptors=interceptors, threads=threads)

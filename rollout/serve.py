@@ -1,15 +1,25 @@
-"""Serve a Hugging Face checkpoint with JetStream's gRPC server on loopback.
+"""Serve a Hugging Face checkpoint with JetStream's gRPC server (loopback by default).
 
-    python -m rollout.serve --checkpoint DIR [--port 9000] [--slots 8] [--max-prefill-length 512]
-        [--max-target-length N] [--dtype checkpoint] [--temperature 0]
+    python -m rollout.serve --checkpoint DIR [--port 9000] [--slots 8] [--max-target-length N]
+        [--max-prefill-length N] [--max-queued-requests 64] [--dtype checkpoint]
+        [--temperature 0] [--host ADDR (--auth-token T | --insecure)]
 
 DIR is a Hugging Face folder (config.json + safetensors + tokenizer); for a training run that is
 `<run>/hf_actor`, which the trainer exports at the end (`trainer.export_hf`), not the orbax
 `checkpoints/` folder. The model is served in the checkpoint's dtype (config.json
 `torch_dtype`) unless --dtype says otherwise. --max-target-length (prompt + response) defaults
 to the smaller of 1024 and the model's `max_position_embeddings`; a larger value is served with
-a warning, as positions past the model's range were never trained. Models without a BOS token
-get their prompts as sent (nothing prepended).
+a warning, as positions past the model's range were never trained. --max-prefill-length (the
+longest prompt) defaults to the largest padding bucket (16, 32, ..., 512) that is at most half the
+target length, or 16. Models without a BOS token get their prompts as sent (nothing prepended).
+
+Requests: malformed ones (no prompt, token ids outside the vocabulary, text the tokenizer cannot
+encode, a prompt over --max-prefill-length, max_tokens < 1, a body that does not parse) get
+INVALID_ARGUMENT; past --slots + --max-queued-requests requests in flight, RESOURCE_EXHAUSTED.
+Binding an address other than loopback needs --auth-token (or the JAXRL_SERVE_TOKEN environment
+variable, which keeps it out of `ps`) or --insecure; with a token, every call must carry gRPC
+metadata `authorization: Bearer <token>` (else UNAUTHENTICATED). Off loopback the server speaks
+plaintext gRPC: on an untrusted network put TLS in front of it (a proxy or an SSH tunnel).
 
 Needs the `jetstream` extra (`pip install 'google-jetstream==0.2.2'`). Clients talk
 `jetstream.core.proto.jetstream_pb2_grpc.OrchestratorStub(...).Decode(DecodeRequest(...))`,
@@ -19,20 +29,38 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
+from ._engine import PREFILL_BUCKETS as _PREFILL_BUCKETS
+from .jetstream_adapter import is_loopback  # imports no jetstream
+
 _DEFAULT_TARGET = 1024
+_DEFAULT_MAX_PREFILL = 512
+TOKEN_ENV = "JAXRL_SERVE_TOKEN"
 
 
 def parse_args(argv=None):
+    """The command line, checked against the checkpoint: lengths resolved (`max_target_length`,
+    `max_prefill_length` are ints), inconsistent flags a one-line usage error."""
     p = argparse.ArgumentParser(prog="python -m rollout.serve", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True,
                    help="Hugging Face folder (config.json + safetensors), e.g. <run>/hf_actor")
     p.add_argument("--port", type=int, default=9000)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="bind address (default loopback; others need --auth-token or --insecure)")
+    p.add_argument("--auth-token", default=os.environ.get(TOKEN_ENV) or None,
+                   help=f"require gRPC metadata 'authorization: Bearer <token>' on every call "
+                        f"(default: ${TOKEN_ENV})")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without --auth-token")
     p.add_argument("--slots", type=int, default=8, help="max_concurrent_decodes")
-    p.add_argument("--max-prefill-length", type=int, default=512)
+    p.add_argument("--max-queued-requests", type=int, default=64,
+                   help="requests waiting for a slot before new ones get RESOURCE_EXHAUSTED")
+    p.add_argument("--max-prefill-length", type=int, default=None,
+                   help=f"longest prompt, a padding bucket {_PREFILL_BUCKETS[:6]}... (default: "
+                        f"the largest one <= min({_DEFAULT_MAX_PREFILL}, max-target-length / 2))")
     p.add_argument("--max-target-length", type=int, default=None,
                    help=f"prompt + response tokens (default: min({_DEFAULT_TARGET}, max_position_embeddings))")
     p.add_argument("--dtype", default="checkpoint",
@@ -41,7 +69,54 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _check(p, args)
+    return args
+
+
+def default_prefill_length(max_target_length: int) -> int | None:
+    """The largest padding bucket <= min(512, max_target_length // 2), else 16 when it still fits
+    below the target; None when the target is too short for any prompt bucket."""
+    fits = [b for b in _PREFILL_BUCKETS if b <= min(_DEFAULT_MAX_PREFILL, max_target_length // 2)]
+    if fits:
+        return fits[-1]
+    return _PREFILL_BUCKETS[0] if max_target_length > _PREFILL_BUCKETS[0] else None
+
+
+def _check(p: argparse.ArgumentParser, args) -> None:
+    for flag, value, ok, want in (
+            ("--slots", args.slots, args.slots >= 1, ">= 1"),
+            ("--port", args.port, 0 <= args.port <= 65535, "in 0..65535"),
+            ("--max-queued-requests", args.max_queued_requests, args.max_queued_requests >= 0, ">= 0"),
+            ("--temperature", args.temperature,
+             math.isfinite(args.temperature) and args.temperature >= 0, ">= 0 (0 = greedy)"),
+            ("--top-k", args.top_k, args.top_k >= -1, ">= 1, or -1/0 to keep all tokens"),
+            ("--top-p", args.top_p, 0.0 < args.top_p <= 1.0, "in (0, 1]")):
+        if not ok:
+            p.error(f"{flag} must be {want}, got {value}")
+    if args.auth_token == "":
+        args.auth_token = None
+    if not is_loopback(args.host) and args.auth_token is None and not args.insecure:
+        p.error(f"--host {args.host} is not a loopback address: set --auth-token (or ${TOKEN_ENV}) "
+                f"so that only clients with the token are served, or pass --insecure")
+    try:
+        target = target_length(args.checkpoint, args.max_target_length)
+    except (FileNotFoundError, ValueError) as e:
+        p.error(str(e))
+    source = "" if args.max_target_length is not None else " (its default, from the checkpoint)"
+    prefill = args.max_prefill_length
+    if prefill is None:
+        prefill = default_prefill_length(target)
+        if prefill is None:
+            p.error(f"--max-target-length {target}{source} leaves no room for a prompt: it must "
+                    f"exceed {_PREFILL_BUCKETS[0]}, the smallest --max-prefill-length")
+    elif prefill not in _PREFILL_BUCKETS:
+        p.error(f"--max-prefill-length {prefill} must be one of JetStream's padding buckets "
+                f"{', '.join(map(str, _PREFILL_BUCKETS))}")
+    elif prefill >= target:
+        p.error(f"--max-prefill-length {prefill} must be smaller than --max-target-length "
+                f"{target}{source}: lower --max-prefill-length or raise --max-target-length")
+    args.max_target_length, args.max_prefill_length = target, prefill
 
 
 def _hf_config(path: str) -> dict:
@@ -73,18 +148,18 @@ def target_length(path: str, requested: int | None) -> int:
 
 
 def start(args):
-    """Builds the engine and starts the server; returns the JetStreamServer."""
+    """Builds the engine and starts the server; returns the `jetstream_adapter.Server`."""
     from ._engine import Engine
     from .jetstream_adapter import run_server
 
     dtype = checkpoint_dtype(args.checkpoint) if args.dtype == "checkpoint" else args.dtype
     engine = Engine.from_pretrained(
         args.checkpoint, max_concurrent_decodes=args.slots,
-        max_prefill_length=args.max_prefill_length,
-        max_target_length=target_length(args.checkpoint, args.max_target_length),
+        max_prefill_length=args.max_prefill_length, max_target_length=args.max_target_length,
         dtype=dtype, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed)
-    return run_server(engine, args.port, host=args.host)
+    return run_server(engine, args.port, host=args.host, auth_token=args.auth_token,
+                      insecure=args.insecure, max_queued_requests=args.max_queued_requests)
 
 
 def main(argv=None):
@@ -92,9 +167,18 @@ def main(argv=None):
 
     skip_absent_tpu()  # before JAX starts: a machine without a TPU does not start libtpu
     args = parse_args(argv)
-    server = start(args)
-    print(f"JetStream gRPC server on {args.host}:{args.port} serving {args.checkpoint}", flush=True)
-    server.wait_for_termination()
+    try:
+        server = start(args)
+    except OSError as e:  # e.g. the port is taken
+        sys.exit(f"error: {e}")
+    auth = "token required" if args.auth_token else "no authentication"
+    print(f"JetStream gRPC server on {args.host}:{server.port} serving {args.checkpoint} "
+          f"(max prefill {args.max_prefill_length}, max target {args.max_target_length} tokens; "
+          f"{auth})", flush=True)
+    try:
+        server.wait_for_termination()  # stops the server when it returns or raises
+    except KeyboardInterrupt:
+        pass
 
 
 if __name__ == "__main__":
