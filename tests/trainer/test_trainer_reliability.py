@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxrl_llm._cli import completed_step
 from jaxrl_llm.checkpoint import COMPLETE_MARKER, Checkpointer, resolve_resume
 from jaxrl_llm.config import load_config
 from jaxrl_llm.trainer import NonFiniteError, RLTrainer
@@ -105,3 +106,40 @@ def test_workers_refuse_to_write_nan_state():
     bad = {"actor": {"w": jax.numpy.ones((2, 2)), "mu": jax.numpy.array([1.0, float("nan")])}}
     with pytest.raises(FloatingPointError, match=r"refusing to write checkpoint step 3: 1 arrays .*'mu'"):
         _check_finite(bad, "checkpoint step 3")
+
+
+def test_all_checkpoints_damaged_stops_before_touching_the_run_and_disable_starts_over(tmp_path, capsys):
+    """Every step is damaged: the run raises naming the folder and each fault, and leaves
+    metrics.jsonl and the steps as they were; only resume_mode=disable starts over."""
+    from jaxrl_llm.checkpoint import NoUsableCheckpoint
+
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    with Checkpointer(root, async_save=False, max_to_keep=None) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"x": jax.numpy.full((4,), float(step))}, {"global_step": step})
+    for step in (1, 2):
+        data = max((p for p in (root / str(step)).rglob("*") if p.is_file() and p.name != COMPLETE_MARKER),
+                   key=lambda p: p.stat().st_size)
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    rows = "".join(json.dumps({"training/global_step": s, "critic/score/mean": 0.5}) + "\n" for s in (1, 2))
+    (run_dir / "metrics.jsonl").write_text(rows)
+    (run_dir / "val_generations.jsonl").write_text(rows)
+
+    with pytest.raises(SystemExit):  # the command line: one line on stderr, nothing started
+        completed_step(_config(run_dir))
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    assert len(err_lines) == 1 and err_lines[0].startswith("error: trainer.resume_mode=auto: no usable")
+    with pytest.raises(NoUsableCheckpoint) as err:
+        RLTrainer(_config(run_dir)).fit()
+    assert str(root.absolute()) in str(err.value)
+    assert "step 2: file" in str(err.value) and "step 1: file" in str(err.value)
+    assert (run_dir / "metrics.jsonl").read_text() == rows  # untouched
+    assert (run_dir / "val_generations.jsonl").read_text() == rows
+    assert sorted(p.name for p in root.iterdir()) == ["1", "2"] and not (run_dir / "set_aside").exists()
+
+    RLTrainer(_config(run_dir, **{"trainer.resume_mode": "disable",
+                                  "trainer.total_training_steps": 1})).fit()
+    assert [r["training/global_step"] for r in _rows(run_dir)] == [1]  # a fresh run's rows
+    assert resolve_resume("auto", root)[1] == 1  # its own step 1; the damaged ones set aside
+    assert (run_dir / "set_aside").is_dir()
