@@ -60,10 +60,12 @@ def test_async_resume_repeats_the_next_step_exactly(tmp_path):
     RLTrainer(_run(tmp_path, "a", **{**o, "trainer.resume_mode": str(tmp_path / "a" / "checkpoints" / "2")})).fit()
     again = _rows(tmp_path, "a")
     assert [r["training/global_step"] for r in again] == [1, 2, 3]
-    for key, value in first[2].items():
+    assert "rollout/sync_policy_version" in first[2] and "fully_async/dropped_stale_groups" in first[2]
+    for key, value in first[2].items():  # counters too (policy version, stale and dropped groups)
         if not key.startswith(("timing_s/", "timing_per_token_ms/", "perf/", "fully_async/trainer",
-                               "fully_async/rollouter", "fully_async/queue_size", "rollout/sync_",
-                               "agent/")) and isinstance(value, float):
+                               "fully_async/rollouter", "fully_async/queue_size", "rollout/sync_time_s",
+                               "rollout/sync_wait_s", "rollout/sync_pause_wait_s",
+                               "rollout/sync_held_requests", "agent/")) and isinstance(value, float):
             assert again[2][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
