@@ -2,6 +2,8 @@
 
 JSON has no NaN or infinity, so non-finite floats are written as the strings "NaN",
 "Infinity" and "-Infinity"; `read_jsonl` turns them back into floats. Only process 0 writes.
+A full disk is `DiskFullError` naming the file (jaxrl_llm/_disk.py); `close` after one does not
+raise again.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl_llm._disk import DiskFullError, disk_full_guard
 from jaxrl_llm.metrics._console import format_summary, format_table, write_console
 
 STEP_KEY = "training/global_step"
@@ -97,7 +100,8 @@ class MetricsLogger:
         self.close()
         if "jsonl" in self.backends:
             for path in (self.jsonl_path, self.generations_path):
-                _truncate_jsonl(path, step)
+                with disk_full_guard(path, "the rewound metrics"):
+                    _truncate_jsonl(path, step)
         self._open(purge_step=step + 1)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
@@ -107,16 +111,19 @@ class MetricsLogger:
         values = {key: _to_scalar(key, value) for key, value in metrics.items()}
         if self._jsonl is not None:
             record = {STEP_KEY: int(step), **{k: _json_safe(v) for k, v in values.items()}}
-            self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
-            self._jsonl.flush()
+            with disk_full_guard(self.jsonl_path, f"the metrics of step {step}"):
+                self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+                self._jsonl.flush()
         if self._tb is not None:
-            for key, value in values.items():
-                # TensorBoard names allow [A-Za-z0-9_./-]: 'mean@1' -> 'mean_at_1' (jsonl keeps verl's)
-                self._tb.add_scalar(key.replace("@", "_at_"), value, global_step=int(step))
-            self._tb.flush()
+            with disk_full_guard(self.run_dir / "tensorboard", f"the TensorBoard events of step {step}"):
+                for key, value in values.items():
+                    # TensorBoard names allow [A-Za-z0-9_./-]: 'mean@1' -> 'mean_at_1' (jsonl keeps verl's)
+                    self._tb.add_scalar(key.replace("@", "_at_"), value, global_step=int(step))
+                self._tb.flush()
         if "console" in self.backends and self._calls % self.console_every == 0:
             write_console(format_summary(values, int(step)))
-            with open(self.run_dir / "metrics.log", "a", encoding="utf-8") as f:
+            with disk_full_guard(self.run_dir / "metrics.log", f"the metrics of step {step}"), \
+                    open(self.run_dir / "metrics.log", "a", encoding="utf-8") as f:
                 f.write(format_table(values, int(step)) + "\n")
         self._calls += 1
 
@@ -131,7 +138,8 @@ class MetricsLogger:
         if not self.enable or not samples:
             return
         if "jsonl" in self.backends:
-            with open(self.generations_path, "a", encoding="utf-8") as f:
+            with disk_full_guard(self.generations_path, f"the validation samples of step {step}"), \
+                    open(self.generations_path, "a", encoding="utf-8") as f:
                 for s in samples:
                     f.write(json.dumps({STEP_KEY: int(step), **s}, default=str) + "\n")
         if self._tb is not None:
@@ -143,13 +151,17 @@ class MetricsLogger:
             self._tb.flush()
 
     def close(self) -> None:
-        """Flush and close the files; safe to call twice."""
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        """Flush and close the files; safe to call twice. A full disk (already reported by the
+        write that hit it) does not raise again here: the lines that did not fit are dropped."""
+        jsonl, tb, self._jsonl, self._tb = self._jsonl, self._tb, None, None
+        for f in (jsonl, tb):
+            if f is None:
+                continue
+            try:
+                with disk_full_guard(self.run_dir, "the metric files"):
+                    f.close()
+            except DiskFullError:
+                pass
 
     def __enter__(self) -> "MetricsLogger":
         return self

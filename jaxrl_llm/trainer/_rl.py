@@ -20,6 +20,7 @@ import numpy as np
 
 import rollout
 from jaxrl_llm import algos, data, metrics as M, models, rewards
+from jaxrl_llm._disk import as_disk_full, disk_full_guard
 from jaxrl_llm.checkpoint import checkpoint_root, resolve_resume, set_aside_steps
 from jaxrl_llm.config import RunConfig, SamplingConfig
 from jaxrl_llm.workers import HostWorker
@@ -202,11 +203,18 @@ class RLTrainer:
             self.call0(HostWorker.wait_checkpoints)
             self._finish()
             return last_val
-        except WorkerError:
-            log.error("a worker failed; waiting for checkpoints in flight, then stopping")
+        except Exception as e:
+            full = as_disk_full(e)
+            if full is None and not isinstance(e, WorkerError):
+                raise
+            log.error("%s; waiting for checkpoints in flight, then stopping",
+                      "a worker failed" if full is None else "the disk is full")
             self._pending = None
             self._safe_wait()
-            raise
+            if full is None:
+                raise
+            self._disk_full = True  # closing must not raise (and print) the same error again
+            raise full from None  # one line: where, and that the disk is full
         finally:
             self.close()
 
@@ -249,9 +257,11 @@ class RLTrainer:
         c = self.config
         if c.trainer.export_hf:
             tok = self.tokenizer
-            self.call0(HostWorker.export_hf, f"{self.run_dir}/hf_actor", tokenizer=tok)
+            with disk_full_guard(f"{self.run_dir}/hf_actor", "the Hugging Face export"):
+                self.call0(HostWorker.export_hf, f"{self.run_dir}/hf_actor", tokenizer=tok)
             if c.actor.lora.enabled:  # the adapters alone, in PEFT's format
-                self.call0(HostWorker.export_peft, f"{self.run_dir}/lora_adapter")
+                with disk_full_guard(f"{self.run_dir}/lora_adapter", "the LoRA adapter export"):
+                    self.call0(HostWorker.export_peft, f"{self.run_dir}/lora_adapter")
         if c.trainer.plot:
             try:
                 M.plot_curves(self.run_dir, f"{self.run_dir}/curves.png")
@@ -272,8 +282,12 @@ class RLTrainer:
                 pass
             self._pending = None
         if getattr(self, "group", None) is not None:
-            self.group.shutdown()
-            self.group = None
+            group, self.group = self.group, None
+            try:
+                group.shutdown()
+            except Exception as e:  # noqa: BLE001 - after a full disk: already reported
+                if not (getattr(self, "_disk_full", False) and as_disk_full(e) is not None):
+                    raise
         self.reward.close()
         if getattr(self, "logger", None) is not None:
             self.logger.close()

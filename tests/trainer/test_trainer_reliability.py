@@ -1,5 +1,7 @@
 """Faults a run must survive or stop on cleanly: NaN/inf updates, hostile rewards, damaged or
 newer checkpoint steps, and metric files after a kill + resume."""
+import errno
+import functools
 import json
 import os
 
@@ -143,3 +145,77 @@ def test_all_checkpoints_damaged_stops_before_touching_the_run_and_disable_start
     assert [r["training/global_step"] for r in _rows(run_dir)] == [1]  # a fresh run's rows
     assert resolve_resume("auto", root)[1] == 1  # its own step 1; the damaged ones set aside
     assert (run_dir / "set_aside").is_dir()
+
+
+def _enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_disk_full_on_a_save_or_the_export_stops_with_one_line_and_keeps_what_was_saved(
+        tmp_path, monkeypatch):
+    """ENOSPC injected into orbax's save of step 2, then into the final export: each stops the
+    run with one DiskFullError line naming the path; step 1 (then 2) stays intact and resumable."""
+    import orbax.checkpoint as ocp
+    from jaxrl_llm._disk import DiskFullError
+    from jaxrl_llm.workers import HostWorker
+
+    run_dir = tmp_path / "full"
+    root = run_dir / "checkpoints"
+    save = ocp.CheckpointManager.save
+
+    def save_until_full(self, step, *args, **kwargs):
+        return _enospc() if step == 2 else save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save_until_full)
+    with pytest.raises(DiskFullError) as err:
+        RLTrainer(_config(run_dir, **{"trainer.total_training_steps": 2})).fit()
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("disk full: checkpoint step 2")
+    assert str(root / "2") in text and err.value.__cause__ is None
+    assert resolve_resume("auto", root)[1] == 1  # what was saved is kept
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+    # the trainer calls workers by method: the patch keeps the name
+    monkeypatch.setattr(HostWorker, "export_hf", functools.wraps(HostWorker.export_hf)(_enospc))
+    with pytest.raises(DiskFullError, match=rf"^disk full: the Hugging Face export .* to {run_dir}/hf_actor"):
+        RLTrainer(_config(run_dir, **{"trainer.total_training_steps": 2, "trainer.export_hf": True})).fit()
+    assert resolve_resume("auto", root)[1] == 2  # resumed from 1, trained and saved step 2
+    assert [r["training/global_step"] for r in _rows(run_dir)] == [1, 2]
+
+
+class _FullFile:
+    """A file on a full disk: every write and flush fails with ENOSPC."""
+
+    def write(self, *args):
+        _enospc()
+
+    flush = close = write
+
+
+def test_disk_full_on_a_metrics_write_is_one_line_naming_the_file_and_close_is_quiet(tmp_path):
+    from jaxrl_llm._disk import DiskFullError
+    from jaxrl_llm.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, backends=("jsonl",))
+    logger.log({"a": 1.0}, step=1)
+    logger._jsonl.close()
+    logger._jsonl = _FullFile()
+    with pytest.raises(DiskFullError, match=rf"^disk full: the metrics of step 2 .* to {tmp_path}/metrics.jsonl") as err:
+        logger.log({"a": 2.0}, step=2)
+    assert "\n" not in str(err.value) and err.value.__cause__ is None
+    logger.close()  # the same full disk: not raised again
+    assert [r["training/global_step"] for r in _rows(tmp_path)] == [1]  # the saved row is kept
+
+
+def test_a_disk_full_error_reported_by_a_ray_worker_as_text_is_found():
+    from jaxrl_llm._disk import as_disk_full
+    from jaxrl_llm.trainer import WorkerError
+
+    remote = WorkerError("worker call 'save_checkpoint' failed on a Ray actor:\nTraceback ...\n"
+                         "jaxrl_llm._disk.DiskFullError: disk full: checkpoint step 4 could not be "
+                         "written to /runs/x/checkpoints/4 (no space left on device). The run stopped\n")
+    assert str(as_disk_full(remote)).startswith("disk full: checkpoint step 4 could not be written to /runs/x")
+    bare = WorkerError("worker call 'export_hf' failed:\nOSError: [Errno 28] No space left on device")
+    assert str(as_disk_full(bare, "/runs/x/hf_actor", "the export")).startswith(
+        "disk full: the export could not be written to /runs/x/hf_actor")
+    assert as_disk_full(WorkerError("worker call failed: ValueError: shapes differ")) is None
