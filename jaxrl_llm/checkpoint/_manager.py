@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from jaxrl_llm import _chaos
 from jaxrl_llm._disk import DiskFullError, disk_full_guard
 from jaxrl_llm.checkpoint import _tree
 from jaxrl_llm.checkpoint._verify import write_marker
@@ -97,6 +98,7 @@ class Checkpointer:
         for step in steps:
             path = self.directory / str(step)
             if path.is_dir():  # max_to_keep may already have removed it
+                _chaos.kill_point("save", step)
                 write_marker(path)
 
     def check_errors(self) -> None:

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 import rollout
-from jaxrl_llm import algos, data, metrics as M, models, rewards
+from jaxrl_llm import _chaos, algos, data, metrics as M, models, rewards
 from jaxrl_llm._disk import as_disk_full, disk_full_guard
 from jaxrl_llm.checkpoint import checkpoint_root, resolve_resume, set_aside_steps
 from jaxrl_llm.config import RunConfig, SamplingConfig
@@ -457,6 +457,7 @@ class RLTrainer:
         c = self.config
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
+        _chaos.at_step(self.global_step + 1)
         t_step = time.perf_counter()
         examples, batch = self._train_batch(timing, metrics)
         with _timer(timing, "old_log_prob"):
@@ -508,6 +509,7 @@ class RLTrainer:
             with _timer(timing, "update_actor"):
                 metrics.update(self.call0(HostWorker.update_actor, batch, mini_rows=c.actor.ppo_mini_batch_size * c.rollout.n,
                                           seed=self._seed(3), on_policy=not c.rollout.use_rollout_log_probs))
+            _chaos.kill_point("update", self.global_step + 1)
             if self.fully_async:  # every trigger_parameter_sync_step steps, under the rollouter
                 if (self.global_step + 1) % c.async_training.trigger_parameter_sync_step == 0:
                     with _timer(timing, "update_weights"):
@@ -536,6 +538,7 @@ class RLTrainer:
         kept_examples, kept_batches, filtered, rounds = [], [], 0, 0
         while True:
             examples, gen = self._rollout(timing, metrics, rounds)
+            _chaos.kill_point("generation", self.global_step + 1)
             rounds += 1
             batch = B.rollout_batch(examples, gen, n=n, pad_token_id=self.pad_id,
                                     max_prompt_length=c.data.max_prompt_length)
@@ -713,7 +716,10 @@ class RLTrainer:
         return meta
 
     def save_checkpoint(self) -> None:
-        self.group.call(HostWorker.save_checkpoint, self.global_step, self._meta())
+        meta = self._meta()
+        self.group.call(HostWorker.save_checkpoint, self.global_step, meta)
+        if self.fully_async and (meta["fully_async"]["queued"] or meta["fully_async"]["pending"]):
+            _chaos.kill_point("async_queue", self.global_step)
 
     def _restore(self, directory, step) -> None:
         meta = self.call0(HostWorker.restore_checkpoint, str(directory), int(step))

@@ -47,9 +47,14 @@ def test_staleness_zero_is_the_synchronous_trainer(tmp_path):
     assert "val-core/arithmetic/reward/mean@1" in fully[-1]
 
 
-def test_async_resume_repeats_the_next_step_exactly(tmp_path):
+def test_async_resume_repeats_the_next_step_exactly(tmp_path, monkeypatch):
     """Checkpoint at every step; resuming from step 2 (queue, unfinished prompts, data position
-    and policy version restored) gives step 3 exactly as the uninterrupted run had it."""
+    and policy version restored) gives step 3 exactly as the uninterrupted run had it. A save
+    with work in the rollouter reaches scripts/chaos.py's `async_queue` kill point."""
+    from jaxrl_llm import _chaos
+
+    reached = []
+    monkeypatch.setattr(_chaos, "kill_point", lambda phase, step=None: reached.append((phase, step)))
     o = {"trainer.total_training_steps": 3, "trainer.save_freq": 1, "trainer.max_to_keep": 3,
          "trainer.test_freq": 0, "async_training.enable": True, "data.val_files": "[]"}
     RLTrainer(_run(tmp_path, "a", **o)).fit()
@@ -57,6 +62,7 @@ def test_async_resume_repeats_the_next_step_exactly(tmp_path):
     meta = json.load(open(tmp_path / "a" / "checkpoints" / "2" / "meta" / "metadata"))
     state = meta["fully_async"]
     assert state["fed_batches"] >= 3 and state["pending"] + state["queued"]
+    assert ("async_queue", 2) in reached
     RLTrainer(_run(tmp_path, "a", **{**o, "trainer.resume_mode": str(tmp_path / "a" / "checkpoints" / "2")})).fit()
     again = _rows(tmp_path, "a")
     assert [r["training/global_step"] for r in again] == [1, 2, 3]

@@ -182,6 +182,14 @@ def test_disk_full_on_a_save_or_the_export_stops_with_one_line_and_keeps_what_wa
     assert resolve_resume("auto", root)[1] == 2  # resumed from 1, trained and saved step 2
     assert [r["training/global_step"] for r in _rows(run_dir)] == [1, 2]
 
+    # the last step is saved, its export is not: the run is not complete; a restart only exports
+    monkeypatch.undo()
+    cfg = _config(run_dir, **{"trainer.total_training_steps": 2, "trainer.export_hf": True})
+    assert completed_step(cfg) is None
+    RLTrainer(cfg).fit()
+    assert list((run_dir / "hf_actor").glob("*.safetensors")) and completed_step(cfg) == 2
+    assert [r["training/global_step"] for r in _rows(run_dir)] == [1, 2]
+
 
 class _FullFile:
     """A file on a full disk: every write and flush fails with ENOSPC."""
@@ -219,3 +227,19 @@ def test_a_disk_full_error_reported_by_a_ray_worker_as_text_is_found():
     assert str(as_disk_full(bare, "/runs/x/hf_actor", "the export")).startswith(
         "disk full: the export could not be written to /runs/x/hf_actor")
     assert as_disk_full(WorkerError("worker call failed: ValueError: shapes differ")) is None
+
+
+def test_the_trainer_reaches_the_chaos_kill_points_of_each_step_in_order(tmp_path, monkeypatch):
+    """scripts/chaos.py kills at these points (jaxrl_llm/_chaos.py): the rollout is back, the
+    update is done, the step is saved but not marked complete."""
+    from jaxrl_llm import _chaos
+
+    reached = []
+
+    def record(phase, step=None):
+        reached.append((phase, _chaos._step if step is None else step))
+
+    monkeypatch.setattr(_chaos, "kill_point", record)
+    RLTrainer(_config(tmp_path / "run", **{"trainer.total_training_steps": 2})).fit()
+    assert reached == [("generation", 1), ("update", 1), ("save", 1),
+                       ("generation", 2), ("update", 2), ("save", 2)]
