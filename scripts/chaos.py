@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -37,16 +38,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # jaxrl_llm from this checkout
-_NONDETERMINISTIC = ("timing_s/", "timing_per_token_ms/", "perf/", "rollout/sync_time_s")
+# wall time and what follows from it (how far the rollouter got while the trainer waited)
+_NONDETERMINISTIC = re.compile(r"^(timing_s/|timing_per_token_ms/|perf/|fully_async/queue_size)"
+                               r"|_s(/|$)|idle_ratio|held_requests")
 _KILL_ENV = "JAXRL_CHAOS_KILL_AT"
 REWARD = ROOT / "tests" / "fixtures" / "rewards" / "length_parity.py"
 _BASE = ("generation", "update", "save")
-CASES = {  # name: (config, phases, extra environment)
-    "quickstart": (f"{ROOT}/configs/quickstart.py:tiny,local", _BASE, {}),
-    # separate placement: one CPU device for the rollouter, one for training
+CASES = {  # name: (config, phases, extra environment, extra overrides)
+    "quickstart": (f"{ROOT}/configs/quickstart.py:tiny,local", _BASE, {}, {}),
+    # separate placement: one CPU device for the rollouter, one for training. Which tokens a
+    # partial rollout generates before a sync depends on timing, so no two runs of the config's
+    # staleness 0.5 + partial rollout are equal; staleness 0 without partial rollout is
+    # reproducible (and the rollouter still holds handed-out prompts at every save)
     "async": (f"{ROOT}/configs/quickstart_async.py:tiny,local", _BASE + ("async_queue",),
-              {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}),
-    "tools": (f"{ROOT}/configs/quickstart_tools.py:tiny,local", _BASE + ("tool_call",), {}),
+              {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+              {"async_training.staleness_threshold": 0.0, "async_training.partial_rollout": False}),
+    "tools": (f"{ROOT}/configs/quickstart_tools.py:tiny,local", _BASE + ("tool_call",), {}, {}),
 }
 
 
@@ -68,7 +75,7 @@ def parse_args(argv=None):
     return args
 
 
-def train_command(config: str, args, run_dir: Path, data: Path) -> list[str]:
+def train_command(config: str, args, run_dir: Path, data: Path, extra: dict | None = None) -> list[str]:
     overrides = {
         "trainer.default_local_dir": run_dir, "trainer.total_training_steps": args.steps,
         "trainer.save_freq": 1, "trainer.max_to_keep": args.steps + 1, "trainer.export_hf": True,
@@ -76,7 +83,7 @@ def train_command(config: str, args, run_dir: Path, data: Path) -> list[str]:
         "trainer.logger": "jsonl",
         "data.train_files": data / "train.parquet", "data.val_files": data / "val.parquet",
         "reward.custom_reward_function.path": REWARD,
-        "reward.custom_reward_function.name": "compute_score",
+        "reward.custom_reward_function.name": "compute_score", **(extra or {}),
     }
     return ([sys.executable, "-m", "jaxrl_llm.train", f"--config={config}"]
             + [f"--config.{k}={v}" for k, v in overrides.items()] + list(args.override))
@@ -146,7 +153,7 @@ def _rows(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     with open(path) as f:
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith(_NONDETERMINISTIC)}
+        return [{k: v for k, v in json.loads(line).items() if not _NONDETERMINISTIC.search(k)}
                 for line in f if line.strip()]
 
 
@@ -195,13 +202,14 @@ def kill_steps(phases, steps: int) -> list[int]:
 
 
 def run_case(name: str, args) -> dict:
-    config, phases, env_extra = CASES[name]
+    config, phases, env_extra, case_overrides = CASES[name]
     config = args.config or config
     phases = tuple(args.phases.split(",")) if args.phases else phases
     out = Path(args.out).absolute() / name
     data = out / "data"
     ref_dir, chaos_dir = out / "reference", out / "chaos"
-    ref_cmd, chaos_cmd = (train_command(config, args, d, data) for d in (ref_dir, chaos_dir))
+    extra = {} if args.config else case_overrides
+    ref_cmd, chaos_cmd = (train_command(config, args, d, data, extra) for d in (ref_dir, chaos_dir))
     plan = list(zip(phases, kill_steps(phases, args.steps)))
     if args.dry_run:
         print(f"# case {name}: kills {', '.join(f'{p}:{s}' for p, s in plan)}")
