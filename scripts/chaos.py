@@ -53,7 +53,9 @@ CASES = {  # name: (config, phases, extra environment, extra overrides)
     "async": (f"{ROOT}/configs/quickstart_async.py:tiny,local", _BASE + ("async_queue",),
               {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
               {"async_training.staleness_threshold": 0.0, "async_training.partial_rollout": False}),
-    "tools": (f"{ROOT}/configs/quickstart_tools.py:tiny,local", _BASE + ("tool_call",), {}, {}),
+    # the tiny model writes tool calls (about 0.3 per trajectory) only after a longer warm start
+    "tools": (f"{ROOT}/configs/quickstart_tools.py:tiny,local", _BASE + ("tool_call",), {},
+              {"sft.steps": 300}),
 }
 
 
@@ -157,9 +159,14 @@ def _rows(path: Path) -> list[dict]:
                 for line in f if line.strip()]
 
 
-def _close(a, b) -> bool:
+# engine-vs-trainer log-prob gaps: float rounding (~1e-6) that moves with the engine's slot
+# layout, which a restarted server lays out afresh
+_ROUNDING = re.compile(r"^rollout/(logprob_abs_diff|probs_diff)/")
+
+
+def _close(a, b, key: str = "") -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return abs(a - b) <= 1e-6 + 1e-5 * abs(b)
+        return abs(a - b) <= (1e-4 if _ROUNDING.search(key) else 1e-6) + 1e-5 * abs(b)
     return a == b
 
 
@@ -172,7 +179,7 @@ def compare_metrics(ref: Path, got: Path) -> list[str]:
             problems.append(f"{name} rows differ: steps {steps(have)} vs the reference's {steps(want)}")
             continue
         problems += [f"{name} step {w['training/global_step']} {k}: {h.get(k)} vs {v}"
-                     for w, h in zip(want, have) for k, v in w.items() if not _close(h.get(k), v)]
+                     for w, h in zip(want, have) for k, v in w.items() if not _close(h.get(k), v, k)]
     return problems
 
 
