@@ -16,8 +16,9 @@ weights and metrics with an uninterrupted run's.
    (jaxrl_llm/_chaos.py), so the trainer SIGKILLs itself there; the step is after the newest
    checkpoint, so every start after the first must resume (its log says "resumed from").
    Then it is started once more and left to finish.
-3. Both runs' `metrics.jsonl` and `val_generations.jsonl` must match row for row (timing and
-   memory keys aside, rel 1e-5) and both exported `hf_actor` folders must hold the same tensors.
+3. Both runs' `metrics.jsonl` and `val_generations.jsonl` must match row for row (rel 1e-5;
+   wall-time, memory, idle-ratio and queue-size keys aside; the engine-vs-trainer log-prob gaps
+   within 1e-4) and both exported `hf_actor` folders must hold the same tensors.
 
 Prints one JSON report per case; `"ok": false` with the reasons, and exit status 1, when the runs
 differ or a check did not run: a kill that did not land at its phase, a start that did not resume,
