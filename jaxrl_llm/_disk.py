@@ -42,10 +42,13 @@ def as_disk_full(exc: BaseException, path: str | Path | None = None,
     error); a new one for `what` at `path` when `exc` is a bare disk-full failure; else None."""
     for e in _chain(exc):
         if isinstance(e, DiskFullError):
-            return e
+            # Ray re-raises a worker's error as a subclass of it whose text is the whole
+            # remote traceback: keep the one line
+            found = _LINE.search(str(e))
+            return e if "\n" not in str(e) or not found else DiskFullError(found.group(0), e.path)
     for e in _chain(exc):
         found = _LINE.search(str(e))
-        if found:  # a DiskFullError raised in a worker, reported as text (Ray)
+        if found:  # a DiskFullError raised in a worker, reported as text
             return DiskFullError(found.group(0).rstrip(" .'\")"), path)
     for e in _chain(exc):
         if (isinstance(e, OSError) and e.errno in _CODES) or any(t in str(e) for t in _TEXTS):

@@ -216,7 +216,7 @@ def test_disk_full_on_a_metrics_write_is_one_line_naming_the_file_and_close_is_q
 
 
 def test_a_disk_full_error_reported_by_a_ray_worker_as_text_is_found():
-    from jaxrl_llm._disk import as_disk_full
+    from jaxrl_llm._disk import DiskFullError, as_disk_full
     from jaxrl_llm.trainer import WorkerError
 
     remote = WorkerError("worker call 'save_checkpoint' failed on a Ray actor:\nTraceback ...\n"
@@ -227,6 +227,17 @@ def test_a_disk_full_error_reported_by_a_ray_worker_as_text_is_found():
     assert str(as_disk_full(bare, "/runs/x/hf_actor", "the export")).startswith(
         "disk full: the export could not be written to /runs/x/hf_actor")
     assert as_disk_full(WorkerError("worker call failed: ValueError: shapes differ")) is None
+
+    class RayTaskErrorLike(DiskFullError):  # Ray re-raises a remote error as a subclass of it
+        def __str__(self):
+            return ("ray::HostWorker.save_checkpoint() (pid=1)\n  File \"_manager.py\", line 71\n"
+                    "jaxrl_llm._disk.DiskFullError: disk full: checkpoint step 4 could not be "
+                    "written to /runs/x/checkpoints/4 (no space left on device). Free space")
+    try:
+        raise WorkerError("worker call 'save_checkpoint' failed on a Ray actor") from RayTaskErrorLike("x")
+    except WorkerError as e:
+        found = str(as_disk_full(e))
+    assert "\n" not in found and found.startswith("disk full: checkpoint step 4")
 
 
 def test_the_trainer_reaches_the_chaos_kill_points_of_each_step_in_order(tmp_path, monkeypatch):
