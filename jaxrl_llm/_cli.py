@@ -219,12 +219,28 @@ def enable_compilation_cache() -> str | None:
 
 def completed_step(run) -> int | None:
     """The newest checkpoint's step when it already reaches `trainer.total_training_steps` (and
-    `trainer.resume_mode` is auto): the run is complete. Else None."""
-    from jaxrl_llm.checkpoint import checkpoint_root, resolve_resume
+    `trainer.resume_mode` is auto) and the run's exports are written: the run is complete. Else
+    None. Checkpoints that are all
+    damaged end the process with one line (`NoUsableCheckpoint`'s message)."""
+    from jaxrl_llm.checkpoint import NoUsableCheckpoint, checkpoint_root, resolve_resume
 
     if run.trainer.resume_mode != "auto" or run.trainer.val_only:
         return None
-    resume = resolve_resume("auto", checkpoint_root(run.trainer.default_local_dir))
-    if resume is not None and resume[1] >= run.trainer.total_training_steps:
+    try:
+        resume = resolve_resume("auto", checkpoint_root(run.trainer.default_local_dir))
+    except NoUsableCheckpoint as e:  # every step damaged: one line, before anything is touched
+        fail(str(e))
+    if resume is not None and resume[1] >= run.trainer.total_training_steps and _exported(run):
         return resume[1]
     return None
+
+
+def _exported(run) -> bool:
+    """Whether the exports a finished run writes are there: a run killed after its last
+    checkpoint but before them resumes at that step and only exports."""
+    import glob
+
+    t = run.trainer
+    folders = ([f"{t.default_local_dir}/hf_actor"] if t.export_hf else []) + (
+        [f"{t.default_local_dir}/lora_adapter"] if t.export_hf and run.actor.lora.enabled else [])
+    return all(glob.glob(f"{folder}/*.safetensors") for folder in folders)

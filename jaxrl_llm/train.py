@@ -23,6 +23,7 @@ from ml_collections import config_flags
 
 import sharding
 from jaxrl_llm import _cli
+from jaxrl_llm._disk import DiskFullError
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", _cli.CONFIG_HELP,
                                           lock_config=True)
@@ -69,7 +70,11 @@ def main(argv) -> None:
         sharding.initialize_distributed(coordinator_address=_COORD.value, num_processes=_NPROC.value,
                                         process_id=_PID.value)
         trainer = RLTrainer(run)
-    final = trainer.fit()
+    try:
+        final = trainer.fit()
+    except DiskFullError as e:  # one line, not a traceback per thread that hit the full disk
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     print(json.dumps({"final_validation": final, "run_dir": run.trainer.default_local_dir}))
 
 

@@ -24,6 +24,7 @@ import time
 import uuid
 from typing import Any
 
+from jaxrl_llm import _chaos
 from jaxrl_llm.agent._parsers import ToolCall, get_tool_parser
 from jaxrl_llm.agent.tools import BaseTool, ToolResponse, run_tool_call
 
@@ -294,6 +295,7 @@ class ToolAgentLoop(AgentLoopBase):
                 instances[call.name], _ = await tool.create(**dict(kwargs.get("create_kwargs") or {}))
         except Exception as e:  # noqa: BLE001 - a tool never crashes a rollout
             return f"Error: tool {call.name!r} could not start: {type(e).__name__}: {e}", True
+        _chaos.kill_point("tool_call")  # scripts/chaos.py; one comparison when not set
         response, _, metrics = await run_tool_call(
             tool, instances[call.name], call.arguments, timeout_s=self.ctx.multi_turn.tool_timeout_s,
             **dict(kwargs.get("execute_kwargs") or {}))

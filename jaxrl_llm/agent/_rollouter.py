@@ -222,7 +222,7 @@ class Rollouter:
 
     def state(self) -> dict:
         """JSON-able: `queued` (finished groups, finish order), `pending` (prompts started or
-        waiting, by index) and the interval's consumed count."""
+        waiting, by index), the interval's consumed count and the cumulative `counters`."""
         fut = asyncio.run_coroutine_threadsafe(self._state(), self._loop)
         return fut.result()
 
@@ -232,6 +232,9 @@ class Rollouter:
         with self._lock:
             self._open += len(queued)
             self._consumed_since_sync = int(state.get("consumed_since_sync", 0))
+            # cumulative counts go on from the saved ones (the re-fed pending groups are
+            # counted as started again)
+            self.counters.update({k: int(v) for k, v in state.get("counters", {}).items()})
         for group in queued:
             self.queue.put(group)
         self.feed([PromptGroup(**d) for d in state.get("pending", [])])
@@ -300,11 +303,12 @@ class Rollouter:
     async def _state(self) -> dict:
         with self._lock:
             consumed = self._consumed_since_sync
+            counters = dict(self.counters)
         unfinished = sorted([pg for pg, _, _ in self._inflight.values()] + list(self._pending),
                             key=lambda pg: pg.index)
         return {"queued": [g.to_json() for g in self.queue.snapshot()],
                 "pending": [_plain(dataclasses.asdict(pg)) for pg in unfinished],
-                "consumed_since_sync": consumed}
+                "consumed_since_sync": consumed, "counters": counters}
 
     def _may_start(self) -> bool:
         with self._lock:

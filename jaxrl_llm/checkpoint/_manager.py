@@ -10,7 +10,8 @@ the step (`_verify.py`): a step without it, or whose files no longer match it (t
 flipped bytes), is never resumed from. With `async_save` the marker of a step is written when
 the next save starts, or at `wait()` / `close()`. In multi-host runs every process must call
 `save` and `restore` (orbax coordinates them; only process 0 writes metadata, JSON items and
-the marker).
+the marker). A full disk during a save is `DiskFullError` (one line naming the step); the step
+then has no marker and the older steps are kept.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from jaxrl_llm import _chaos
+from jaxrl_llm._disk import DiskFullError, disk_full_guard
 from jaxrl_llm.checkpoint import _tree
 from jaxrl_llm.checkpoint._verify import write_marker
 
@@ -65,6 +68,10 @@ class Checkpointer:
             return False
         meta = {} if meta is None else meta
         _check_json(meta)
+        with disk_full_guard(self.directory / str(step), f"checkpoint step {step}"):
+            return self._save(int(step), state, meta, force)
+
+    def _save(self, step: int, state: Any, meta: dict, force: bool) -> bool:
         self.wait()  # orbax waits for the previous save anyway; then its marker goes in
         # the step list from disk: on a multi-host run another process's controller may have
         # moved steps aside (`set_aside_steps`) after this manager listed them
@@ -75,9 +82,9 @@ class Checkpointer:
             _META: ocp.args.JsonSave(meta),
             _IMPLS: ocp.args.JsonSave(impls),
         })
-        started = bool(self._manager.save(int(step), args=args, force=force))
+        started = bool(self._manager.save(step, args=args, force=force))
         if started:
-            self._unmarked.append(int(step))
+            self._unmarked.append(step)
             if not self._async:
                 self._mark_complete()
         return started
@@ -91,12 +98,16 @@ class Checkpointer:
         for step in steps:
             path = self.directory / str(step)
             if path.is_dir():  # max_to_keep may already have removed it
+                _chaos.kill_point("save", step)
                 write_marker(path)
 
     def check_errors(self) -> None:
         """Raises now if a background save has failed (instead of at the next save)."""
         try:
-            self._manager.check_for_errors()
+            with disk_full_guard(self.directory, "a background checkpoint save"):
+                self._manager.check_for_errors()
+        except DiskFullError:
+            raise
         except Exception as e:  # noqa: BLE001 - re-raised with the directory named
             raise RuntimeError(f"a background checkpoint save under {self.directory} failed: "
                                f"{type(e).__name__}: {e}") from e
@@ -163,8 +174,9 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until pending async saves are written, finalised and marked complete."""
-        self._manager.wait_until_finished()
-        self._mark_complete()
+        with disk_full_guard(self.directory, "a checkpoint"):
+            self._manager.wait_until_finished()
+            self._mark_complete()
 
     def close(self) -> None:
         """Wait for pending saves and release orbax's resources."""

@@ -5,7 +5,8 @@ A step counts only when its directory is finalised (orbax renames `<step>.orbax-
 to `<step>` once every item is written) and carries the completion marker written after that
 (`_verify.py`), so a save interrupted by a crash is never resumed from. "auto" also checks the
 newest step's files against the marker's checksums and falls back to the next older step,
-logging which step it skipped and why. `set_aside_steps` moves step directories newer than the
+logging which step it skipped and why; when there are steps but none is usable it raises
+`NoUsableCheckpoint` instead of starting over (only resume_mode "disable" starts over). `set_aside_steps` moves step directories newer than the
 resumed one (and broken ones) out of the checkpoint root, so the resumed run can save again.
 """
 from __future__ import annotations
@@ -36,19 +37,52 @@ def _step_of(name: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def newest_valid_step(directory: str | Path) -> int | None:
-    """Newest step under `directory` whose files pass `verify_step`; logs each newer one skipped."""
-    root = Path(directory)
+class NoUsableCheckpoint(RuntimeError):
+    """A checkpoint root holds step directories but none can be resumed from (all damaged, or
+    several interrupted): starting over silently would throw the run's progress away."""
+
+
+def _scan(root: Path) -> tuple[int | None, list[tuple[int, str]]]:
+    """(newest step whose files pass `verify_step` or None, [(step, reason)] of the newer ones
+    that failed, newest first)."""
     if not root.is_dir():
-        return None
+        return None, []
     steps = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir()), reverse=True)
+    failed = []
     for step in steps:
         reason = verify_step(root / str(step))
         if reason is None:
-            return step
-        log.warning("resume: skipping checkpoint step %d in %s: %s; trying the next older step",
-                    step, root, reason)
-    return None
+            return step, failed
+        failed.append((step, reason))
+    return None, failed
+
+
+def newest_valid_step(directory: str | Path, *, what: str = "trainer.resume_mode=auto") -> int | None:
+    """Newest step under `directory` whose files pass `verify_step`; logs each newer one skipped.
+
+    None when there is no step directory, or only one left by an interrupted save (a kill during
+    the first save). Raises `NoUsableCheckpoint` naming every step and its fault when there are
+    step directories but none is usable and at least one is damaged (not merely interrupted) or
+    several are: the run's progress would otherwise be silently lost.
+    """
+    root = Path(directory)
+    step, failed = _scan(root)
+    for bad, reason in failed:
+        level = logging.WARNING if step is not None or len(failed) == 1 else logging.ERROR
+        log.log(level, "resume: skipping checkpoint step %d in %s: %s%s", bad, root, reason,
+                "; trying the next older step" if step is not None else "")
+    if step is None and failed:
+        damaged = [r for _, r in failed if not r.startswith("incomplete")]
+        if damaged or len(failed) > 1:
+            faults = "; ".join(f"step {s}: {r}" for s, r in failed)
+            raise NoUsableCheckpoint(
+                f"{what}: no usable checkpoint in {root.absolute()} ({faults}). Nothing was changed "
+                "(metrics.jsonl and the step directories are as they were). Repair or restore a step, "
+                "point trainer.resume_mode at another checkpoint, or set trainer.resume_mode=disable "
+                "to start over (the steps are then moved to set_aside/ and metrics.jsonl restarts)")
+        log.warning("resume: %s holds only step %d, left by an interrupted save; starting from "
+                    "scratch", root, failed[0][0])
+    return step
 
 
 def finalized_steps(directory: str | Path) -> list[int]:
@@ -73,6 +107,8 @@ def resolve_resume(resume_mode: str, directory: str | Path) -> tuple[Path, int] 
 
     Raises:
       FileNotFoundError: an explicit path that does not exist or holds no complete checkpoint.
+      NoUsableCheckpoint: step directories exist but none can be resumed from (see
+        `newest_valid_step`); only "disable" starts over then.
     """
     if resume_mode == "disable":
         return None
@@ -120,7 +156,7 @@ def _resolve_path(path: Path) -> tuple[Path, int]:
                 f"resume path {path} is not a usable checkpoint step ({reason}); pick another "
                 "step or the checkpoint root to use its newest intact step.")
         return path.parent, int(path.name)
-    step = newest_valid_step(path)
+    step = newest_valid_step(path, what=f"trainer.resume_mode={path}")
     if step is None:
         raise FileNotFoundError(
             f"resume path {path} holds no complete checkpoint (looked for step directories "

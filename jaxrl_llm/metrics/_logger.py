@@ -4,6 +4,8 @@ A metric has one name everywhere: the console, metrics.jsonl and the TensorBoard
 
 JSON has no NaN or infinity, so non-finite floats are written as the strings "NaN",
 "Infinity" and "-Infinity"; `read_jsonl` turns them back into floats. Only process 0 writes.
+A full disk is `DiskFullError` naming the file (jaxrl_llm/_disk.py); `close` after one does not
+raise again.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl_llm._disk import DiskFullError, disk_full_guard
 from jaxrl_llm.metrics._console import format_summary, format_table, write_console
 
 STEP_KEY = "training/global_step"
@@ -99,7 +102,8 @@ class MetricsLogger:
         self.close()
         if "jsonl" in self.backends:
             for path in (self.jsonl_path, self.generations_path):
-                _truncate_jsonl(path, step)
+                with disk_full_guard(path, "the rewound metrics"):
+                    _truncate_jsonl(path, step)
         self._open(purge_step=step + 1)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
@@ -109,8 +113,9 @@ class MetricsLogger:
         values = {key: _to_scalar(key, value) for key, value in metrics.items()}
         if self._jsonl is not None:
             record = {STEP_KEY: int(step), **{k: _json_safe(v) for k, v in values.items()}}
-            self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
-            self._jsonl.flush()
+            with disk_full_guard(self.jsonl_path, f"the metrics of step {step}"):
+                self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+                self._jsonl.flush()
         if self._tb is not None:
             from tensorboardX.proto.summary_pb2 import Summary
 
@@ -118,11 +123,13 @@ class MetricsLogger:
             # characters outside [A-Za-z0-9_./-] into '_', so the summary is written as is
             summary = Summary(value=[Summary.Value(tag=key, simple_value=float(value))
                                      for key, value in values.items()])
-            self._tb.file_writer.add_summary(summary, global_step=int(step))
-            self._tb.flush()
+            with disk_full_guard(self.run_dir / "tensorboard", f"the TensorBoard events of step {step}"):
+                self._tb.file_writer.add_summary(summary, global_step=int(step))
+                self._tb.flush()
         if "console" in self.backends and self._calls % self.console_every == 0:
             write_console(format_summary(values, int(step)))
-            with open(self.run_dir / "metrics.log", "a", encoding="utf-8") as f:
+            with disk_full_guard(self.run_dir / "metrics.log", f"the metrics of step {step}"), \
+                    open(self.run_dir / "metrics.log", "a", encoding="utf-8") as f:
                 f.write(format_table(values, int(step)) + "\n")
         self._calls += 1
 
@@ -138,7 +145,8 @@ class MetricsLogger:
         if not self.enable or not samples:
             return
         if "jsonl" in self.backends:
-            with open(self.generations_path, "a", encoding="utf-8") as f:
+            with disk_full_guard(self.generations_path, f"the validation samples of step {step}"), \
+                    open(self.generations_path, "a", encoding="utf-8") as f:
                 for s in samples:
                     f.write(json.dumps({STEP_KEY: int(step), **s}, default=str) + "\n")
         if self._tb is not None:
@@ -150,13 +158,17 @@ class MetricsLogger:
             self._tb.flush()
 
     def close(self) -> None:
-        """Flush and close the files; safe to call twice."""
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        """Flush and close the files; safe to call twice. A full disk (already reported by the
+        write that hit it) does not raise again here: the lines that did not fit are dropped."""
+        jsonl, tb, self._jsonl, self._tb = self._jsonl, self._tb, None, None
+        for f in (jsonl, tb):
+            if f is None:
+                continue
+            try:
+                with disk_full_guard(self.run_dir, "the metric files"):
+                    f.close()
+            except DiskFullError:
+                pass
 
     def __enter__(self) -> "MetricsLogger":
         return self

@@ -19,7 +19,8 @@ import jax
 import numpy as np
 
 import rollout
-from jaxrl_llm import algos, data, metrics as M, models, rewards
+from jaxrl_llm import _chaos, algos, data, metrics as M, models, rewards
+from jaxrl_llm._disk import as_disk_full, disk_full_guard
 from jaxrl_llm.checkpoint import checkpoint_root, resolve_resume, set_aside_steps
 from jaxrl_llm.config import RunConfig, SamplingConfig
 from jaxrl_llm.workers import HostWorker
@@ -163,11 +164,18 @@ class RLTrainer:
             self.call0(HostWorker.wait_checkpoints)
             self._finish()
             return last_val
-        except WorkerError:
-            log.error("a worker failed; waiting for checkpoints in flight, then stopping")
+        except Exception as e:
+            full = as_disk_full(e)
+            if full is None and not isinstance(e, WorkerError):
+                raise
+            log.error("%s; waiting for checkpoints in flight, then stopping",
+                      "a worker failed" if full is None else "the disk is full")
             self._pending = None
             self._safe_wait()
-            raise
+            if full is None:
+                raise
+            self._disk_full = True  # closing must not raise (and print) the same error again
+            raise full from None  # one line: where, and that the disk is full
         finally:
             self.close()
 
@@ -210,9 +218,11 @@ class RLTrainer:
         c = self.config
         if c.trainer.export_hf:
             tok = self.tokenizer
-            self.call0(HostWorker.export_hf, f"{self.run_dir}/hf_actor", tokenizer=tok)
+            with disk_full_guard(f"{self.run_dir}/hf_actor", "the Hugging Face export"):
+                self.call0(HostWorker.export_hf, f"{self.run_dir}/hf_actor", tokenizer=tok)
             if c.actor.lora.enabled:  # the adapters alone, in PEFT's format
-                self.call0(HostWorker.export_peft, f"{self.run_dir}/lora_adapter")
+                with disk_full_guard(f"{self.run_dir}/lora_adapter", "the LoRA adapter export"):
+                    self.call0(HostWorker.export_peft, f"{self.run_dir}/lora_adapter")
         if c.trainer.plot:
             try:
                 M.plot_curves(self.run_dir, f"{self.run_dir}/curves.png")
@@ -233,8 +243,12 @@ class RLTrainer:
                 pass
             self._pending = None
         if getattr(self, "group", None) is not None:
-            self.group.shutdown()
-            self.group = None
+            group, self.group = self.group, None
+            try:
+                group.shutdown()
+            except Exception as e:  # noqa: BLE001 - after a full disk: already reported
+                if not (getattr(self, "_disk_full", False) and as_disk_full(e) is not None):
+                    raise
         self.reward.close()
         if getattr(self, "logger", None) is not None:
             self.logger.close()
@@ -404,6 +418,7 @@ class RLTrainer:
         c = self.config
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
+        _chaos.at_step(self.global_step + 1)
         t_step = time.perf_counter()
         examples, batch = self._train_batch(timing, metrics)
         with _timer(timing, "old_log_prob"):
@@ -455,6 +470,7 @@ class RLTrainer:
             with _timer(timing, "update_actor"):
                 metrics.update(self.call0(HostWorker.update_actor, batch, mini_rows=c.actor.ppo_mini_batch_size * c.rollout.n,
                                           seed=self._seed(3), on_policy=not c.rollout.use_rollout_log_probs))
+            _chaos.kill_point("update", self.global_step + 1)
             if self.fully_async:  # every trigger_parameter_sync_step steps, under the rollouter
                 if (self.global_step + 1) % c.async_training.trigger_parameter_sync_step == 0:
                     with _timer(timing, "update_weights"):
@@ -483,6 +499,7 @@ class RLTrainer:
         kept_examples, kept_batches, filtered, rounds = [], [], 0, 0
         while True:
             examples, gen = self._rollout(timing, metrics, rounds)
+            _chaos.kill_point("generation", self.global_step + 1)
             rounds += 1
             batch = B.rollout_batch(examples, gen, n=n, pad_token_id=self.pad_id,
                                     max_prompt_length=c.data.max_prompt_length)
@@ -698,7 +715,10 @@ class RLTrainer:
         return meta
 
     def save_checkpoint(self) -> None:
-        self.group.call(HostWorker.save_checkpoint, self.global_step, self._meta())
+        meta = self._meta()
+        self.group.call(HostWorker.save_checkpoint, self.global_step, meta)
+        if self.fully_async and (meta["fully_async"]["queued"] or meta["fully_async"]["pending"]):
+            _chaos.kill_point("async_queue", self.global_step)
 
     def _restore(self, directory, step) -> None:
         meta = self.call0(HostWorker.restore_checkpoint, str(directory), int(step))

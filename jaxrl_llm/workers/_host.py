@@ -281,7 +281,9 @@ class HostWorker:
         _check_batch(batch, "update_critic")
         return self.critic.update(batch, mini_rows=mini_rows, seed=seed)
 
-    def sync_weights(self) -> dict:
+    def sync_weights(self, version: int | None = None) -> dict:
+        """The actor's weights into the rollout engine (through the server when there is one,
+        which then stamps `version` on new tokens, default: one more than before)."""
         t0 = time.perf_counter()
         # through the server when there is one: it pauses its scheduler and drops the sessions'
         # KV (computed with the old weights)
@@ -290,7 +292,7 @@ class HostWorker:
         params = self.actor.rollout_params(self.engine.config.param_dtype)
         if self.replica_mesh is not None:  # to every host's replica first (a collective)
             params = self._to_replica(params)
-        stats = target.update_params(params)
+        stats = target.update_params(params) if self.server is None else target.update_params(params, version=version)
         stats = {k: v for k, v in stats.items() if isinstance(v, (int, float, bool))}
         stats.setdefault("time_s", time.perf_counter() - t0)
         return stats
@@ -328,6 +330,8 @@ class HostWorker:
         _check_finite(state, f"checkpoint step {step}")
         if self.actor.lora_spec is not None:
             meta = {**meta, "lora_base": self._lora_base}
+        if self.server is not None:  # the version stamped on tokens: a resume continues it
+            meta = {**meta, "policy_version": int(self.server.policy_version)}
         return self.checkpointer.save(step, state, meta, force=True)
 
     def restore_checkpoint(self, directory: str, step: int) -> dict:
@@ -342,7 +346,7 @@ class HostWorker:
             self.critic.state = state["critic"]
         if self.ref is not None:
             self.ref.params = state["ref"]
-        self.sync_weights()
+        self.sync_weights(version=meta.get("policy_version"))
         return meta
 
     def wait_checkpoints(self) -> None:

@@ -154,9 +154,18 @@ def test_stale_groups_are_dropped_and_generated_again(char_tok):
         # version 2 with bound 1: the 4 remaining version-0 groups are too old
         again = r.take(4, max_staleness=1, timeout=30)
         stats = r.stats()
+        state = r.state()
     finally:
         r.close()
     assert stats["groups_dropped_stale"] == 4
+    # a resumed run's rollouter goes on counting from the checkpoint's counts
+    r2 = agent.Rollouter(_runner(TokenServer(), char_tok), sampling=SamplingParams(temperature=1.0),
+                         groups_per_sync=4, staleness_threshold=1.0, partial_rollout=False)
+    try:
+        r2.restore(state)
+        assert r2.stats()["groups_dropped_stale"] == 4
+    finally:
+        r2.close()
     assert sorted(g.prompt.index for g in again) == sorted(set(range(8)) - {g.prompt.index for g in first})
     assert all(g.min_version == 2 for g in again)
 

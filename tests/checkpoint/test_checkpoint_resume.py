@@ -4,8 +4,8 @@ import logging
 import jax.numpy as jnp
 import pytest
 
-from jaxrl_llm.checkpoint import (COMPLETE_MARKER, Checkpointer, finalized_steps, resolve_resume,
-                                  set_aside_steps, verify_step)
+from jaxrl_llm.checkpoint import (COMPLETE_MARKER, Checkpointer, NoUsableCheckpoint, finalized_steps,
+                                  resolve_resume, set_aside_steps, verify_step)
 from jaxrl_llm.checkpoint._resume import SET_ASIDE_DIR
 
 
@@ -149,3 +149,37 @@ def test_a_checkpointer_opened_before_steps_were_set_aside_still_saves(tmp_path)
     assert ckpt.save(2, {"x": jnp.zeros((2,))}, {"step": 2})
     ckpt.close()
     assert resolve_resume("auto", tmp_path) == (tmp_path.absolute(), 2)
+
+
+def test_no_usable_step_among_several_is_an_error_naming_the_folder_and_each_fault(tmp_path):
+    _save_steps(tmp_path, [10, 20])
+    _truncate(_largest_file(tmp_path / "20"))
+    _flip(_largest_file(tmp_path / "10"))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(NoUsableCheckpoint) as err:
+        resolve_resume("auto", tmp_path)
+    text = str(err.value)
+    assert str(tmp_path.absolute()) in text and "\n" not in text
+    assert "step 20: file" in text and "truncated" in text
+    assert "step 10: file" in text and "CRC-32" in text
+    assert "trainer.resume_mode=disable" in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing moved or deleted
+    with pytest.raises(NoUsableCheckpoint, match=str(tmp_path.absolute())):
+        resolve_resume(str(tmp_path), tmp_path / "unused")  # an explicit root: the same check
+    assert resolve_resume("disable", tmp_path) is None  # the one way to start over
+
+
+def test_one_damaged_step_alone_is_an_error_but_one_interrupted_first_save_starts_fresh(tmp_path):
+    _save_steps(tmp_path / "a", [1])
+    _truncate(_largest_file(tmp_path / "a" / "1"))
+    with pytest.raises(NoUsableCheckpoint, match="step 1: file"):
+        resolve_resume("auto", tmp_path / "a")
+    # a kill between orbax's finalisation and the marker of the first save: nothing was lost
+    _save_steps(tmp_path / "b", [1])
+    (tmp_path / "b" / "1" / COMPLETE_MARKER).unlink()
+    assert resolve_resume("auto", tmp_path / "b") is None
+    # two of them are not what one kill leaves: an error
+    _save_steps(tmp_path / "b", [2])
+    (tmp_path / "b" / "2" / COMPLETE_MARKER).unlink()
+    with pytest.raises(NoUsableCheckpoint, match="step 2: incomplete.*step 1: incomplete"):
+        resolve_resume("auto", tmp_path / "b")

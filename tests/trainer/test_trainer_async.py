@@ -47,9 +47,14 @@ def test_staleness_zero_is_the_synchronous_trainer(tmp_path):
     assert "val-core/arithmetic/reward/mean@1" in fully[-1]
 
 
-def test_async_resume_repeats_the_next_step_exactly(tmp_path):
+def test_async_resume_repeats_the_next_step_exactly(tmp_path, monkeypatch):
     """Checkpoint at every step; resuming from step 2 (queue, unfinished prompts, data position
-    and policy version restored) gives step 3 exactly as the uninterrupted run had it."""
+    and policy version restored) gives step 3 exactly as the uninterrupted run had it. A save
+    with work in the rollouter reaches scripts/chaos.py's `async_queue` kill point."""
+    from jaxrl_llm import _chaos
+
+    reached = []
+    monkeypatch.setattr(_chaos, "kill_point", lambda phase, step=None: reached.append((phase, step)))
     o = {"trainer.total_training_steps": 3, "trainer.save_freq": 1, "trainer.max_to_keep": 3,
          "trainer.test_freq": 0, "async_training.enable": True, "data.builtin_val_size": 0}
     RLTrainer(_run(tmp_path, "a", **o)).fit()
@@ -57,13 +62,16 @@ def test_async_resume_repeats_the_next_step_exactly(tmp_path):
     meta = json.load(open(tmp_path / "a" / "checkpoints" / "2" / "meta" / "metadata"))
     state = meta["fully_async"]
     assert state["fed_batches"] >= 3 and state["pending"] + state["queued"]
+    assert ("async_queue", 2) in reached
     RLTrainer(_run(tmp_path, "a", **{**o, "trainer.resume_mode": str(tmp_path / "a" / "checkpoints" / "2")})).fit()
     again = _rows(tmp_path, "a")
     assert [r["training/global_step"] for r in again] == [1, 2, 3]
-    for key, value in first[2].items():
+    assert "rollout/sync_policy_version" in first[2] and "fully_async/dropped_stale_groups" in first[2]
+    for key, value in first[2].items():  # counters too (policy version, stale and dropped groups)
         if not key.startswith(("timing_s/", "timing_per_token_ms/", "perf/", "fully_async/trainer",
-                               "fully_async/rollouter", "fully_async/queue_size", "rollout/sync_",
-                               "agent/")) and isinstance(value, float):
+                               "fully_async/rollouter", "fully_async/queue_size", "rollout/sync_time_s",
+                               "rollout/sync_wait_s", "rollout/sync_pause_wait_s",
+                               "rollout/sync_held_requests", "agent/")) and isinstance(value, float):
             assert again[2][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 

@@ -2,6 +2,7 @@
 import functools
 import json
 import os
+import re
 
 import pytest
 
@@ -97,3 +98,36 @@ def test_worker_failure_stops_cleanly_and_keeps_checkpoints(tmp_path, monkeypatc
     with pytest.raises(WorkerError, match="NaN in the update"):
         RLTrainer(_config(run_dir)).fit()
     assert resolve_resume("auto", run_dir / "checkpoints")[1] == 2
+
+
+def test_agent_run_resumes_every_counter_like_an_uninterrupted_run(tmp_path):
+    """The tools config (agent loops through the request-level server): step 3 redone from the
+    step-2 checkpoint equals the uninterrupted step 3 in every metric but wall time, counters
+    included: the server's policy version (`rollout/sync_policy_version`, stamped on every
+    token), the data epoch and the non-finite count."""
+    tools = os.path.join(os.path.dirname(QUICKSTART), "quickstart_tools.py")
+    run_dir = tmp_path / "tools"
+
+    def config(**extra):
+        o = {"trainer.total_training_steps": 3, "trainer.save_freq": 1, "trainer.max_to_keep": 3,
+             "trainer.test_freq": 0, "trainer.val_before_train": False, "trainer.export_hf": False,
+             "sft.steps": 0, "data.val_files": "[]", **extra}
+        return load_config(f"{tools}:tiny,local", tiny_overrides(run_dir, **o))
+
+    RLTrainer(config()).fit()
+    first = _steps(run_dir)
+    RLTrainer(config(**{"trainer.resume_mode": str(run_dir / "checkpoints" / "2")})).fit()
+    again = _steps(run_dir)
+    assert sorted(again) == [1, 2, 3]
+    counters = ("rollout/sync_policy_version", "training/epoch", "training/nonfinite_steps",
+                "training/global_step")
+    assert all(key in first[3] for key in counters), sorted(first[3])
+    assert first[3]["rollout/sync_policy_version"] == first[2]["rollout/sync_policy_version"] + 1
+    for key, value in first[3].items():
+        if not _wall_time(key):
+            assert again[3][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def _wall_time(key: str) -> bool:
+    """A duration in seconds (`..._s`, `..._s/mean`): differs between any two runs."""
+    return bool(re.search(r"_s(/|$)", key))
