@@ -103,7 +103,7 @@ def test_a_tool_call_reaches_its_kill_point_before_it_runs(kills):
                          tool_response_truncate_side="middle", tool_timeout_s=5.0,
                          tool_memory_limit_gb=4.0, tool_workers=1, tool_config_path="",
                          function_tool_path="", interaction_config_path="", format="hermes",
-                         tokenization_sanity_check_mode="strict")
+                         tokenization_sanity_check_mode="strict", sandbox="process")
     runner = agent.AgentRunner(Server(), tok, mt, max_prompt_length=16, max_response_length=256,
                                pad_token_id=0, tools={"calculator": CalculatorTool()}, interactions={})
     sample = agent.AgentSample(raw_prompt=[{"role": "user", "content": "37*48="}], data_source="arithmetic",
