@@ -197,3 +197,15 @@ def test_sleep_releases_the_kv_cache_and_weight_copy_and_wake_finishes_held_requ
 def test_partial_rollout_kv_is_validated(tiny_engine):
     with pytest.raises(ValueError, match="partial_rollout_kv"):
         rollout.RolloutServer(tiny_engine, partial_rollout_kv="rebuild")
+
+
+def test_config_field_defaults_to_recompute_and_names_itself_when_wrong():
+    import os
+
+    from jaxrl_llm.config import ConfigError, load_config
+
+    quickstart = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.py")
+    assert load_config(quickstart).rollout.partial_rollout_kv == "recompute"
+    assert load_config(quickstart, ["rollout.partial_rollout_kv=keep"]).rollout.partial_rollout_kv == "keep"
+    with pytest.raises(ConfigError, match=r"rollout\.partial_rollout_kv='rebuild'"):
+        load_config(quickstart, ["rollout.partial_rollout_kv=rebuild"])
