@@ -24,16 +24,26 @@ Slots are free, running, or parked: when a request with a `session_id` ends, its
 KV cache of prompt + completion (all but the last token, which is pending) and the server
 remembers those tokens. Parked slots are evicted least recently parked first when a new request
 needs a slot, or by `release_session`. A prompt that does not start with the known tokens is
-prefilled in full. Parked KV survives weight syncs, like held requests.
+prefilled in full. A weight sync under partial_rollout_kv="recompute" drops parked KV (the next
+turn prefills in full); under "keep" it survives, like held requests' KV.
 
 Randomness: a request with (seed, row) samples its step t with
 `fold_in(fold_in(key(seed), row), t)`, exactly as `RolloutDriver` samples its row `row`, so the
 server reproduces the driver's rows whatever the batch, slot or arrival order.
 
 Weight sync (`update_params`): in_flight="hold" applies the new weights at the next sync point;
-running requests stay in their slots with their KV cache, tokens and log-probs, and continue with
-the new weights (`policy_versions` records the version of every token). in_flight="finish" stops
-admitting, waits for the running requests to end, then syncs. Either way `policy_version` goes up.
+running requests stay in their slots with their tokens and log-probs and continue with the new
+weights (`policy_versions` records the version of every token). Their KV cache: partial_rollout_kv
+"recompute" (default, verl V1) re-prefills each one's kept prefix (prompt + tokens so far, the
+last one pending) with the new weights before it decodes again, re-armed with the same key and
+step count, so it continues exactly as a fresh prefill of that prefix would; "keep" decodes on
+the KV the old weights computed (a token is sampled by the new weights but conditioned on
+old-weight keys and values). in_flight="finish" stops admitting, waits for the running requests
+to end, then syncs. Either way `policy_version` goes up.
+
+Colocated training: `suspend()` stops admission and decoding between decode loops (held requests
+keep everything; syncs apply at once, as "hold"); `resume()` continues. `sleep()` also frees the
+KV cache and the engine's own weight copy; `wake()` reallocates and re-prefills the held requests.
 
 Failure: validation errors (empty prompt, prompt + max_new_tokens over the KV cache length, ids
 outside the vocabulary, a duplicate live request id, bad sampling or budget) raise in the caller at submit time. An exception in the scheduler
