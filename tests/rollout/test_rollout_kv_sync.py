@@ -209,3 +209,20 @@ def test_config_field_defaults_to_recompute_and_names_itself_when_wrong():
     assert load_config(quickstart, ["rollout.partial_rollout_kv=keep"]).rollout.partial_rollout_kv == "keep"
     with pytest.raises(ConfigError, match=r"rollout\.partial_rollout_kv='rebuild'"):
         load_config(quickstart, ["rollout.partial_rollout_kv=rebuild"])
+
+
+def test_sleep_keeps_shared_zero_copy_weights_and_wakes_without_a_new_sync(
+        tiny_model, tiny_stacked_engine, prompts, stop_id, monkeypatch):
+    """A stacked engine sharing the model's buffers: sleep frees only the KV cache (the weights are
+    the trainer's), so wake needs no update_params."""
+    prompt = _no_stop_prompt(tiny_model, prompts, stop_id, 8)
+    assert tiny_stacked_engine.update_params(tiny_model)["zero_copy"]
+    with rollout.RolloutServer(tiny_stacked_engine, steps_per_sync=4) as srv:
+        req = srv.submit("a", prompt, sampling=GREEDY, max_new_tokens=12)
+        _suspend_before_loop(srv, tiny_stacked_engine, monkeypatch, 1)
+        slept = srv.sleep()
+        assert (slept["weights_released"], slept["weight_bytes"]) == (False, 0)
+        assert slept["kv_bytes"] == tiny_stacked_engine.kv_cache_bytes()
+        assert srv.wake()["recomputed_requests"] == 1
+        out = req.result()
+    assert out.token_ids == greedy_reference(tiny_model, prompt, 12, (stop_id,))
