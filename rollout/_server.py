@@ -709,11 +709,12 @@ class RolloutServer:
                                                         jnp.asarray(idx)))
         for j, slot in enumerate(slots):
             req = self._running.pop(slot)
+            stale = slot in self._stale  # its KV is the old weights' (or gone): not parked
             self._stale.discard(slot)
             n = int(self._generated[slot])
             toks = [int(t) for t in tokens[j, req.offset:n]]
-            reason = "abort" if req.aborted else ("stop" if n and toks[-1] in self._stop else "length")
-            if req.session_id is not None and self._state is not None:
+            reason = "abort" if req.aborted else ("stop" if toks and toks[-1] in self._stop else "length")
+            if req.session_id is not None and not stale:
                 self._parked.pop(req.session_id, None)  # an older slot of the session becomes free
                 self._parked[req.session_id] = (slot, req.prompt + toks)
             self._stats["requests_aborted" if req.aborted else "requests_finished"] += 1

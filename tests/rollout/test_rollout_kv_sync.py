@@ -226,3 +226,22 @@ def test_sleep_keeps_shared_zero_copy_weights_and_wakes_without_a_new_sync(
         assert srv.wake()["recomputed_requests"] == 1
         out = req.result()
     assert out.token_ids == greedy_reference(tiny_model, prompt, 12, (stop_id,))
+
+
+def test_a_session_request_aborted_with_stale_kv_is_not_parked(tiny_model, tiny_engine, kv_weights, prompts,
+                                                               stop_id, monkeypatch):
+    """Suspended, synced (recompute: the held request's KV is stale), then aborted: its slot must
+    not be parked with the old weights' KV, so the session's next turn prefills in full."""
+    prompt = _no_stop_prompt(tiny_model, prompts, stop_id, 8)
+    with rollout.RolloutServer(tiny_engine, steps_per_sync=4) as srv:
+        first = srv.submit("t1", prompt, sampling=GREEDY, max_new_tokens=16, session_id="s")
+        _suspend_before_loop(srv, tiny_engine, monkeypatch, 1)
+        srv.update_params(kv_weights)
+        srv.abort("t1")
+        cut = first.result()
+        assert cut.finish_reason == "abort" and len(cut.token_ids) == 4
+        srv.resume()
+        nxt = prompt + cut.token_ids + [5]
+        second = srv.generate("t2", nxt, sampling=GREEDY, max_new_tokens=3, session_id="s")
+    assert second.num_cached_tokens == 0
+    assert second.token_ids == greedy_reference(kv_weights, nxt, 3, (stop_id,))
