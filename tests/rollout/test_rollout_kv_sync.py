@@ -194,9 +194,26 @@ def test_sleep_releases_the_kv_cache_and_weight_copy_and_wake_finishes_held_requ
                                atol=1e-5)
 
 
-def test_partial_rollout_kv_is_validated(tiny_engine):
+def test_partial_rollout_kv_and_step_offset_are_validated(tiny_engine, prompts):
     with pytest.raises(ValueError, match="partial_rollout_kv"):
         rollout.RolloutServer(tiny_engine, partial_rollout_kv="rebuild")
+    with rollout.RolloutServer(tiny_engine) as srv:
+        with pytest.raises(ValueError, match="step_offset"):
+            srv.submit("r", prompts[0], sampling=GREEDY, max_new_tokens=2, step_offset=-1)
+
+
+def test_close_while_asleep_aborts_held_requests(tiny_model, tiny_engine, prompts, stop_id, monkeypatch):
+    prompt = _no_stop_prompt(tiny_model, prompts, stop_id, 8)
+    srv = rollout.RolloutServer(tiny_engine, steps_per_sync=4)
+    try:
+        req = srv.submit("a", prompt, sampling=GREEDY, max_new_tokens=16)
+        _suspend_before_loop(srv, tiny_engine, monkeypatch, 1)
+        srv.sleep()
+    finally:
+        srv.close()
+        tiny_engine.update_params(tiny_model)  # sleep released the engine's weights
+    out = req.result()
+    assert out.finish_reason == "abort" and out.token_ids == greedy_reference(tiny_model, prompt, 4)
 
 
 def test_config_field_defaults_to_recompute_and_names_itself_when_wrong():
