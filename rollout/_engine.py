@@ -587,7 +587,8 @@ class Engine:
         """Drops the engine's weights when the last `update_params` copied any (relayout, cast or
         reshard: buffers this engine holds alone), so their device memory is freed (a server's
         `sleep`); shared zero-copy weights are the trainer's and stay. Returns the bytes of the
-        weights dropped (0 when kept); `update_params` must come before generating again."""
+        weights dropped (0 when kept; when a sync copied only some leaves, the shared ones stay
+        alive with the trainer but are counted); `update_params` must come before generating again."""
         if self._params is None or self._params_shared or _is_abstract(self._params):
             return 0
         nbytes = sum(x.nbytes for x in jax.tree.leaves(self._params))

@@ -51,6 +51,8 @@ def parse_args(argv=None):
         args.model, args.slots, args.prefill, args.max_target = "tiny", 4, 16, 32
         args.requests, args.prompt_len, args.max_new, args.decode_loops = 3, 5, 12, 1
         args.steps_per_sync, args.dtype = 4, "float32"
+    if args.max_new <= args.decode_loops * args.steps_per_sync:
+        p.error("--max-new must exceed --decode-loops x --steps-per-sync (requests still running at the sleep)")
     if args.prompt_len + args.max_new > args.max_target:
         p.error(f"--prompt-len + --max-new must fit --max-target={args.max_target}")
     return args
