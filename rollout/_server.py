@@ -467,9 +467,9 @@ class RolloutServer:
                 self._recompute()
             elif ctl.kind == "sleep":
                 result = self._sleep()
-            elif not self._asleep:  # wake while awake: only ends a suspend
+            elif not self._asleep:  # wake while awake: as resume
                 self._suspended = False
-                result = {"recomputed_requests": 0, "recomputed_tokens": 0}
+                result = self._recompute()
             else:
                 result = self._wake()
         except Exception as error:  # noqa: BLE001 - the caller's mistake, the server goes on
