@@ -187,6 +187,7 @@ class Engine:
         self._request_counter = 0
         self._params = None
         self._params_fresh = False  # made by our own relayout sync (WeightSync may write into them)
+        self._params_shared = False  # the last sync copied nothing (the trainer's own buffers)
         self._build_compiled()
         if _is_abstract(pure):  # ahead-of-time compiles: shapes and shardings only, no weights
             self._params = self._abstract_params()
@@ -305,6 +306,7 @@ class Engine:
         self._append_jit = jax.jit(self._append_core, donate_argnums=(1,), out_shardings=st)
         self._init_jit = jax.jit(self._init_core, out_shardings=st)
         self._free_jit = jax.jit(self._free_core, donate_argnums=(0,), out_shardings=st)
+        self._set_generated_jit = jax.jit(self._set_generated_core, donate_argnums=(0,), out_shardings=st)
 
     def _run(self, fn, *args):
         """Calls a jitted piece with the rollout rules active (activation constraints)."""
@@ -467,6 +469,9 @@ class Engine:
         steps, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out))
         return state, out, steps
 
+    def _set_generated_core(self, state, dst, generated):
+        return dataclasses.replace(state, generated=state.generated.at[dst].set(generated, mode="drop"))
+
     def _free_core(self, state, slot):
         return dataclasses.replace(state, active=state.active.at[slot].set(False))
 
@@ -573,9 +578,22 @@ class Engine:
         del donate
         jax.block_until_ready(new)
         self._params, self._params_fresh = new, stats["fresh"]
+        self._params_shared = stats["num_copied"] == 0
         return {"bytes_moved": int(stats["bytes_moved"]), "bytes_total": int(stats["bytes_total"]),
                 "zero_copy": stats["num_copied"] == 0, "num_copied": int(stats["num_copied"]),
                 "donated": bool(stats["donated"]), "time_s": time.perf_counter() - t0}
+
+    def release_params(self) -> int:
+        """Drops the engine's weights when the last `update_params` copied any (relayout, cast or
+        reshard: buffers this engine holds alone), so their device memory is freed (a server's
+        `sleep`); shared zero-copy weights are the trainer's and stay. Returns the bytes of the
+        weights dropped (0 when kept; when a sync copied only some leaves, the shared ones stay
+        alive with the trainer but are counted); `update_params` must come before generating again."""
+        if self._params is None or self._params_shared or _is_abstract(self._params):
+            return 0
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(self._params))
+        self._params, self._params_fresh = None, False
+        return nbytes
 
     def check_params(self, params=None):
         """Raises a clear error when the weights were freed (e.g. donated by the trainer's step)."""
@@ -764,6 +782,14 @@ class Engine:
     def decode_loop(self, params, state, out, num_steps: int, min_free: int):
         """The RL driver's multi-step loop (see `_loop_core`). Returns (state, out, steps)."""
         return self._run(self._loop_jit, params, state, out, jnp.int32(num_steps), jnp.int32(min_free))
+
+    def set_generated(self, state: DecodeState, dst, generated) -> DecodeState:
+        """Sets slots `dst`' generated-token counts (int[m] each, numpy): the step their next
+        token samples with (fold_in(key, generated)) and the index it is written at. A request
+        resumed after k tokens (its prefix re-prefilled) continues its key stream this way."""
+        m = len(dst)
+        return self._run(self._set_generated_jit, state, self._pad_rows(dst, self._slots, m),
+                         self._pad_rows(generated, 0, m))
 
     def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Marks `slot` free (its cache is simply overwritten by the next insert)."""

@@ -24,16 +24,26 @@ Slots are free, running, or parked: when a request with a `session_id` ends, its
 KV cache of prompt + completion (all but the last token, which is pending) and the server
 remembers those tokens. Parked slots are evicted least recently parked first when a new request
 needs a slot, or by `release_session`. A prompt that does not start with the known tokens is
-prefilled in full. Parked KV survives weight syncs, like held requests.
+prefilled in full. A weight sync under partial_rollout_kv="recompute" drops parked KV (the next
+turn prefills in full); under "keep" it survives, like held requests' KV.
 
 Randomness: a request with (seed, row) samples its step t with
 `fold_in(fold_in(key(seed), row), t)`, exactly as `RolloutDriver` samples its row `row`, so the
 server reproduces the driver's rows whatever the batch, slot or arrival order.
 
 Weight sync (`update_params`): in_flight="hold" applies the new weights at the next sync point;
-running requests stay in their slots with their KV cache, tokens and log-probs, and continue with
-the new weights (`policy_versions` records the version of every token). in_flight="finish" stops
-admitting, waits for the running requests to end, then syncs. Either way `policy_version` goes up.
+running requests stay in their slots with their tokens and log-probs and continue with the new
+weights (`policy_versions` records the version of every token). Their KV cache: partial_rollout_kv
+"recompute" (default, verl V1) re-prefills each one's kept prefix (prompt + tokens so far, the
+last one pending) with the new weights before it decodes again, re-armed with the same key and
+step count, so it continues exactly as a fresh prefill of that prefix would; "keep" decodes on
+the KV the old weights computed (a token is sampled by the new weights but conditioned on
+old-weight keys and values). in_flight="finish" stops admitting, waits for the running requests
+to end, then syncs. Either way `policy_version` goes up.
+
+Colocated training: `suspend()` stops admission and decoding between decode loops (held requests
+keep everything; syncs apply at once, as "hold"); `resume()` continues. `sleep()` also frees the
+KV cache and the engine's own weight copy; `wake()` reallocates and re-prefills the held requests.
 
 Failure: validation errors (empty prompt, prompt + max_new_tokens over the KV cache length, ids
 outside the vocabulary, a duplicate live request id, bad sampling or budget) raise in the caller at submit time. An exception in the scheduler
@@ -60,6 +70,8 @@ import numpy as np
 
 from ._engine import Engine, _next_pow2
 from ._sampling import SamplingParams
+
+PARTIAL_ROLLOUT_KV = ("recompute", "keep")
 
 
 @dataclasses.dataclass
@@ -99,6 +111,14 @@ class _Request:
     cached: int = 0  # prompt tokens in the slot's KV so far (admission)
     aborted: bool = False
     versions: list = dataclasses.field(default_factory=list)  # [(first token index, version)]
+    offset: int = 0  # step_offset: the key step of the first token (a resumed request's)
+    fill: list = dataclasses.field(default_factory=list)  # the tokens whose KV the slot is getting
+
+
+@dataclasses.dataclass(eq=False)
+class _Control:
+    kind: str  # suspend | resume | sleep | wake
+    future: concurrent.futures.Future
 
 
 @dataclasses.dataclass(eq=False)
@@ -138,15 +158,22 @@ class RolloutServer:
     steps_per_sync: decode steps per host check (new requests wait at most this long for a free
     slot to be noticed). max_prefill_batch: prompts per prefill call. reuse_prefix: append a
     session's new tokens to its parked KV instead of prefilling the whole prompt.
+    partial_rollout_kv: what a weight sync does to the KV of held (running) requests:
+    "recompute" (default, as verl) re-prefills each one's kept prefix with the new weights before
+    it decodes again, and drops parked sessions' KV; "keep" leaves the KV of the old weights.
     Use as a context manager or call `close()`.
     """
 
     def __init__(self, engine: Engine, *, steps_per_sync: int = 8, max_prefill_batch: int = 64,
-                 reuse_prefix: bool = True):
+                 reuse_prefix: bool = True, partial_rollout_kv: str = "recompute"):
         if int(steps_per_sync) < 1:
             raise ValueError(f"steps_per_sync must be >= 1, got {steps_per_sync}")
         if int(max_prefill_batch) < 1:
             raise ValueError(f"max_prefill_batch must be >= 1, got {max_prefill_batch}")
+        if partial_rollout_kv not in PARTIAL_ROLLOUT_KV:
+            raise ValueError(f"partial_rollout_kv must be one of {PARTIAL_ROLLOUT_KV}, got "
+                             f"{partial_rollout_kv!r}")
+        self.partial_rollout_kv = partial_rollout_kv
         self.engine = engine
         self.steps_per_sync = int(steps_per_sync)
         self.max_prefill_batch = int(max_prefill_batch)
@@ -160,6 +187,7 @@ class RolloutServer:
         self._aborts: list[_Request] = []
         self._releases: list[str] = []
         self._syncs: collections.deque[_Sync] = collections.deque()
+        self._controls: list[_Control] = []
         self._closing = False
         self._error: BaseException | None = None
         self._version = 0
@@ -168,23 +196,30 @@ class RolloutServer:
         self._running: dict[int, _Request] = {}
         self._parked: collections.OrderedDict[str, tuple[int, list[int]]] = collections.OrderedDict()
         self._generated = np.zeros(self._slots, np.int64)
+        self._stale: set[int] = set()  # running slots whose KV is rebuilt before they decode again
+        self._suspended = self._asleep = False
         self._state = self._out = None
         self._thread = threading.Thread(target=self._main, name="RolloutServer", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ public API
     def submit(self, request_id: str, prompt_ids, *, sampling: SamplingParams, max_new_tokens: int,
-               session_id: str | None = None, seed: int = 0,
-               row: int = 0) -> concurrent.futures.Future:
+               session_id: str | None = None, seed: int = 0, row: int = 0,
+               step_offset: int = 0) -> concurrent.futures.Future:
         """Queues a request; returns a Future[GenerateOutput]. Errors in the request raise here.
 
         prompt_ids: token ids (the whole conversation so far for a session turn). seed, row: the
-        request's PRNG stream (as RolloutDriver's row `row` with that seed). session_id: park the
-        slot afterwards so the session's next turn reuses its KV. Cancelling the future aborts.
+        request's PRNG stream (as RolloutDriver's row `row` with that seed). step_offset: the
+        stream step of the first new token (a request resumed with its first k tokens appended to
+        the prompt passes k, so it samples as the uninterrupted request would). session_id: park
+        the slot afterwards so the session's next turn reuses its KV. Cancelling the future aborts.
         """
         prompt = self._validate(request_id, prompt_ids, sampling, max_new_tokens, session_id, seed, row)
+        if isinstance(step_offset, bool) or not isinstance(step_offset, (int, np.integer)) or step_offset < 0:
+            raise ValueError(f"step_offset must be an int >= 0, got {step_offset!r}")
         req = _Request(request_id, prompt, sampling, int(max_new_tokens), session_id,
-                       _row_key_data(int(seed), int(row)), concurrent.futures.Future())
+                       _row_key_data(int(seed), int(row)), concurrent.futures.Future(),
+                       offset=int(step_offset))
         with self._cv:
             self._check_running()
             if request_id in self._live:
@@ -259,6 +294,60 @@ class RolloutServer:
                                "use submit_update there")
         return self.submit_update(params, version=version, in_flight=in_flight).result()
 
+    def suspend(self) -> None:
+        """Stops admission and decoding (e.g. while a colocated actor trains on these devices);
+        returns once the scheduler has stopped using the device (after its current decode loop).
+        Running requests keep their slots, tokens, log-probs and KV; `submit` still queues; an
+        `update_params` applies at once (as in_flight="hold", whichever was asked); aborts,
+        session releases and `close` still work. Idempotent. `resume()` continues."""
+        self._control("suspend")
+
+    def submit_suspend(self) -> concurrent.futures.Future:
+        """Queues a `suspend()`; returns a Future resolved once it holds. Safe to call from the
+        scheduler thread (e.g. inside an engine hook)."""
+        return self._control("suspend", wait=False)
+
+    def resume(self) -> None:
+        """Ends `suspend()`: held requests whose KV a sync made stale are re-prefilled (under
+        partial_rollout_kv="recompute"), then admission and decoding go on. An error while asleep
+        (call `wake()`)."""
+        self._control("resume")
+
+    def sleep(self) -> dict:
+        """`suspend()` and release device memory for the trainer: the KV cache (every slot's;
+        parked sessions are forgotten) and the engine's weights when it holds its own copy (the
+        last sync copied them; shared trainer buffers are left alone). Running requests keep their
+        tokens and log-probs (host side and the small token buffer). `update_params` works while
+        asleep (needed before `wake` when the weights were released). Returns {"kv_bytes",
+        "weights_released", "weight_bytes"}."""
+        return self._control("sleep")
+
+    def wake(self) -> dict:
+        """Ends `sleep()`: reallocates the KV cache, re-prefills every held request's kept
+        prefix with the engine's current weights (whatever partial_rollout_kv says: the old KV is
+        gone) and resumes. Raises, staying asleep, when the weights were released and no
+        `update_params` came since. Returns {"recomputed_requests", "recomputed_tokens"}."""
+        return self._control("wake")
+
+    def _control(self, kind: str, wait: bool = True):
+        if wait and threading.current_thread() is self._thread:
+            raise RuntimeError(f"{kind}() would wait for the scheduler thread it runs on")
+        ctl = _Control(kind, concurrent.futures.Future())
+        with self._cv:
+            self._check_running()
+            self._controls.append(ctl)
+            self._cv.notify_all()
+        return ctl.future.result() if wait else ctl.future
+
+    @property
+    def suspended(self) -> bool:
+        """Whether admission and decoding are stopped (`suspend` or `sleep`)."""
+        return self._suspended
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
     @property
     def policy_version(self) -> int:
         return self._version
@@ -268,7 +357,10 @@ class RolloutServer:
         """Counters: requests_submitted/finished/aborted, prefill_tokens (prompt tokens computed),
         reused_tokens (prompt tokens whose parked KV was reused), prefill_calls, append_calls,
         decode_loops, decode_steps, generated_tokens, evictions (parked slots taken for other
-        requests), reuse_misses (a session's prompt did not extend its parked tokens), syncs."""
+        requests), reuse_misses (a session's prompt did not extend its parked tokens), syncs,
+        recomputed_requests / recomputed_tokens (held requests' KV rebuilt after a sync or a
+        sleep; their tokens are not in prefill_tokens), parked_dropped (parked sessions whose KV
+        a recompute sync or a sleep dropped), sleeps."""
         with self._cv:
             return dict(self._stats)
 
@@ -337,23 +429,84 @@ class RolloutServer:
         """One scheduler round; False once closed."""
         with self._cv:
             while not (self._closing or self._aborts or self._releases or self._syncs
-                       or self._running or self._pending):
+                       or self._controls or (not self._suspended and (self._running or self._pending))):
                 self._cv.wait()
             aborts, self._aborts = self._aborts, []
             releases, self._releases = self._releases, []
+            controls, self._controls = self._controls, []
             closing = self._closing
         self._abort_running(aborts)
         for session in releases:
             self._parked.pop(session, None)
         if closing:
-            self._shutdown()
+            self._shutdown(controls)
             return False
+        for ctl in controls:
+            self._apply_control(ctl)
         draining = self._apply_syncs()
+        if self._suspended:
+            return True
+        self._recompute()
         if not draining:
             self._admit()
         if self._running:
             self._decode(draining)
         return True
+
+    def _apply_control(self, ctl: _Control) -> None:
+        """suspend / resume / sleep / wake, on the scheduler thread between decode loops."""
+        try:
+            result = None
+            if ctl.kind == "suspend":
+                self._suspended = True
+                jax.block_until_ready(self._state)  # nothing of ours left running on the device
+            elif ctl.kind == "resume":
+                if self._asleep:
+                    raise RuntimeError("the RolloutServer is asleep: call wake(), not resume()")
+                self._suspended = False
+                self._recompute()
+            elif ctl.kind == "sleep":
+                result = self._sleep()
+            elif not self._asleep:  # wake while awake: as resume
+                self._suspended = False
+                result = self._recompute()
+            else:
+                result = self._wake()
+        except Exception as error:  # noqa: BLE001 - the caller's mistake, the server goes on
+            _set_future(ctl.future, error=error)
+            return
+        _set_future(ctl.future, result)
+
+    def _sleep(self) -> dict:
+        """Frees the KV cache (and the engine's own weight copy); running requests become stale."""
+        self._suspended = True
+        if self._asleep:
+            return {"kv_bytes": 0, "weights_released": False, "weight_bytes": 0}
+        self._drop_parked()
+        kv = 0
+        for x in jax.tree.leaves(self._state.cache):
+            kv += x.nbytes
+            x.delete()
+        self._state = None
+        self._asleep = True
+        self._stale = set(self._running)
+        weight_bytes = self.engine.release_params()
+        self._stats["sleeps"] += 1
+        return {"kv_bytes": kv, "weights_released": weight_bytes > 0, "weight_bytes": weight_bytes}
+
+    def _wake(self) -> dict:
+        """Reallocates the decode state and rebuilds the held requests' KV."""
+        self.engine.check_params()
+        if self.engine.params is None:
+            raise RuntimeError("sleep() released the engine's weights: call update_params(new_params) "
+                               "before wake()")
+        self._state = self.engine.init_decode_state()
+        self._asleep = self._suspended = False
+        return self._recompute()
+
+    def _drop_parked(self) -> None:
+        self._stats["parked_dropped"] += len(self._parked)
+        self._parked.clear()
 
     def _apply_syncs(self) -> bool:
         """Applies queued syncs in order; True while a "finish" sync waits for running requests."""
@@ -362,7 +515,7 @@ class RolloutServer:
                 if not self._syncs:
                     return False
                 sync = self._syncs[0]
-                if sync.in_flight == "finish" and self._running:
+                if sync.in_flight == "finish" and self._running and not self._suspended:
                     return True
                 self._syncs.popleft()
             t0 = time.perf_counter()
@@ -370,16 +523,42 @@ class RolloutServer:
                 stats = self.engine.update_params(sync.params)
             except Exception as error:  # noqa: BLE001 - a bad param tree fails its caller only
                 _set_future(sync.future, error=error)
-                if self.engine.params is None:  # the engine had dropped its weights: nothing to run
+                if self.engine.params is None and not self._asleep:  # weightless: nothing to run
                     raise
                 continue
             self._version = sync.version if sync.version is not None else self._version + 1
             for slot, req in self._running.items():
-                req.versions.append((int(self._generated[slot]), self._version))
+                req.versions.append((int(self._generated[slot]) - req.offset, self._version))
+            if self.partial_rollout_kv == "recompute":  # rebuilt before the next decode loop
+                self._stale |= set(self._running)
+                self._drop_parked()
             self._stats["syncs"] += 1
             _set_future(sync.future, {**stats, "policy_version": self._version,
                                       "held_requests": len(self._running),
                                       "wait_s": time.perf_counter() - t0})
+
+    def _recompute(self) -> dict:
+        """Re-prefills the stale running slots: each request's kept prefix (prompt + tokens so
+        far, the last one pending) with the engine's current weights, its slot re-armed with the
+        same key, budget and step count, so it continues as a fresh prefill of that prefix would."""
+        slots, self._stale = sorted(self._stale & set(self._running)), set()
+        if not slots:
+            return {"recomputed_requests": 0, "recomputed_tokens": 0}
+        idx = np.full(_next_pow2(max(len(slots), 4)), self._slots, np.int32)
+        idx[:len(slots)] = slots
+        tokens, _ = jax.device_get(_gather_rows(self._out["tokens"], self._out["log_probs"],
+                                                jnp.asarray(idx)))
+        reqs = []
+        for j, slot in enumerate(slots):
+            req = self._running[slot]
+            req.fill = req.prompt + [int(t) for t in tokens[j, req.offset:self._generated[slot]]]
+            reqs.append(req)
+        n = sum(len(r.fill) for r in reqs)
+        self._fill(reqs, [], stat="recomputed_tokens")
+        self._state = self.engine.set_generated(self._state, np.asarray(slots),
+                                                self._generated[slots])
+        self._stats["recomputed_requests"] += len(reqs)
+        return {"recomputed_requests": len(reqs), "recomputed_tokens": n}
 
     def _free_slots(self) -> list[int]:
         parked = {slot for slot, _ in self._parked.values()}
@@ -418,23 +597,36 @@ class RolloutServer:
         claimed = self._claim()
         for req, known in claimed:
             self._running[req.slot] = req
-            self._generated[req.slot] = 0
+            self._generated[req.slot] = req.offset
             req.versions = [(0, self._version)]
+            req.fill = req.prompt
             req.num_cached = req.cached = 0 if known is None else len(known) - 1
             self._stats["reused_tokens"] += req.num_cached
-        self._prefill([r for r, known in claimed if known is None])
-        todo = [r for r, known in claimed if known is not None]  # re-armed even with 1 new token
-        todo += [r for r, known in claimed if known is None and r.cached < len(r.prompt) - 1]
+        self._fill([r for r, known in claimed if known is None],
+                   [r for r, known in claimed if known is not None])
+        resumed = [r for r, _ in claimed if r.offset]
+        if resumed:
+            self._state = self.engine.set_generated(
+                self._state, np.asarray([r.slot for r in resumed]), [r.offset for r in resumed])
+
+    def _fill(self, full: list[_Request], extend: list[_Request], stat: str = "prefill_tokens") -> None:
+        """Puts each request's `fill` tokens (all but the last, which is pending) into its slot's
+        KV: `full` from scratch, `extend` after the `cached` tokens its slot holds; re-arms them."""
+        for r in full:
+            r.cached = 0
+        self._prefill(full, stat)
+        todo = list(extend)  # re-armed even with 1 new token
+        todo += [r for r in full if r.cached < len(r.fill) - 1]
         while todo:
-            self._append(todo)
-            todo = [r for r in todo if r.cached < len(r.prompt) - 1]
+            self._append(todo, stat)
+            todo = [r for r in todo if r.cached < len(r.fill) - 1]
 
     def _row_args(self, reqs, size) -> dict:
         """insert_rows / append_rows per-row arguments, padded to `size` rows (dst = slots: ignored)."""
         pad = size - len(reqs)
         return dict(dst=np.asarray([r.slot for r in reqs] + [self._slots] * pad),
                     rows=np.asarray([r.slot for r in reqs] + [0] * pad),
-                    max_new=np.asarray([r.max_new for r in reqs] + [0] * pad),
+                    max_new=np.asarray([r.offset + r.max_new for r in reqs] + [0] * pad),
                     sampling=[r.sampling for r in reqs] + [reqs[0].sampling] * pad,
                     row_keys=np.stack([r.key_data for r in reqs] + [reqs[0].key_data] * pad))
 
@@ -447,10 +639,10 @@ class RolloutServer:
             for lo in range(0, len(group), self.max_prefill_batch):
                 yield bucket, group[lo:lo + self.max_prefill_batch]
 
-    def _prefill(self, reqs: list[_Request]) -> None:
+    def _prefill(self, reqs: list[_Request], stat: str) -> None:
         """Full prefill of each request's first max_prefill_length tokens, inserted into its slot."""
         e = self.engine
-        first = {id(r): r.prompt[:e.max_prefill_length] for r in reqs}
+        first = {id(r): r.fill[:e.max_prefill_length] for r in reqs}
         for bucket, chunk in self._chunks(reqs, lambda r: len(first[id(r)])):
             size = _next_pow2(max(len(chunk), 4))  # few shapes to compile
             tokens = np.full((size, bucket), e.pad_token_id, np.int32)
@@ -459,17 +651,17 @@ class RolloutServer:
                 tokens[j, :len(first[id(r)])] = first[id(r)]
                 lengths[j] = len(first[id(r)])
                 r.cached = int(lengths[j]) - 1
-                self._stats["prefill_tokens"] += int(lengths[j])
+                self._stats[stat] += int(lengths[j])
             prefix = e.prefill_batch(e.params, tokens, lengths)
             self._state = e.insert_rows(self._state, prefix, src=np.arange(size),
                                         **self._row_args(chunk, size))
             self._stats["prefill_calls"] += 1
 
-    def _append(self, reqs: list[_Request]) -> None:
+    def _append(self, reqs: list[_Request], stat: str) -> None:
         """Appends each request's next tokens (from its pending one, at most max_prefill_length)
         to the KV its slot holds, and re-arms the slot."""
         e = self.engine
-        nxt = {id(r): r.prompt[r.cached:r.cached + e.max_prefill_length] for r in reqs}
+        nxt = {id(r): r.fill[r.cached:r.cached + e.max_prefill_length] for r in reqs}
         for bucket, chunk in self._chunks(reqs, lambda r: len(nxt[id(r)])):
             size = _next_pow2(max(len(chunk), 4))
             tokens = np.full((size, bucket), e.pad_token_id, np.int32)
@@ -478,7 +670,7 @@ class RolloutServer:
                 tokens[j, :len(nxt[id(r)])] = nxt[id(r)]
                 lengths[j] = len(nxt[id(r)])
                 r.cached += int(lengths[j]) - 1
-                self._stats["prefill_tokens"] += int(lengths[j])
+                self._stats[stat] += int(lengths[j])
             self._state = e.append_rows(self._state, tokens=tokens, true_lengths=lengths,
                                         **self._row_args(chunk, size))
             self._stats["append_calls"] += 1
@@ -503,7 +695,8 @@ class RolloutServer:
         slots = [r.slot for r in reqs if self._running.get(r.slot) is r]
         for slot in slots:
             self._running[slot].aborted = True
-            self._state = self.engine.free_resource(self._state, slot)
+            if self._state is not None:  # asleep: wake() rebuilds the state without it
+                self._state = self.engine.free_resource(self._state, slot)
         self._finish(slots)
 
     def _finish(self, slots: list[int]) -> None:
@@ -516,15 +709,17 @@ class RolloutServer:
                                                         jnp.asarray(idx)))
         for j, slot in enumerate(slots):
             req = self._running.pop(slot)
+            stale = slot in self._stale  # its KV is the old weights' (or gone): not parked
+            self._stale.discard(slot)
             n = int(self._generated[slot])
-            toks = [int(t) for t in tokens[j, :n]]
-            reason = "abort" if req.aborted else ("stop" if n and toks[-1] in self._stop else "length")
-            if req.session_id is not None:
+            toks = [int(t) for t in tokens[j, req.offset:n]]
+            reason = "abort" if req.aborted else ("stop" if toks and toks[-1] in self._stop else "length")
+            if req.session_id is not None and not stale:
                 self._parked.pop(req.session_id, None)  # an older slot of the session becomes free
                 self._parked[req.session_id] = (slot, req.prompt + toks)
             self._stats["requests_aborted" if req.aborted else "requests_finished"] += 1
-            self._stats["generated_tokens"] += n
-            out = self._output(req, toks, [float(x) for x in log_probs[j, :n]], reason)
+            self._stats["generated_tokens"] += len(toks)
+            out = self._output(req, toks, [float(x) for x in log_probs[j, req.offset:n]], reason)
             with self._cv:
                 self._live.pop(req.request_id, None)
             _set_future(req.future, out)
@@ -540,8 +735,10 @@ class RolloutServer:
             num_computed_prompt_tokens=len(req.prompt) - req.num_cached if req.slot >= 0 else 0,
             policy_version=self._version, policy_versions=versions)
 
-    def _shutdown(self) -> None:
-        """close(): aborts running and pending requests, fails queued syncs."""
+    def _shutdown(self, controls=()) -> None:
+        """close(): aborts running and pending requests, fails queued syncs and controls."""
+        for ctl in controls:
+            _set_future(ctl.future, error=RuntimeError("the RolloutServer closed"))
         self._abort_running(list(self._running.values()))
         with self._cv:
             pending, self._pending = list(self._pending), collections.deque()
@@ -557,6 +754,8 @@ class RolloutServer:
         with self._cv:
             self._error = error
             waiters = [r.future for r in self._pending] + [s.future for s in self._syncs]
+            waiters += [c.future for c in self._controls]
+            self._controls.clear()
             waiters += [r.future for r in self._running.values()]
             self._pending.clear()
             self._syncs.clear()

@@ -106,6 +106,7 @@ DESCRIPTIONS = {
     "RolloutConfig.steps_per_sync": "Decode steps run on device between host checks of finished slots.",
     "RolloutConfig.dtype": "Rollout weights/KV dtype; `\"\"` = `model.dtype`. Equal dtype and layout make weight sync zero-copy.",
     "RolloutConfig.use_rollout_log_probs": "Use the engine's sampling log-probs as `old_log_probs` (skips one forward pass).",
+    "RolloutConfig.partial_rollout_kv": "At a weight sync with requests held in flight: `recompute` (verl V1) re-prefills each held request's kept prefix with the new weights and drops parked sessions' KV; `keep` decodes on the KV the old weights computed (see rollout.md).",
     "RolloutConfig.val": "Sampling for validation.",
     "RolloutConfig.multi_turn": "Agent rollouts (verl's `multi_turn`): tools, simulated users, multi-turn trajectories; see `docs/agents.md`.",
     "SamplingConfig.temperature": "Validation sampling temperature (0 = greedy).",

@@ -204,6 +204,7 @@ def validate(c: RunConfig) -> None:
     _choice(c.model.decode_attention, ("auto", "einsum", "reduce", "cudnn", "pallas", "triton"),
             "model.decode_attention")
     _choice(c.rollout.dtype, ("", "float32", "bfloat16"), "rollout.dtype")
+    _choice(c.rollout.partial_rollout_kv, ("recompute", "keep"), "rollout.partial_rollout_kv")
     for name in ("max_prompt_length", "max_response_length", "train_batch_size", "val_batch_size"):
         _positive(getattr(c.data, name), f"data.{name}")
     _positive(c.rollout.n, "rollout.n")

@@ -160,6 +160,7 @@ class RolloutConfig:
     steps_per_sync: int  # decode steps on device between host checks
     dtype: str  # "" = same as the actor's compute dtype
     use_rollout_log_probs: bool  # reuse the engine's log-probs as old_log_probs
+    partial_rollout_kv: str  # recompute | keep: at a weight sync, re-prefill held requests' KV with the new weights (verl) or decode on the old KV
     val: SamplingConfig
     multi_turn: MultiTurnConfig
 

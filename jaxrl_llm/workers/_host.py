@@ -138,7 +138,8 @@ class HostWorker:
             stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id, layer_layout=layout)
         self.driver = rollout.RolloutDriver(self.engine, steps_per_sync=c.rollout.steps_per_sync)
         if multi_turn or c.async_training.enable:
-            self.server = rollout.RolloutServer(self.engine, steps_per_sync=c.rollout.steps_per_sync)
+            self.server = rollout.RolloutServer(self.engine, steps_per_sync=c.rollout.steps_per_sync,
+                                                partial_rollout_kv=c.rollout.partial_rollout_kv)
         return self.sync_weights()
 
     # -- the RL step's calls -------------------------------------------------------------------------

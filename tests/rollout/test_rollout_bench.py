@@ -36,3 +36,17 @@ def test_bench_decode_kernels_tiny_times_every_kernel_and_checks_its_numerics(tm
     for r in attention + gemm:
         assert "error" not in r and r["ms"] > 0, r
         assert r["max_err"] < 0.02, r  # bf16 against fp32
+
+
+def test_bench_sleep_dry_run_frees_the_kv_cache_and_weight_copy_and_wake_takes_them_back(capsys, load_script):
+    """scripts/bench_sleep.py --dry-run (CPU: live-array bytes): sleep frees at least the KV cache
+    plus the engine's own weight copy; the held requests finish after wake."""
+    record = load_script("bench_sleep").main(["--dry-run"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(record))
+    used, slept = record["in_use"], record["sleep"]
+    assert record["source"] == "live_arrays" and record["layer_layout"] == "per_layer"
+    assert slept["kv_bytes"] == record["kv_cache_bytes"] and slept["weights_released"]
+    assert record["freed_by_sleep"] >= slept["kv_bytes"] + slept["weight_bytes"]
+    assert used["awake"] >= used["suspended"] - 1024  # the small per-slot arrays may differ
+    assert record["wake"]["recomputed_requests"] == 3
+    assert record["held_tokens"] == [12, 12, 12]
