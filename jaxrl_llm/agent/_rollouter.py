@@ -32,10 +32,12 @@ import dataclasses
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from jaxrl_llm.agent import _replay as R
 from jaxrl_llm.agent._loop import AgentContext, AgentLoopOutput, AgentSample
 
 
@@ -95,12 +97,13 @@ class TrajectoryGroup:
 
 
 class TrajectoryQueue:
-    """Finished groups in the order they finished; thread-safe. `take` blocks until `k` are
-    there (or the producer failed: then it raises the producer's error)."""
+    """Finished groups in the order they finished; thread-safe (on `cv`, the rollouter's
+    condition, when given). `take` blocks until `k` are there (or the producer failed: then it
+    raises the producer's error)."""
 
-    def __init__(self):
+    def __init__(self, cv: threading.Condition | None = None):
         self._groups: collections.deque[TrajectoryGroup] = collections.deque()
-        self._cv = threading.Condition()
+        self._cv = cv or threading.Condition(threading.RLock())
         self._error: BaseException | None = None
 
     def __len__(self) -> int:
@@ -114,8 +117,21 @@ class TrajectoryQueue:
 
     def fail(self, error: BaseException) -> None:
         with self._cv:
-            self._error = error
+            if self._error is None:
+                self._error = error
             self._cv.notify_all()
+
+    def remove(self, groups) -> None:
+        with self._cv:
+            for g in groups:
+                self._groups.remove(g)
+
+    def raise_if_failed(self) -> None:
+        err = self._error
+        if err is not None:
+            if isinstance(err, ReplayBudgetError):
+                raise ReplayBudgetError(str(err)) from err
+            raise RuntimeError(f"the rollouter failed: {err!r}") from err
 
     def take(self, k: int, *, min_version: int | None = None, timeout: float | None = None):
         """(taken, dropped): the first k groups (finish order) whose `min_version` is at least
@@ -131,8 +147,7 @@ class TrajectoryQueue:
                     return [], old
                 if len(self._groups) >= k:
                     return [self._groups.popleft() for _ in range(k)], []
-                if self._error is not None:
-                    raise RuntimeError(f"the rollouter failed: {self._error!r}") from self._error
+                self.raise_if_failed()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"only {len(self._groups)} of {k} trajectory groups finished "
@@ -144,6 +159,23 @@ class TrajectoryQueue:
             return list(self._groups)
 
 
+class ReplayBudgetError(RuntimeError):
+    """More groups were evicted (failed or filtered) in one step than the budget allows."""
+
+
+@dataclasses.dataclass
+class TakenBatch:
+    """What `Rollouter.take_batch` hands the trainer: the groups (oldest first under `wait`,
+    else finish order) and the take's metrics (verl's `training/off_policy/*` names, see
+    `_replay.off_policy_metrics` and `length_bias`, plus the step's evicted / refilled counts)."""
+
+    groups: list[TrajectoryGroup]
+    metrics: dict[str, float]
+
+
+_WINDOW = dict(failed=0, filtered=0, dropped=0, refilled=0, gen_tokens=0, gen_trajectories=0)
+
+
 class Rollouter:
     """Background producer of `TrajectoryGroup`s (see the module docstring).
 
@@ -151,32 +183,97 @@ class Rollouter:
     sampling: the `rollout.SamplingParams` of training rollouts; groups_per_sync: groups the
     trainer consumes between two syncs; staleness_threshold: verl's s (>= 0); partial_rollout:
     keep running requests over a sync; version: the server's policy version now.
+
+    The replay buffer (keywords; all default to today's behaviour):
+    max_off_policy_threshold: verl's T, the versions a trained group may span (>= 1; None = no
+        bound): no group with a token more than T - 1 versions older than the version it is
+        taken at is ever handed out (see `_replay`).
+    max_off_policy_strategy: what keeps that bound.
+        `drop`: a finished group over the bound is dropped when the trainer meets it and its
+        prompt is generated again (a new generation; counted in `groups_dropped_stale`).
+        `wait`: nothing is dropped. The rollouter starts at most `(1 + min(s, T - 1)) *
+        groups_per_sync` groups per sync interval (the carried-over ones counted), so every group
+        it starts can be trained in time; `take` hands out the oldest finished groups first (by
+        the version their generation started at) and waits for running groups while handing
+        out younger ones would leave an older group no take before its bound (the in-flight
+        group "reaching the bound" is waited for, as verl's wait). This holds as long as the
+        trainer takes `groups_per_sync` groups between two syncs (its schedule); a sync that
+        comes earlier (e.g. before validation) can leave a group over the bound, which is then
+        dropped like `drop` does, never trained.
+    refill: `refill(n) -> list[PromptGroup]`, n new prompts (fresh indices) to take the place of
+        evicted groups; they start before the waiting ones. Without it, an evicted group's slot
+        goes to the next waiting prompt (the caller feeds ahead and reads `groups_evicted`).
+    group_filter: `group_filter(group) -> keep?`, run on every finished group (DAPO's dynamic
+        sampling: `_replay.dapo_group_filter`); a group it rejects is evicted and refilled.
+    max_failed_groups / max_failed_fraction: a step (the groups finished between two takes)
+        may evict at most min(max_failed_groups, floor(max_failed_fraction * k)) groups whose
+        agent loop raised or whose reward failed (error / timeout), refilling each; one more
+        fails `take` with `ReplayBudgetError`. max_failed_groups = 0 turns eviction off: an
+        exception fails `take` (as before) and reward failures are left to the runner's
+        `reward.max_error_fraction` check.
+    max_filtered_groups / max_filtered_fraction: the same budget for groups `group_filter`
+        rejects (None: no limit).
+    config_prefix: put before the keyword names in error messages (e.g. "trainer.v1.sampler.").
     """
 
     def __init__(self, runner, *, sampling, groups_per_sync: int, staleness_threshold: float,
-                 partial_rollout: bool, version: int = 0):
+                 partial_rollout: bool, version: int = 0,
+                 max_off_policy_threshold: int | None = None, max_off_policy_strategy: str = "drop",
+                 refill: Callable[[int], list[PromptGroup]] | None = None,
+                 group_filter: Callable[[TrajectoryGroup], bool] | None = None,
+                 max_failed_groups: int = 0, max_failed_fraction: float | None = None,
+                 max_filtered_groups: int | None = None, max_filtered_fraction: float | None = None,
+                 config_prefix: str = ""):
         if groups_per_sync < 1:
             raise ValueError(f"groups_per_sync must be >= 1, got {groups_per_sync}")
         if staleness_threshold < 0:
             raise ValueError(f"staleness_threshold must be >= 0, got {staleness_threshold}")
+        p = config_prefix
+        if max_off_policy_strategy not in R.STRATEGIES:
+            raise ValueError(f"{p}max_off_policy_strategy={max_off_policy_strategy!r}: use one of "
+                             f"{R.STRATEGIES}")
+        if max_off_policy_threshold is not None and int(max_off_policy_threshold) < 1:
+            raise ValueError(f"{p}max_off_policy_threshold={max_off_policy_threshold}: must be >= 1 "
+                             "(1 = on-policy) or None for no bound")
+        for name, v in (("max_failed_groups", max_failed_groups), ("max_failed_fraction", max_failed_fraction),
+                        ("max_filtered_groups", max_filtered_groups),
+                        ("max_filtered_fraction", max_filtered_fraction)):
+            if v is not None and v < 0:
+                raise ValueError(f"{p}{name}={v}: must be >= 0")
         self.runner, self.sampling = runner, sampling
         self.groups_per_sync = groups_per_sync
         self.staleness_threshold = float(staleness_threshold)
         self.partial_rollout = partial_rollout
-        # at most this many groups started per sync interval, stale ones carried over included
-        self.max_groups = int(math.floor((1 + self.staleness_threshold) * groups_per_sync + 1e-9))
-        self.queue = TrajectoryQueue()
+        self.strategy = max_off_policy_strategy
+        self.max_off_policy_threshold = max_off_policy_threshold
+        self.bound = R.max_staleness(max_off_policy_threshold)
+        self.refill, self.group_filter = refill, group_filter
+        self.max_failed_groups, self.max_failed_fraction = int(max_failed_groups), max_failed_fraction
+        self.max_filtered_groups, self.max_filtered_fraction = max_filtered_groups, max_filtered_fraction
+        self.config_prefix = config_prefix
+        # at most this many groups started per sync interval, stale ones carried over included;
+        # `wait` never starts a group the trainer could not take within the bound
+        ahead = self.staleness_threshold
+        if self.strategy == "wait" and self.bound is not None:
+            ahead = min(ahead, float(self.bound))
+        self.max_groups = int(math.floor((1 + ahead) * groups_per_sync + 1e-9))
+        self._cv = threading.Condition(threading.RLock())
+        self._lock = self._cv  # counters and the bookkeeping below, read from other threads
+        self.queue = TrajectoryQueue(self._cv)
         self.version = int(version)
         self._pending: collections.deque[PromptGroup] = collections.deque()
         self._inflight: dict[int, tuple[PromptGroup, asyncio.Task, int]] = {}
         self._consumed_since_sync = 0
-        self._open = 0  # groups started and neither consumed nor dropped (running or queued)
+        self._open = 0  # groups started and neither consumed, dropped nor evicted
         self._paused = False
-        self._lock = threading.Lock()  # counters read from other threads
+        self._feeding = 0  # prompts on their way into `_pending` (refills, re-fed stale groups)
         self._idle_since: float | None = time.perf_counter()
         self._idle_s = 0.0
         self.counters = {"groups_started": 0, "groups_finished": 0, "groups_dropped_stale": 0,
-                         "groups_partial": 0}
+                         "groups_partial": 0, "groups_failed": 0, "groups_filtered": 0,
+                         "groups_refilled": 0}
+        self._window = dict(_WINDOW)  # this step's evictions and generated lengths (reset by take)
+        self._first_failure: str = ""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollouter", daemon=True)
         self._thread.start()
@@ -189,18 +286,48 @@ class Rollouter:
 
     def take(self, k: int, *, max_staleness: int | None = None,
              timeout: float | None = None) -> list[TrajectoryGroup]:
-        """Blocks until `k` groups are finished; returns them (finish order). With `max_staleness`
-        K, a group with a token older than `version - K` is dropped and its prompt fed again."""
-        min_version = None if max_staleness is None else self.version - max_staleness
-        while True:
-            taken, dropped = self.queue.take(k, min_version=min_version, timeout=timeout)
-            with self._lock:  # one step, so the budget never sees a group in neither count
-                self._open -= len(taken) + len(dropped)
-                self._consumed_since_sync += len(taken)
-                self.counters["groups_dropped_stale"] += len(dropped)
-            if not dropped:
-                return taken
-            self.feed([g.prompt for g in dropped], front=True)
+        """`take_batch(...).groups`."""
+        return self.take_batch(k, max_staleness=max_staleness, timeout=timeout).groups
+
+    def take_batch(self, k: int, *, max_staleness: int | None = None,
+                   timeout: float | None = None) -> TakenBatch:
+        """Blocks until `k` groups may be handed out; returns them with the take's metrics.
+        The bound is the stricter of the constructor's `max_off_policy_threshold` and
+        `max_staleness` K (a group with a token older than `version - K` is never handed out:
+        it is dropped and its prompt fed again). Raises `ReplayBudgetError` past an eviction
+        budget, RuntimeError when the producer failed or no group can come any more (nothing
+        running, nothing waiting that may start), TimeoutError after `timeout` s."""
+        bound = self.bound if max_staleness is None else (
+            max_staleness if self.bound is None else min(self.bound, max_staleness))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while True:
+                self._check_budgets(k)
+                self.queue.raise_if_failed()
+                version = self.version
+                if bound is not None and self._drop_stale(version - bound):
+                    continue
+                groups = self.queue.snapshot()
+                if self.strategy == "wait" and bound is not None:
+                    groups.sort(key=lambda g: g.started_version)  # stable: finish order within
+                stuck = self._stuck()
+                if len(groups) >= k:
+                    chosen = groups[:k]
+                    if self.strategy != "wait" or bound is None or stuck or self._may_hand_out(
+                            chosen, version, bound, k):
+                        return self._hand_out(chosen, version)
+                elif stuck:
+                    raise RuntimeError(
+                        f"take({k}): {len(groups)} groups are finished and no more can come (none "
+                        f"running; {len(self._pending)} prompts waiting"
+                        f"{', the rollouter is paused' if self._paused else ''}, {self._open} open "
+                        f"of the {self.max_groups} a sync interval may start): feed more prompts "
+                        "(or pass refill=), or sync before taking more than groups_per_sync")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"only {len(groups)} of {k} trajectory groups could be "
+                                       f"handed out in {timeout} s")
+                self._cv.wait(left)
 
     def pause(self) -> float:
         """Stops starting groups; without partial rollout, waits until none is running.
@@ -218,11 +345,14 @@ class Rollouter:
         with self._lock:
             self.version = int(version)
             self._consumed_since_sync = 0
+            self._cv.notify_all()
         self._call(self._set_paused, False)
 
     def state(self) -> dict:
-        """JSON-able: `queued` (finished groups, finish order), `pending` (prompts started or
-        waiting, by index), the interval's consumed count and the cumulative `counters`."""
+        """JSON-able: `queued` (finished groups, finish order, with the version each started at),
+        `pending` (prompts started or waiting, by index: generated again after a restore), the
+        interval's consumed count, the cumulative `counters` and this step's `window` (evictions,
+        refills and generated lengths since the last take)."""
         fut = asyncio.run_coroutine_threadsafe(self._state(), self._loop)
         return fut.result()
 
@@ -235,17 +365,19 @@ class Rollouter:
             # cumulative counts go on from the saved ones (the re-fed pending groups are
             # counted as started again)
             self.counters.update({k: int(v) for k, v in state.get("counters", {}).items()})
+            self._window.update({k: int(v) for k, v in state.get("window", {}).items()})
         for group in queued:
             self.queue.put(group)
         self.feed([PromptGroup(**d) for d in state.get("pending", [])])
 
     def stats(self) -> dict[str, float]:
-        """Counters plus queue size, groups running / waiting, and the idle seconds so far (no
-        group running)."""
+        """Counters plus queue size, groups running / waiting, evicted groups (failed + filtered,
+        cumulative) and the idle seconds so far (no group running)."""
         with self._lock:
             idle = self._idle_s + (time.perf_counter() - self._idle_since if self._idle_since else 0.0)
             return {**{k: float(v) for k, v in self.counters.items()}, "queue_size": float(len(self.queue)),
                     "running": float(len(self._inflight)), "waiting": float(len(self._pending)),
+                    "groups_evicted": float(self.counters["groups_failed"] + self.counters["groups_filtered"]),
                     "idle_s": idle}
 
     def close(self) -> None:
@@ -257,13 +389,79 @@ class Rollouter:
         async def _cancel():
             for _, task, _ in list(self._inflight.values()):
                 task.cancel()
-            await asyncio.gather(*(t for _, t, _ in self._inflight.values()), return_exceptions=True)
+            await asyncio.gather(*(t for _, t, _ in list(self._inflight.values())), return_exceptions=True)
         try:
             asyncio.run_coroutine_threadsafe(_cancel(), self._loop).result(timeout=30)
         except Exception:  # noqa: BLE001 - closing anyway
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
+
+    # -- take's rules (under the lock) ---------------------------------------------------------
+    def _drop_stale(self, min_version: int) -> bool:
+        """Drops the queued groups with a token older than `min_version` and feeds their prompts
+        again (front). True if any was dropped."""
+        old = [g for g in self.queue.snapshot() if g.min_version < min_version]
+        if not old:
+            return False
+        self.queue.remove(old)
+        self._open -= len(old)
+        self.counters["groups_dropped_stale"] += len(old)
+        self._window["dropped"] += len(old)
+        self._feeding += len(old)
+        self._loop.call_soon_threadsafe(self._refeed, [g.prompt for g in old])
+        return True
+
+    def _may_hand_out(self, chosen, version: int, bound: int, k: int) -> bool:
+        """`wait`: handing out `chosen` leaves every other open group a take within the bound."""
+        chosen_ids = {id(g) for g in chosen}
+        starts = [g.started_version for g in self.queue.snapshot() if id(g) not in chosen_ids]
+        starts += [started for _, _, started in self._inflight.values()]
+        return R.wait_feasible(starts, version=version, bound=bound,
+                               consumed=self._consumed_since_sync + k, per_sync=self.groups_per_sync)
+
+    def _stuck(self) -> bool:
+        """Nothing running, nothing on its way, and no waiting prompt may start: waiting for
+        more finished groups would wait forever."""
+        if self._inflight or self._feeding:
+            return False
+        return not (self._pending and not self._paused and self._may_start())
+
+    def _hand_out(self, chosen, version: int) -> TakenBatch:
+        self.queue.remove(chosen)
+        self._open -= len(chosen)
+        self._consumed_since_sync += len(chosen)
+        w = self._window
+        metrics = {**R.off_policy_metrics(chosen, version),
+                   **R.length_bias(chosen, w["gen_tokens"], w["gen_trajectories"]),
+                   "training/off_policy/dropped_samples": float(w["dropped"]),
+                   "training/replay/failed_groups": float(w["failed"]),
+                   "training/replay/filtered_groups": float(w["filtered"]),
+                   "training/replay/refilled_groups": float(w["refilled"])}
+        self._window = dict(_WINDOW)
+        self._first_failure = ""
+        return TakenBatch(list(chosen), metrics)
+
+    def _check_budgets(self, k: int) -> None:
+        p, w = self.config_prefix, self._window
+        if self.max_failed_groups > 0:
+            allowed = R.budget(k, self.max_failed_groups, self.max_failed_fraction)
+            if w["failed"] > allowed:
+                raise ReplayBudgetError(
+                    f"{w['failed']} trajectory groups failed since the last training step, more than "
+                    f"the {allowed:g} allowed ({p}max_failed_groups={self.max_failed_groups}, "
+                    f"{p}max_failed_fraction={self.max_failed_fraction} of {k} groups a step); "
+                    f"first failure: {self._first_failure}. Fix the agent loop / reward function, "
+                    "or raise the budget")
+        if self.group_filter is not None:
+            allowed = R.budget(k, self.max_filtered_groups, self.max_filtered_fraction)
+            if w["filtered"] > allowed:
+                raise ReplayBudgetError(
+                    f"the group filter removed {w['filtered']} trajectory groups since the last "
+                    f"training step, more than the {allowed:g} allowed ({p}max_filtered_groups="
+                    f"{self.max_filtered_groups}, {p}max_filtered_fraction={self.max_filtered_fraction} "
+                    f"of {k} groups a step): the data may be too hard or too easy for the model. "
+                    "Raise the budget or turn the filter off")
 
     # -- the loop thread -----------------------------------------------------------------------
     def _call(self, fn, *args):
@@ -274,19 +472,43 @@ class Rollouter:
         return fut.result()
 
     def _raise_if_failed(self) -> None:
-        err = self.queue._error
-        if err is not None:
-            raise RuntimeError(f"the rollouter failed: {err!r}") from err
+        self.queue.raise_if_failed()
 
     def _feed(self, groups, front):
-        if front:
-            self._pending.extendleft(reversed(groups))
-        else:
-            self._pending.extend(groups)
+        with self._lock:
+            if front:
+                self._pending.extendleft(reversed(groups))
+            else:
+                self._pending.extend(groups)
         self._pump()
 
+    def _refeed(self, groups) -> None:
+        """Prompts taken out by another thread (stale groups), generated again first."""
+        try:
+            self._feed(groups, True)
+        finally:
+            with self._cv:
+                self._feeding -= len(groups)
+                self._cv.notify_all()
+
+    def _refill_slots(self, n: int) -> None:
+        """`refill(n)` new prompts in the place of evicted groups (first in line)."""
+        if self.refill is None:
+            self._pump()
+            return
+        try:
+            new = list(self.refill(n))
+        except BaseException as error:  # noqa: BLE001 - the trainer hears about it in take()
+            self.queue.fail(error)
+            return
+        with self._cv:
+            self.counters["groups_refilled"] += len(new)
+            self._window["refilled"] += len(new)
+        self._feed(new, True)
+
     def _set_paused(self, paused: bool):
-        self._paused = paused
+        with self._lock:
+            self._paused = paused
         self._pump()
 
     def _all_finished(self) -> threading.Event:
@@ -303,28 +525,29 @@ class Rollouter:
     async def _state(self) -> dict:
         with self._lock:
             consumed = self._consumed_since_sync
-            counters = dict(self.counters)
-        unfinished = sorted([pg for pg, _, _ in self._inflight.values()] + list(self._pending),
-                            key=lambda pg: pg.index)
-        return {"queued": [g.to_json() for g in self.queue.snapshot()],
-                "pending": [_plain(dataclasses.asdict(pg)) for pg in unfinished],
-                "consumed_since_sync": consumed, "counters": counters}
+            counters, window = dict(self.counters), dict(self._window)
+            unfinished = sorted([pg for pg, _, _ in self._inflight.values()] + list(self._pending),
+                                key=lambda pg: pg.index)
+            queued = [g.to_json() for g in self.queue.snapshot()]
+        return {"queued": queued, "pending": [_plain(dataclasses.asdict(pg)) for pg in unfinished],
+                "consumed_since_sync": consumed, "counters": counters, "window": window}
 
     def _may_start(self) -> bool:
         with self._lock:
             return self._open + self._consumed_since_sync < self.max_groups
 
     def _pump(self) -> None:
-        while self._pending and not self._paused and self.queue._error is None and self._may_start():
-            pg = self._pending.popleft()
-            task = self._loop.create_task(self._run_group(pg))
-            with self._lock:
+        with self._cv:
+            while self._pending and not self._paused and self.queue._error is None and self._may_start():
+                pg = self._pending.popleft()
+                task = self._loop.create_task(self._run_group(pg))
                 self._inflight[pg.index] = (pg, task, self.version)
                 self._open += 1
                 self.counters["groups_started"] += 1
                 if self._idle_since is not None:
                     self._idle_s += time.perf_counter() - self._idle_since
                     self._idle_since = None
+            self._cv.notify_all()
 
     async def _run_group(self, pg: PromptGroup) -> None:
         r = self.runner
@@ -334,25 +557,71 @@ class Rollouter:
                            seed=int(pg.seed), tools=r.tools, interactions=r.interactions)
         t0 = time.perf_counter()
         started = self.version
+        tasks = [asyncio.ensure_future(r._one(ctx, AgentSample(**pg.sample, row=pg.first_row + j), t0))
+                 for j in range(pg.n)]
+        error = None
         try:
-            results = await asyncio.gather(*(r._one(ctx, AgentSample(**pg.sample, row=pg.first_row + j), t0)
-                                             for j in range(pg.n)))
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         except asyncio.CancelledError:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        except BaseException as error:  # noqa: BLE001 - the trainer hears about it in take()
-            self.queue.fail(error)
-            return
-        finally:
-            with self._lock:
-                self._inflight.pop(pg.index, None)
-                if not self._inflight:
-                    self._idle_since = time.perf_counter()
-        group = TrajectoryGroup(pg, list(results), started, time.perf_counter())
-        with self._lock:
-            self.counters["groups_finished"] += 1
-            self.counters["groups_partial"] += int(group.max_version != group.min_version)
-        self.queue.put(group)
-        self._pump()
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        if failed:  # one trajectory failed: the group is lost, stop its siblings
+            error = failed[0].exception()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        group = None if error else TrajectoryGroup(pg, [t.result() for t in tasks], started,
+                                                   time.perf_counter())
+        self._finish(pg, group, error)
+
+    def _finish(self, pg: PromptGroup, group: TrajectoryGroup | None, error) -> None:
+        """Books a finished group: queued, or evicted (failed / filtered) and its slot refilled."""
+        evict_failures = self.max_failed_groups > 0
+        if group is not None and evict_failures and R.reward_failed(group):
+            error = RuntimeError(f"the reward of a trajectory of prompt {pg.index} failed "
+                                 "(error or timeout; see the reward warnings in the log)")
+        keep = True
+        if group is not None and error is None and self.group_filter is not None:
+            try:
+                keep = bool(self.group_filter(group))
+            except BaseException as e:  # noqa: BLE001 - a broken filter stops the run
+                error, evict_failures = e, False
+        with self._cv:
+            self._inflight.pop(pg.index, None)
+            if not self._inflight:
+                self._idle_since = time.perf_counter()
+            if group is not None:
+                lengths = R.response_lengths(group)
+                self._window["gen_tokens"] += sum(lengths)
+                self._window["gen_trajectories"] += len(lengths)
+                self.counters["groups_finished"] += 1
+                self.counters["groups_partial"] += int(group.max_version != group.min_version)
+            if error is not None and not evict_failures:
+                self.queue.fail(error)
+                return
+            if error is None and keep:
+                self.queue.put(group)
+                self._cv.notify_all()
+                evicted = False
+            else:
+                evicted = True
+                self._open -= 1
+                kind = "failed" if error is not None else "filtered"
+                self.counters[f"groups_{kind}"] += 1
+                self._window[kind] += 1
+                if error is not None and not self._first_failure:
+                    self._first_failure = repr(error)
+                limit = self.max_failed_groups if kind == "failed" else self.max_filtered_groups
+                if limit is not None and self._window[kind] > limit:  # past the count: stop here
+                    evicted = False  # take raises the budget error; nothing is refilled
+                self._cv.notify_all()
+        if evicted:
+            self._refill_slots(1)
+        else:
+            self._pump()
 
 
 async def _as_coro(fn, *args):
