@@ -1,7 +1,9 @@
-"""The replay buffer's rules, as pure functions over finished groups: verl V1's off-policy
-strategies (`drop` / `wait`), the eviction budgets of refilled groups, DAPO's group filter, and
-the metrics a take reports. `Rollouter` (in `_rollouter.py`) applies them under its lock; nothing
-here touches threads, the server or device arrays.
+"""The replay buffer between the rollouter and the trainer: its records (`PromptGroup`,
+`TrajectoryGroup`, the `TrajectoryQueue` of finished groups, `TakenBatch`) and its rules, as pure
+functions over finished groups: verl V1's off-policy strategies (`drop` / `wait`), the eviction
+budgets of refilled groups, DAPO's group filter, and the metrics a take reports. `Rollouter` (in
+`_rollouter.py`) applies the rules under its lock; nothing here runs agent loops, talks to the
+server or touches device arrays.
 
 Versions are the rollout server's policy versions (one per weight sync). A trajectory's tokens
 each carry the version that sampled them (`AgentLoopOutput.response_versions`, -1 for tool and
@@ -16,10 +18,148 @@ its oldest token's version) is K = T - 1, and T = 1 is on-policy.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
+import threading
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
+
+from jaxrl_llm.agent._loop import AgentLoopOutput
+
+@dataclasses.dataclass
+class PromptGroup:
+    """One prompt whose `n` trajectories are generated together (a GRPO group).
+
+    index: the prompt's position in the data order (the trainer sorts a batch by it);
+    sample: `AgentSample` fields except `row`; seed / first_row: the trajectories sample with
+    (seed, first_row + j) like the batch driver's rows, so a group's tokens do not depend on when
+    or next to what it runs."""
+
+    index: int
+    sample: dict
+    seed: int
+    first_row: int
+    n: int
+
+
+@dataclasses.dataclass
+class TrajectoryGroup:
+    """A finished group: `results` are the runner's per-trajectory tuples (agent name,
+    `AgentLoopOutput`, finished_s, `RowScore` or None, scored_s)."""
+
+    prompt: PromptGroup
+    results: list
+    started_version: int
+    finished_at: float
+
+    def token_versions(self) -> list[int]:
+        return [v for _, out, *_ in self.results for v in out.response_versions if v >= 0]
+
+    @property
+    def min_version(self) -> int:
+        """The oldest policy version that sampled one of its tokens (its staleness is measured
+        from here)."""
+        return min(self.token_versions(), default=self.started_version)
+
+    @property
+    def max_version(self) -> int:
+        return max(self.token_versions(), default=self.started_version)
+
+    def to_json(self) -> dict:
+        results = [{"name": name, "out": _plain(dataclasses.asdict(out)), "finished_s": float(fin),
+                    "score": None if score is None else _plain(dataclasses.asdict(score)),
+                    "scored_s": float(scored)} for name, out, fin, score, scored in self.results]
+        return {"prompt": _plain(dataclasses.asdict(self.prompt)), "results": results,
+                "started_version": int(self.started_version)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TrajectoryGroup":
+        from jaxrl_llm.rewards import RowScore
+        results = [(r["name"], AgentLoopOutput(**r["out"]), r["finished_s"],
+                    None if r["score"] is None else RowScore(**r["score"]), r["scored_s"])
+                   for r in d["results"]]
+        return cls(PromptGroup(**d["prompt"]), results, int(d["started_version"]), time.perf_counter())
+
+
+class TrajectoryQueue:
+    """Finished groups in the order they finished; thread-safe (on `cv`, the rollouter's
+    condition, when given). `take` blocks until `k` are there (or the producer failed: then it
+    raises the producer's error)."""
+
+    def __init__(self, cv: threading.Condition | None = None):
+        self._groups: collections.deque[TrajectoryGroup] = collections.deque()
+        self._cv = cv or threading.Condition(threading.RLock())
+        self._error: BaseException | None = None
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._groups)
+
+    def put(self, group: TrajectoryGroup) -> None:
+        with self._cv:
+            self._groups.append(group)
+            self._cv.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = error
+            self._cv.notify_all()
+
+    def remove(self, groups) -> None:
+        with self._cv:
+            for g in groups:
+                self._groups.remove(g)
+
+    def raise_if_failed(self) -> None:
+        err = self._error
+        if err is not None:
+            if isinstance(err, ReplayBudgetError):
+                raise ReplayBudgetError(str(err)) from err
+            raise RuntimeError(f"the rollouter failed: {err!r}") from err
+
+    def take(self, k: int, *, min_version: int | None = None, timeout: float | None = None):
+        """(taken, dropped): the first k groups (finish order) whose `min_version` is at least
+        `min_version`, or, as soon as an older group is met, ([], the older ones met so far)
+        with the others left in place (the caller generates those prompts again and retries)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while True:
+                old = [g for g in self._groups if min_version is not None and g.min_version < min_version]
+                if old:
+                    for g in old:
+                        self._groups.remove(g)
+                    return [], old
+                if len(self._groups) >= k:
+                    return [self._groups.popleft() for _ in range(k)], []
+                self.raise_if_failed()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"only {len(self._groups)} of {k} trajectory groups finished "
+                                       f"in {timeout} s")
+                self._cv.wait(left)
+
+    def snapshot(self) -> list[TrajectoryGroup]:
+        with self._cv:
+            return list(self._groups)
+
+
+class ReplayBudgetError(RuntimeError):
+    """More groups were evicted (failed or filtered) in one step than the budget allows."""
+
+
+@dataclasses.dataclass
+class TakenBatch:
+    """What `Rollouter.take_batch` hands the trainer: the groups (oldest first under `wait`,
+    else finish order) and the take's metrics (verl's `training/off_policy/*` names, see
+    `_replay.off_policy_metrics` and `length_bias`, plus the step's evicted / refilled counts)."""
+
+    groups: list[TrajectoryGroup]
+    metrics: dict[str, float]
+
 
 STRATEGIES = ("drop", "wait")
 
@@ -134,3 +274,16 @@ def reward_failed(group) -> bool:
     """A trajectory of the group could not be scored (the reward function raised or timed out)."""
     return any(score is not None and (score.num_errors or score.num_timeouts)
                for _, _, _, score, _ in group.results)
+
+
+def _plain(x: Any) -> Any:
+    """JSON-able copy: numpy scalars and arrays become Python numbers and lists."""
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _plain(x.tolist())
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
