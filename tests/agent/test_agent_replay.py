@@ -120,6 +120,24 @@ def test_wait_keeps_the_bound_under_random_lengths_without_dropping(char_tok, s,
     assert stats["groups_dropped_stale"] == 0
 
 
+def test_wait_after_an_early_sync_drops_the_group_over_the_bound_rather_than_train_it(char_tok):
+    """The trainer syncs after 1 of its 2 groups (as before validation): the other version-0
+    group is over T = 1 at version 1; it is generated again, never trained stale."""
+    server = TokenServer()
+    r = _rollouter(server, char_tok, staleness_threshold=0.0, partial_rollout=False,
+                   max_off_policy_threshold=1, max_off_policy_strategy="wait")
+    try:
+        r.feed(prompt_groups(0, 2))
+        first = r.take(1, timeout=30)
+        _sync(r, server, 1)
+        second = r.take_batch(1, timeout=30)
+    finally:
+        r.close()
+    assert _indices(first + second.groups) == [0, 1]
+    assert second.metrics["training/off_policy/dropped_samples"] == 1
+    assert all(g.min_version == 1 for g in second.groups)
+
+
 # -- refill -----------------------------------------------------------------------------------
 class FlakyReward:
     """A reward loop whose scoring fails (an error counted, as the reward manager reports it) for
