@@ -379,13 +379,16 @@ class Rollouter:
             return
         try:
             new = list(self.refill(n))
+            with self._cv:
+                self.counters["groups_refilled"] += len(new)
+                self._window["refilled"] += len(new)
+            self._feed(new, True)
         except BaseException as error:  # noqa: BLE001 - the trainer hears about it in take()
             self.queue.fail(error)
-            return
-        with self._cv:
-            self.counters["groups_refilled"] += len(new)
-            self._window["refilled"] += len(new)
-        self._feed(new, True)
+        finally:
+            with self._cv:
+                self._feeding -= n  # counted by `_finish`, so take never sees the slot empty
+                self._cv.notify_all()
 
     def _set_paused(self, paused: bool):
         with self._lock:
@@ -498,6 +501,8 @@ class Rollouter:
                 limit = self.max_failed_groups if kind == "failed" else self.max_filtered_groups
                 if limit is not None and self._window[kind] > limit:  # past the count: stop here
                     evicted = False  # take raises the budget error; nothing is refilled
+                elif self.refill is not None:
+                    self._feeding += 1
                 self._cv.notify_all()
         if evicted:
             self._refill_slots(1)
