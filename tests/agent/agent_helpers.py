@@ -74,7 +74,7 @@ class GatedServer:
     """Each request (keyed by its seed) emits `lengths.get(seed, 2)` tokens: the first at once,
     the rest after the test `release`s the seed (all seeds in `released` pass straight through);
     every token carries the policy version of the moment it is emitted. Seeds in `fail_seeds`
-    raise. `wait_arrived(n)` blocks until n requests reached the server."""
+    raise (once released). `wait_arrived(n)` blocks until n requests reached the server."""
 
     def __init__(self, released=(), fail_seeds=(), lengths=None):
         self.version = 0
@@ -101,10 +101,10 @@ class GatedServer:
             gate = None if seed in self.open else self.gates.setdefault(seed, asyncio.Event())
             self.arrived += 1
             self.cv.notify_all()
-        if seed in self.fail_seeds:
-            raise RuntimeError(f"engine on fire (seed {seed})")
         if gate is not None:
             await gate.wait()
+        if seed in self.fail_seeds:
+            raise RuntimeError(f"engine on fire (seed {seed})")
         versions += [self.version] * (n - 1)
         return FakeOutput([ord("a")] * n, [-0.5] * n, "length", versions)
 

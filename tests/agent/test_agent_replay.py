@@ -2,6 +2,8 @@
 filtered groups evicted and refilled within a budget, the off-policy and length-bias metrics,
 and checkpoints that keep the new bookkeeping. Stand-in servers, no model."""
 import json
+import threading
+import time
 
 import pytest
 
@@ -180,6 +182,40 @@ def test_refill_keeps_the_batch_size_with_failing_and_filtered_groups(char_tok):
     assert all(len(g.results) == 2 for g in taken.groups)
 
 
+def _waiting_in_take(r, timeout=30):
+    """True once a thread waits on the rollouter's condition (a take waiting for groups)."""
+    deadline = time.monotonic() + timeout
+    while not r._cv._waiters:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_a_take_waits_while_an_evicted_slot_is_being_refilled(char_tok):
+    """Between an eviction and its refill nothing runs and nothing waits; the take must not call
+    that stuck. Group 1 fails while the take waits; the refill answers only once the take is
+    waiting again."""
+    server = GatedServer(released={0, 2, 3, 10}, fail_seeds={1})
+
+    def refill(n):
+        assert _waiting_in_take(r, timeout=5)
+        return prompt_groups(10, n, n=1, seed=10)
+
+    r = _rollouter(server, char_tok, groups_per_sync=4, staleness_threshold=0.0, refill=refill,
+                   max_failed_groups=1)
+    try:
+        r.feed(prompt_groups(0, 4, n=1, seed=None))
+        _wait_for(r, lambda: len(r.queue) == 3)
+        release = threading.Thread(target=lambda: _waiting_in_take(r) and server.release(1))
+        release.start()
+        taken = r.take(4, timeout=30)
+        release.join()
+    finally:
+        r.close()
+    assert _indices(taken) == [0, 2, 3, 10]
+
+
 def test_without_refill_the_waiting_prompts_take_the_evicted_slots(char_tok):
     server = TokenServer(fail_seeds={1})
     r = _rollouter(server, char_tok, groups_per_sync=4, staleness_threshold=0.0, partial_rollout=False,
@@ -281,7 +317,7 @@ def test_state_round_trip_keeps_finished_and_reissues_pending_with_the_new_bookk
         asked.append(n)
         return prompt_groups(10, n, n=1, seed=10)
 
-    server = GatedServer(released={0}, fail_seeds={1})
+    server = GatedServer(released={0, 1}, fail_seeds={1})
     r = _rollouter(server, char_tok, groups_per_sync=4, staleness_threshold=0.0, refill=refill,
                    max_failed_groups=2)
     try:
