@@ -54,7 +54,9 @@ from jaxrl_llm.agent._replay import (  # noqa: F401 - re-exported: the rollouter
 )
 
 
-_WINDOW = dict(failed=0, filtered=0, dropped=0, refilled=0, gen_tokens=0, gen_trajectories=0)
+# a step's evictions, drops (with the sum and max of their staleness) and generated lengths
+_WINDOW = dict(failed=0, filtered=0, dropped=0, dropped_staleness=0, dropped_staleness_max=0,
+               refilled=0, gen_tokens=0, gen_trajectories=0)
 
 
 class Rollouter:
@@ -186,7 +188,7 @@ class Rollouter:
                 self._check_budgets(k)
                 self.queue.raise_if_failed()
                 version = self.version
-                if bound is not None and self._drop_stale(version - bound):
+                if bound is not None and self._drop_stale(version, bound):
                     continue
                 groups = self.queue.snapshot()
                 if self.strategy == "wait" and bound is not None:
@@ -279,16 +281,19 @@ class Rollouter:
         self._thread.join(timeout=30)
 
     # -- take's rules (under the lock) ---------------------------------------------------------
-    def _drop_stale(self, min_version: int) -> bool:
-        """Drops the queued groups with a token older than `min_version` and feeds their prompts
-        again (front). True if any was dropped."""
-        old = [g for g in self.queue.snapshot() if g.min_version < min_version]
+    def _drop_stale(self, version: int, bound: int) -> bool:
+        """Drops the queued groups with a token more than `bound` versions older than `version`
+        and feeds their prompts again (front). True if any was dropped."""
+        old = [g for g in self.queue.snapshot() if version - g.min_version > bound]
         if not old:
             return False
         self.queue.remove(old)
         self._open -= len(old)
         self.counters["groups_dropped_stale"] += len(old)
         self._window["dropped"] += len(old)
+        self._window["dropped_staleness"] += sum(version - g.min_version for g in old)
+        self._window["dropped_staleness_max"] = max(
+            [self._window["dropped_staleness_max"]] + [version - g.min_version for g in old])
         self._feeding += len(old)
         self._loop.call_soon_threadsafe(self._refeed, [g.prompt for g in old])
         return True
@@ -316,6 +321,10 @@ class Rollouter:
         metrics = {**R.off_policy_metrics(chosen, version),
                    **R.length_bias(chosen, w["gen_tokens"], w["gen_trajectories"]),
                    "training/off_policy/dropped_samples": float(w["dropped"]),
+                   **({"training/off_policy/dropped_samples_staleness/mean":
+                       w["dropped_staleness"] / w["dropped"],
+                       "training/off_policy/dropped_samples_staleness/max":
+                       float(w["dropped_staleness_max"])} if w["dropped"] else {}),
                    "training/replay/failed_groups": float(w["failed"]),
                    "training/replay/filtered_groups": float(w["filtered"]),
                    "training/replay/refilled_groups": float(w["refilled"])}

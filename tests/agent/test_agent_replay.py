@@ -88,6 +88,9 @@ def test_drop_drops_the_stale_groups_and_generates_them_again(char_tok):
     assert [_indices(t.groups) for t in taken] == [[1, 2], [4, 5], [0, 3]]
     assert stats["groups_dropped_stale"] == 2 and stats["groups_started"] == 8
     assert taken[2].metrics["training/off_policy/dropped_samples"] == 2
+    # 0 and 3 had tokens from version 0 when met at version 2
+    assert taken[2].metrics["training/off_policy/dropped_samples_staleness/max"] == 2
+    assert taken[2].metrics["training/off_policy/dropped_samples_staleness/mean"] == 2
     # generated again at version 2: all their tokens are new
     assert all(g.min_version == g.max_version == 2 for g in taken[2].groups)
     assert taken[2].metrics["training/off_policy/trajectory_staleness_worst/max"] == 0
