@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxrl_llm.agent._loop import AgentLoopOutput
 
+
 @dataclasses.dataclass
 class PromptGroup:
     """One prompt whose `n` trajectories are generated together (a GRPO group).
