@@ -18,7 +18,15 @@ from jaxrl_llm.agent._loop import (
     truncate_text,
 )
 from jaxrl_llm.agent._parsers import ToolCall, format_tool_call, get_tool_parser
-from jaxrl_llm.agent._rollouter import PromptGroup, Rollouter, TrajectoryGroup, TrajectoryQueue
+from jaxrl_llm.agent._replay import dapo_group_filter, off_policy_metrics
+from jaxrl_llm.agent._rollouter import (
+    PromptGroup,
+    ReplayBudgetError,
+    Rollouter,
+    TakenBatch,
+    TrajectoryGroup,
+    TrajectoryQueue,
+)
 from jaxrl_llm.agent._runner import AgentRunner, agent_metrics, load_agent_resources
 
 __all__ = [
@@ -30,17 +38,21 @@ __all__ = [
     "AgentRunner",
     "AgentSample",
     "PromptGroup",
+    "ReplayBudgetError",
     "Rollouter",
     "SingleTurnAgentLoop",
+    "TakenBatch",
     "ToolAgentLoop",
     "ToolCall",
     "TrajectoryGroup",
     "TrajectoryQueue",
     "agent_metrics",
+    "dapo_group_filter",
     "format_tool_call",
     "get_agent_loop",
     "get_tool_parser",
     "load_agent_resources",
+    "off_policy_metrics",
     "register_agent_loop",
     "truncate_text",
 ]

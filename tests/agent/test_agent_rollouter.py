@@ -2,66 +2,16 @@
 together, the staleness bound holds under random generation lengths, partial rollout keeps a
 trajectory's tokens across a sync and records their versions, and a saved state resumes to the
 same next batch."""
-import asyncio
-import dataclasses
-import threading
 
 import numpy as np
 import pytest
 
+from agent_helpers import TokenServer, make_runner, prompt_groups
 from jaxrl_llm import agent
-from jaxrl_llm.config import MultiTurnConfig
 from rollout import SamplingParams
 
 
-@dataclasses.dataclass
-class _Out:
-    token_ids: list
-    log_probs: list
-    finish_reason: str
-    policy_versions: list
-
-
-class TokenServer:
-    """Emits a request's tokens one at a time (a short sleep each), every token stamped with the
-    policy version of the moment; the tokens and the length depend only on (seed, row)."""
-
-    def __init__(self, max_len=12, delay=0.002):
-        self.version, self.max_len, self.delay = 0, max_len, delay
-        self.lock = threading.Lock()
-
-    async def agenerate(self, request_id, prompt_ids, *, sampling, max_new_tokens, session_id, seed, row):
-        rng = np.random.default_rng([seed, row])
-        n = int(min(rng.integers(1, self.max_len + 1), max_new_tokens))
-        ids = rng.integers(ord("a"), ord("z") + 1, size=n).tolist()
-        versions = []
-        for _ in range(n):
-            await asyncio.sleep(self.delay * rng.uniform(0.2, 3.0))
-            versions.append(self.version)
-        return _Out(ids, [-0.5] * n, "length", versions)
-
-    def release_session(self, session_id):
-        pass
-
-
-def _runner(server, tok):
-    mt = MultiTurnConfig(enable=False, default_agent_loop="single_turn_agent", max_assistant_turns=0,
-                         max_user_turns=0, max_parallel_calls=1, max_tool_response_length=256,
-                         tool_response_truncate_side="middle", tool_timeout_s=5.0,
-                         tool_memory_limit_gb=4.0, tool_workers=1, sandbox="process",
-                         tool_config_path="",
-                         function_tool_path="", interaction_config_path="", format="hermes",
-                         tokenization_sanity_check_mode="strict")
-    return agent.AgentRunner(server, tok, mt, max_prompt_length=16, max_response_length=16,
-                             pad_token_id=0, tools={}, interactions={})
-
-
-def _groups(start, count, n=2, seed=7):
-    return [agent.PromptGroup(index=i, seed=seed, first_row=(i % 4) * n, n=n,
-                              sample=dict(raw_prompt=[{"role": "user", "content": f"{i}+1="}],
-                                          data_source="arithmetic", ground_truth=str(i + 1),
-                                          extra_info={}, agent_name=""))
-            for i in range(start, start + count)]
+_runner, _groups = make_runner, prompt_groups
 
 
 def _train(rollouter, server, *, steps, k, trigger, bound):
