@@ -459,9 +459,6 @@ def _check_trainer_mode(c: RunConfig) -> None:
                 f"parameter_sync_step mini-batches between two weight syncs); set parameter_sync_step="
                 f"{size // mini if mini and size % mini == 0 else 'data.train_batch_size / ppo_mini_batch_size'} "
                 "or 0 (derived)")
-    if mode == "colocate_async":
-        raise ConfigError(f"{where}.trainer_mode='colocate_async' is not implemented in this build yet: use "
-                          "'sync' (colocated) or 'separate_async' (placement.mode='separate')")
     if mode == "colocate_async" and c.placement.mode != "colocated":
         raise ConfigError(f"{where}.trainer_mode='colocate_async' runs the rollout on the training devices: "
                           "it needs placement.mode='colocated' (on devices of its own: 'separate_async')")

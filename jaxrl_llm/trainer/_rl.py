@@ -26,7 +26,7 @@ from jaxrl_llm.data import RolloutResult
 from jaxrl_llm.workers import HostWorker
 
 from . import _batch as B
-from ._sources import OneStepOffSource, RolloutBufferSource, RolloutSource, SourceContext, StepTimer, SyncSource
+from ._sources import ColocatedBufferSource, OneStepOffSource, RolloutBufferSource, RolloutSource, SourceContext, StepTimer, SyncSource
 from ._backend import Method, P, R, WorkerError, make_group
 from ._sft_data import sft_batches, sft_dataset
 from ._startup import check_data_files, describe_run, prepare_builtin_data, write_config_json
@@ -104,6 +104,17 @@ class RLTrainer:
         self.nonfinite_steps = 0  # steps with a skipped (NaN/inf) optimizer update, in all
         self.nonfinite_streak = 0  # ... in a row, up to now
         self._best_val: float | None = None  # trainer.keep_best_val_metric's best (read lazily)
+
+    @property
+    def config(self) -> RunConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: RunConfig) -> None:
+        """A new config reaches the rollout source too (tests reconfigure a started trainer)."""
+        self._config = config
+        if getattr(self, "source", None) is not None:
+            self.source.ctx = dataclasses.replace(self.source.ctx, config=config)
 
     def call0(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Calls `method` (a `HostWorker` function) on every host; hosts return identical
@@ -269,12 +280,13 @@ class RLTrainer:
                             timer=self.timer, generate=self._generate)
         if self.mode == "one_step_off":
             return OneStepOffSource(ctx)
-        if self.mode == "buffer":
+        if self.mode in ("buffer", "colocated_buffer"):
             v1 = c.trainer.v1
             bound = v1.sampler.max_off_policy_threshold
-            return RolloutBufferSource(ctx, groups_per_step=c.data.train_batch_size, sync_every=1,
-                                       run_ahead=v1.colocate_async.num_warmup_batches,
-                                       max_off_policy=None if bound is None or bound < 0 else bound)
+            cls = RolloutBufferSource if self.mode == "buffer" else ColocatedBufferSource
+            return cls(ctx, groups_per_step=c.data.train_batch_size, sync_every=1,
+                       run_ahead=v1.colocate_async.num_warmup_batches,
+                       max_off_policy=None if bound is None or bound < 0 else bound)
         return SyncSource(ctx)
 
     def _generate(self, examples, sampling, *, seed: int) -> RolloutResult:

@@ -7,9 +7,13 @@ trainer's step calls `next`, trains, calls `after_update`, and never asks which 
 - `OneStepOffSource` (separate placement, the batch driver in the background): step k+1's
   rollout runs while step k trains; the sync happens at the start of the next step, when the
   engine is idle.
-- `RolloutBufferSource` (the rollouter: agent loops on the request-level server, a trajectory
-  queue between producer and trainer): groups are fed ahead, taken when finished, weights
-  synced every `parameter_sync_step` steps under the rollouter (see `agent.Rollouter`).
+- `RolloutBufferSource` (separate_async with the rollouter: agent loops on the request-level
+  server, a trajectory queue between producer and trainer): groups are fed ahead, taken when
+  finished, weights synced after each step under the rollouter (see `agent.Rollouter`).
+- `ColocatedBufferSource` (colocate_async): the same rollouter on the training devices. Warm-up
+  batches start generating before training needs them; when a step's groups are ready, the
+  unfinished requests are held (tokens and log-probs kept, the server suspended while the
+  actor trains), the weights are synced, and they resume where they stopped (partial rollout).
 
 A source gets what it needs in a `SourceContext` (the config, the worker group, the prompt
 loader, a seed function, the step timer, the function that generates a batch of prompts) and
@@ -302,3 +306,34 @@ class RolloutBufferSource(SyncSource):
         queue = state["fully_async"]
         if queue["queued"] or queue["pending"]:
             _chaos.kill_point("async_queue", step)
+
+
+class ColocatedBufferSource(RolloutBufferSource):
+    """colocate_async: the rollouter on the colocated engine's server. `next` takes a step's
+    finished groups and then holds the rest (`HostWorker.async_hold`: no group admitted, running
+    requests keep their slots, tokens and log-probs, the server suspended so it does not decode
+    while the actor trains on the same devices); `after_update` syncs the new weights under the
+    rollouter, which resumes the held requests with the new policy version."""
+
+    def __init__(self, ctx: SourceContext, **kwargs):
+        super().__init__(ctx, **kwargs)
+        self._held = False
+
+    def next(self, step, round_=0):
+        examples, gen, metrics = super().next(step, round_)
+        with self.ctx.timer.phase("hold"):
+            held = self.ctx.call0(HostWorker.async_hold)
+        self._held = True
+        metrics.update({"colocate_async/held_groups": float(held["held_groups"]),
+                        "colocate_async/server_suspended": float(held["suspended"])})
+        return examples, gen, metrics
+
+    def after_update(self, step):
+        self._held = False  # async_sync resumes the server and the rollouter
+        return super().after_update(step)
+
+    def end_step(self, timing):
+        if self._held:  # no actor update this step (critic warm-up): resume without a sync
+            self.ctx.call0(HostWorker.async_release)
+            self._held = False
+        return super().end_step(timing)

@@ -51,7 +51,8 @@ class HostWorker:
         self._sft = None
         self.actor = self.ref = self.critic = self.engine = self.driver = self.reward_model = None
         self.server = self._agents = None  # the request-level server and agent loops (multi-turn)
-        self._rollouter = None  # fully asynchronous training's background producer
+        self._rollouter = None  # the asynchronous modes' background producer
+        self._suspended = False  # colocate_async: the server suspended by async_hold
         self.checkpointer = Checkpointer(
             checkpoint_root(c.trainer.default_local_dir), max_to_keep=c.trainer.max_to_keep,
             async_save=c.trainer.async_save, enable=True)
@@ -225,7 +226,8 @@ class HostWorker:
                 sampling=rollout.SamplingParams.from_config(c.rollout),
                 groups_per_sync=c.data.train_batch_size,  # a trainer.v1 step is one sync interval
                 staleness_threshold=v1.colocate_async.num_warmup_batches,
-                partial_rollout=c.async_training.partial_rollout,
+                # colocate_async holds the unfinished requests over every update and sync
+                partial_rollout=c.async_training.partial_rollout or c.rollout_source == "colocated_buffer",
                 version=self.server.policy_version, **extra)
         return self._rollouter
 
@@ -254,12 +256,37 @@ class HostWorker:
 
     def async_sync(self) -> dict:
         """A weight sync under the rollouter: pause it (without partial rollout: until its
-        running groups end), sync the server, resume with the new policy version."""
+        running groups end), sync the server, resume the server (after `async_hold`) and the
+        rollouter with the new policy version."""
         r = self._async()
         wait = r.pause()
         stats = self.sync_weights()
+        self._resume_server()
         r.resume(self.server.policy_version)
         return {**stats, "pause_wait_s": wait}
+
+    def async_hold(self) -> dict:
+        """colocate_async, before the actor trains on the engine's devices: the rollouter admits
+        no group (its running requests stay in their slots with their tokens and log-probs:
+        partial rollout) and the server is suspended (no decode or admission) until
+        `async_sync` / `async_release`. `suspended` is False on a server without `suspend()`
+        (it then keeps decoding its running requests while the actor trains)."""
+        r = self._async()
+        r.pause()  # partial rollout: returns at once
+        self._suspended = hasattr(self.server, "suspend")
+        if self._suspended:
+            self.server.suspend()
+        return {"held_groups": int(r.stats()["running"]), "suspended": self._suspended}
+
+    def async_release(self) -> None:
+        """Ends an `async_hold` without a weight sync (a step without an actor update)."""
+        self._resume_server()
+        self._async().resume(self.server.policy_version)
+
+    def _resume_server(self) -> None:
+        if getattr(self, "_suspended", False):
+            self.server.resume()
+            self._suspended = False
 
     def async_state(self) -> dict:
         """The rollouter's checkpoint state plus the policy version (see `agent.Rollouter.state`)."""

@@ -46,6 +46,12 @@ def test_aliases_resolve_onto_the_v1_fields(tmp_path, aliases, want, source):
     assert run.rollout_source == source
 
 
+def test_colocate_async_runs_the_rollouter_on_the_colocated_engine(tmp_path):
+    run = _load(tmp_path, **{"trainer.v1.trainer_mode": "colocate_async",
+                             "trainer.v1.colocate_async.num_warmup_batches": 0.5})
+    assert run.placement.mode == "colocated" and run.rollout_source == "colocated_buffer"
+
+
 def test_an_alias_and_its_v1_field_agreeing_is_accepted(tmp_path):
     run = _load(tmp_path, **_SEPARATE, **{"async_training.enable": True, "async_training.require_batches": 2,
                                           "trainer.v1.trainer_mode": "separate_async",
@@ -74,6 +80,8 @@ def test_an_alias_and_its_v1_field_agreeing_is_accepted(tmp_path):
     ({"trainer.v1.trainer_mode": "separate_async", "placement.mode": "colocated"},
      r"trainer_mode='separate_async' .* needs placement.mode='separate'"),
     ({"trainer.v1.trainer_mode": "both"}, r"trainer.v1.trainer_mode='both' is not one of"),
+    ({"trainer.v1.trainer_mode": "colocate_async"},  # _SEPARATE's placement
+     r"trainer_mode='colocate_async' runs the rollout on the training devices: it needs placement.mode='colocated'"),
     ({"trainer.v1.trainer_mode": "separate_async", "trainer.v1.sampler.max_off_policy_strategy": "keep"},
      r"max_off_policy_strategy='keep' is not one of \['drop', 'wait'\]"),
     ({"trainer.v1.trainer_mode": "separate_async", "trainer.v1.sampler.max_off_policy_threshold": -2},
@@ -93,3 +101,38 @@ def test_a_hand_built_config_with_an_unresolved_alias_is_refused(tmp_path):
     raw = dataclasses.replace(run, async_training=dataclasses.replace(run.async_training, enable=True))
     with pytest.raises(ConfigError, match="async_training.enable=True is an alias of trainer.v1.trainer_mode"):
         validate(raw)
+
+
+@pytest.mark.parametrize("strategy", ["drop", "wait"])
+def test_the_off_policy_strategy_reaches_the_rollouter(tmp_path, monkeypatch, strategy):
+    """`sampler.max_off_policy_strategy` is the Rollouter's `max_off_policy_strategy` keyword; a
+    Rollouter without it (before the replay buffer's `wait`) runs `drop` and refuses `wait`."""
+    import inspect
+    import types
+
+    from jaxrl_llm import agent
+    from jaxrl_llm.workers import HostWorker
+
+    run = _load(tmp_path, **_SEPARATE, **{"trainer.v1.trainer_mode": "separate_async",
+                                          "trainer.v1.sampler.max_off_policy_strategy": strategy})
+    made = {}
+    supported = "max_off_policy_strategy" in inspect.signature(agent.Rollouter).parameters
+
+    def fake_rollouter(runner, *, sampling, groups_per_sync, staleness_threshold, partial_rollout, version,
+                       **maybe_strategy):  # the real class's keywords (and the strategy where it has it)
+        made.update(groups_per_sync=groups_per_sync, version=version, **maybe_strategy)
+        return "rollouter"
+
+    if not supported:  # the real class's keywords without the strategy
+        fake_rollouter.__signature__ = inspect.Signature(
+            [p for p in inspect.signature(fake_rollouter).parameters.values() if p.kind != p.VAR_KEYWORD])
+    monkeypatch.setattr(agent, "Rollouter", fake_rollouter)
+    host = types.SimpleNamespace(config=run, _rollouter=None, _agent_runner=lambda: "runner",
+                                 server=types.SimpleNamespace(policy_version=3))
+    if supported or strategy == "drop":
+        assert HostWorker._async(host) == "rollouter"
+        assert made["groups_per_sync"] == run.data.train_batch_size and made["version"] == 3
+        assert made.get("max_off_policy_strategy", "drop") == strategy
+    else:
+        with pytest.raises(ValueError, match="max_off_policy_strategy='wait' needs a Rollouter"):
+            HostWorker._async(host)
