@@ -2,7 +2,8 @@
 
 One step: prompts -> rollout (n per prompt) -> rewards -> old log-probs -> ref log-probs ->
 values -> KL in reward -> advantages -> critic/actor updates -> weight sync -> metrics ->
-checkpoint -> validation. The controller holds host numpy and Python state only (data iterator,
+checkpoint -> validation. The trainer mode's `RolloutSource` (`_sources`) supplies the prompts
+and their rollout and owns the weight-sync rule. The controller holds host numpy and Python state only (data iterator,
 KL controller, step, seeds); the workers hold every model.
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ from jaxrl_llm.data import RolloutResult
 from jaxrl_llm.workers import HostWorker
 
 from . import _batch as B
-from ._sources import ColocatedBufferSource, OneStepOffSource, RolloutBufferSource, RolloutSource, SourceContext, StepTimer, SyncSource
+from ._sources import (ColocatedBufferSource, OneStepOffSource, RolloutBufferSource, RolloutSource, SourceContext,
+                       StepTimer, SyncSource)
 from ._backend import Method, P, R, WorkerError, make_group
 from ._sft_data import sft_batches, sft_dataset
 from ._startup import check_data_files, describe_run, prepare_builtin_data, write_config_json

@@ -27,12 +27,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import rollout
 from jaxrl_llm import _chaos
 from jaxrl_llm.config import RunConfig
 from jaxrl_llm.data import PromptLoader, RolloutResult
 from jaxrl_llm.workers import HostWorker
-
-import rollout
 
 
 class StepTimer:
