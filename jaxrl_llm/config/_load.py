@@ -433,7 +433,7 @@ def _check_trainer_mode(c: RunConfig) -> None:
     _choice(mode, TRAINER_MODES, f"{where}.trainer_mode")
     _choice(v1.sampler.max_off_policy_strategy, OFF_POLICY_STRATEGIES, f"{where}.sampler.max_off_policy_strategy")
     bound = v1.sampler.max_off_policy_threshold
-    if bound is not None and bound < -1:
+    if bound < -1:
         raise ConfigError(f"{where}.sampler.max_off_policy_threshold must be >= 0 (model versions) or "
                           f"None / -1 (no bound), got {bound}")
     _positive(v1.colocate_async.num_warmup_batches, f"{where}.colocate_async.num_warmup_batches", allow_zero=True)

@@ -277,17 +277,13 @@ class PlacementConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AsyncTrainingConfig:
-    """Fully asynchronous training (verl's fully_async_policy; `placement.mode='separate'`): a
-    rollouter keeps generating groups on the rollout server while the trainer trains on finished
-    ones. A training step takes `require_batches * actor.ppo_mini_batch_size` groups; weights are
-    synced after every `trigger_parameter_sync_step` steps. `staleness_threshold` s: the rollouter
-    may run ahead by s sync intervals' worth of groups (0 = synchronous); no trained group has a
-    token more than ceil(s) syncs old. `partial_rollout`: at a sync, running requests keep their
-    tokens and continue with the new weights instead of being waited for (needs s > 0).
-
-    All but `partial_rollout` are aliases of `trainer.v1` fields, resolved when the config loads
-    (only the `trainer.v1` fields drive the run; an alias and its field set to different values
-    is an error)."""
+    """Fully asynchronous training (verl's fully_async_policy), today's names for
+    `trainer.v1.trainer_mode='separate_async'` with the rollouter: it keeps generating groups on
+    the rollout server while the trainer trains on finished ones. All but `partial_rollout` are
+    aliases of `trainer.v1` fields, resolved when the config loads (only the `trainer.v1` fields
+    drive the run; an alias and its field set to different values is an error naming both); see
+    each field. `partial_rollout`: at a sync, running requests keep their tokens and continue with
+    the new weights instead of being waited for (needs a run-ahead > 0)."""
 
     enable: bool  # alias: trainer.v1.trainer_mode=separate_async
     staleness_threshold: float  # alias: trainer.v1.colocate_async.num_warmup_batches=s and trainer.v1.sampler.max_off_policy_threshold=ceil(s)
@@ -331,7 +327,7 @@ class SeparateAsyncConfig:
 class SamplerConfig:
     """verl V1's replay-buffer sampler: how old a trained token may be."""
 
-    max_off_policy_threshold: int | None  # model versions (weight syncs) a trained token may lag the trainer's policy; None or -1 = no bound
+    max_off_policy_threshold: int  # model versions (weight syncs) a trained token may lag the trainer's policy; -1 (None in a config file or on the command line) = no bound
     max_off_policy_strategy: str  # drop (regenerate a group that is too old) | wait (train no such group: wait for in-flight groups to finish within the bound)
 
 
