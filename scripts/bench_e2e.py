@@ -173,7 +173,7 @@ def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start
     n = cfg.rollout.n
     if pending is not None:
         gen = timed("gen", pending.result)
-        timing["gen_async"] = gen["time_s"]
+        timing["gen_async"] = gen.time_s
     else:
         gen = timed("gen", lambda: _generate(worker, cfg, prompts, seed))
     following = None

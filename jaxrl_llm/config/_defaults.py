@@ -75,5 +75,8 @@ def base_config() -> ConfigDict:
         default_local_dir="runs/default", resume_mode="auto", max_to_keep=2, max_nonfinite_steps=3,
         async_save=True,
         export_hf=True, keep_best_val_metric="", logger=("console", "jsonl", "tensorboard"), project_name="jaxrl_llm",
-        experiment_name="default", seed=0, progress_bar=True, plot=True)
+        experiment_name="default", seed=0, progress_bar=True, plot=True,
+        v1=dict(trainer_mode="sync", colocate_async=dict(num_warmup_batches=1.0),
+                separate_async=dict(parameter_sync_step=0),
+                sampler=dict(max_off_policy_threshold=1, max_off_policy_strategy="drop")))
     return c

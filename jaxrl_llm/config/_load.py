@@ -48,6 +48,8 @@ def load_config_dict(spec: str, overrides: Sequence[str] | Mapping[str, Any] = (
     if isinstance(overrides, Mapping):
         overrides = [f"{k}={v}" for k, v in overrides.items()]
     overrides = [o.removeprefix("--").removeprefix("config.") for o in overrides]
+    # no bound on a token's age: None in a config file, None or -1 on the command line
+    overrides = [f"{_NO_BOUND}=-1" if o in (f"{_NO_BOUND}=None", f"{_NO_BOUND}=null") else o for o in overrides]
     last = {o.split("=", 1)[0]: i for i, o in enumerate(overrides)}  # a repeated field: the last wins
     overrides = [o for i, o in enumerate(overrides) if last[o.split("=", 1)[0]] == i]
     if overrides:  # name a misspelt field ourselves; absl's message does not say which flag
@@ -55,6 +57,9 @@ def load_config_dict(spec: str, overrides: Sequence[str] | Mapping[str, Any] = (
         for o in overrides:
             _check_path(base, o.split("=", 1)[0])
     return _parse(spec, overrides)
+
+
+_NO_BOUND = "trainer.v1.sampler.max_off_policy_threshold"
 
 
 def _parse(spec: str, overrides: list[str]) -> ConfigDict:
@@ -149,9 +154,76 @@ def _join(path, name):
 
 
 def to_run_config(cfg: ConfigDict | Mapping[str, Any]) -> RunConfig:
-    run = _build(RunConfig, cfg, "")
+    run = _build(RunConfig, resolve_aliases(cfg), "")
     validate(run)
     return run
+
+
+TRAINER_MODES = ("sync", "colocate_async", "separate_async")
+OFF_POLICY_STRATEGIES = ("drop", "wait")
+
+
+def resolve_aliases(cfg: ConfigDict | Mapping[str, Any]) -> dict:
+    """The config as a dict with today's names mapped onto verl V1's `trainer.v1` fields, so
+    that only those drive the run: `async_training.enable` -> `trainer_mode='separate_async'`,
+    `staleness_threshold` s -> `colocate_async.num_warmup_batches=s` and
+    `sampler.max_off_policy_threshold=ceil(s)`, `require_batches` ->
+    `separate_async.parameter_sync_step`; `placement.one_step_off_policy` ->
+    `separate_async` with `num_warmup_batches=1`, `max_off_policy_threshold=1`. A V1 field left
+    at its default takes the alias's value; one set to another value is a ConfigError naming
+    both. (A section missing here is reported by the build that follows.)"""
+    d = cfg.to_dict() if isinstance(cfg, ConfigDict) else _plain_dict(cfg)
+    v1 = d.get("trainer", {}).get("v1")
+    if not isinstance(v1, dict) or not all(isinstance(v1.get(k), dict) for k in
+                                           ("colocate_async", "separate_async", "sampler")):
+        return d
+    from ._defaults import base_config
+    default = base_config().trainer.v1.to_dict()
+    if v1["sampler"].get("max_off_policy_threshold") is None:  # None and -1 both mean no bound
+        v1["sampler"]["max_off_policy_threshold"] = -1
+
+    def alias(name: str, value, path: str, v1_value, alias_default=None) -> None:
+        section, _, key = path.rpartition(".")
+        node, base = (v1[section], default[section]) if section else (v1, default)
+        if node.get(key, base[key]) == base[key] or node.get(key) == v1_value:
+            node[key] = v1_value
+        elif value == alias_default:  # the alias left at its default: the V1 field wins
+            return
+        else:
+            raise ConfigError(f"{name}={value!r} is an alias of trainer.v1.{path}={v1_value!r}, but "
+                              f"trainer.v1.{path}={node[key]!r} is set too: set only trainer.v1.{path}")
+
+    a, p = d.get("async_training", {}), d.get("placement", {})
+    if a.get("enable"):
+        for name, zero in (("staleness_threshold", True), ("trigger_parameter_sync_step", False),
+                           ("require_batches", False)):
+            if isinstance(a.get(name), (int, float)):
+                _positive(a[name], f"async_training.{name}", allow_zero=zero)
+        s = a.get("staleness_threshold", 0.0)
+        alias("async_training.enable", True, "trainer_mode", "separate_async")
+        alias("async_training.staleness_threshold", s, "colocate_async.num_warmup_batches", float(s), 0.0)
+        ahead = v1["colocate_async"]["num_warmup_batches"]  # s, or the V1 field set instead
+        alias("async_training.staleness_threshold", s, "sampler.max_off_policy_threshold",
+              math.ceil(ahead - 1e-9) if isinstance(ahead, (int, float)) and ahead >= 0 else ahead, 0.0)
+        if a.get("trigger_parameter_sync_step", 1) != 1:
+            raise ConfigError(
+                f"async_training.trigger_parameter_sync_step={a['trigger_parameter_sync_step']} has no "
+                "trainer.v1 equivalent (a V1 step is one sync interval): set it to 1 and make "
+                "data.train_batch_size the groups trained between two syncs "
+                "(trainer.v1.separate_async.parameter_sync_step x actor.ppo_mini_batch_size)")
+        alias("async_training.require_batches", a.get("require_batches"), "separate_async.parameter_sync_step",
+              a.get("require_batches"), 1)
+    if p.get("one_step_off_policy"):
+        alias("placement.one_step_off_policy", True, "trainer_mode", "separate_async")
+        alias("placement.one_step_off_policy", True, "colocate_async.num_warmup_batches", 1.0)
+        alias("placement.one_step_off_policy", True, "sampler.max_off_policy_threshold", 1)
+    return d
+
+
+def _plain_dict(x):
+    if isinstance(x, Mapping):
+        return {k: _plain_dict(v) for k, v in x.items()}
+    return x
 
 
 def _choice(value, choices, field):
@@ -173,9 +245,7 @@ def validate(c: RunConfig) -> None:
         if min(rm.data, rm.fsdp, rm.tensor) < 1:
             raise ConfigError("placement.rollout_mesh needs explicit sizes (>= 1, no -1) when "
                               "placement.mode='separate'")
-    if c.placement.one_step_off_policy and c.placement.mode != "separate":
-        raise ConfigError("placement.one_step_off_policy needs placement.mode='separate' (the rollout "
-                          "must run on its own devices to overlap with training)")
+    _check_trainer_mode(c)
     _choice(c.algorithm.adv_estimator, ADV_ESTIMATORS, "algorithm.adv_estimator")
     _choice(c.actor.policy_loss, POLICY_LOSSES, "actor.policy_loss")
     _choice(c.actor.loss_agg_mode, LOSS_AGG_MODES, "actor.loss_agg_mode")
@@ -329,9 +399,6 @@ def _check_multi_turn(c: RunConfig) -> None:
     if not mt.default_agent_loop:
         raise ConfigError(f"{where}.default_agent_loop must name an agent loop, e.g. "
                           "'single_turn_agent' or 'tool_agent'")
-    if mt.enable and c.placement.one_step_off_policy:
-        raise ConfigError(f"{where}.enable and placement.one_step_off_policy cannot be combined yet: "
-                          "agent rollouts run on the request-level server between training phases")
 
 
 def _check_dapo(c: RunConfig) -> None:
@@ -342,9 +409,10 @@ def _check_dapo(c: RunConfig) -> None:
         if c.rollout.n < 2:
             raise ConfigError(f"{where}.enable keeps prompts whose responses differ, which needs "
                               f"rollout.n >= 2 (got {c.rollout.n})")
-        if c.placement.one_step_off_policy:
-            raise ConfigError(f"{where}.enable cannot be combined with placement.one_step_off_policy "
-                              "(a step may need several generation rounds)")
+        if c.trainer.v1.trainer_mode != "sync":
+            raise ConfigError(f"{where}.enable cannot be combined with trainer.v1.trainer_mode="
+                              f"{c.trainer.v1.trainer_mode!r} (a step may need several generation rounds): "
+                              "use trainer_mode='sync'")
         if fg.metric == "seq_final_reward" and c.algorithm.use_kl_in_reward:
             raise ConfigError(f"{where}.metric='seq_final_reward' with algorithm.use_kl_in_reward=True: "
                               "the filter runs before the KL penalty is known; use 'seq_reward'")
@@ -353,9 +421,48 @@ def _check_dapo(c: RunConfig) -> None:
     if ob.enable and not 0 < ob.len <= c.data.max_response_length:
         raise ConfigError(f"{where}.len must be in (0, data.max_response_length="
                           f"{c.data.max_response_length}] when {where}.enable, got {ob.len}")
-    if c.algorithm.adv_estimator == "remax" and c.placement.one_step_off_policy:
+    if c.algorithm.adv_estimator == "remax" and c.trainer.v1.trainer_mode != "sync":
         raise ConfigError("algorithm.adv_estimator='remax' generates a greedy baseline each step, which "
-                          "placement.one_step_off_policy cannot interleave with its background rollout")
+                          f"trainer.v1.trainer_mode={c.trainer.v1.trainer_mode!r} cannot interleave with its "
+                          "background rollout: use trainer_mode='sync'")
+
+
+def _check_trainer_mode(c: RunConfig) -> None:
+    """verl V1's `trainer.v1` fields; the aliases must have been resolved (`resolve_aliases`)."""
+    v1, where = c.trainer.v1, "trainer.v1"
+    mode = v1.trainer_mode
+    _choice(mode, TRAINER_MODES, f"{where}.trainer_mode")
+    _choice(v1.sampler.max_off_policy_strategy, OFF_POLICY_STRATEGIES, f"{where}.sampler.max_off_policy_strategy")
+    bound = v1.sampler.max_off_policy_threshold
+    if bound < -1:
+        raise ConfigError(f"{where}.sampler.max_off_policy_threshold must be >= 0 (model versions) or "
+                          f"None / -1 (no bound), got {bound}")
+    _positive(v1.colocate_async.num_warmup_batches, f"{where}.colocate_async.num_warmup_batches", allow_zero=True)
+    _positive(v1.separate_async.parameter_sync_step, f"{where}.separate_async.parameter_sync_step",
+              allow_zero=True)
+    for alias, on in (("async_training.enable", c.async_training.enable),
+                      ("placement.one_step_off_policy", c.placement.one_step_off_policy)):
+        if on and mode != "separate_async":
+            raise ConfigError(f"{alias}=True is an alias of {where}.trainer_mode='separate_async' but the "
+                              f"config says {mode!r} (a RunConfig built without resolve_aliases?): set "
+                              f"{where}.trainer_mode instead")
+    if mode == "separate_async":
+        if c.placement.mode != "separate":
+            raise ConfigError(f"{where}.trainer_mode='separate_async' (aliases async_training.enable, "
+                              "placement.one_step_off_policy) needs placement.mode='separate': the rollout "
+                              "generates on its own devices while training runs (on the training devices: "
+                              "trainer_mode='colocate_async')")
+        k, mini, size = v1.separate_async.parameter_sync_step, c.actor.ppo_mini_batch_size, c.data.train_batch_size
+        if k and k * mini != size:
+            raise ConfigError(
+                f"{where}.separate_async.parameter_sync_step={k} x actor.ppo_mini_batch_size={mini} = {k * mini} "
+                f"must equal data.train_batch_size={size} (verl's invariant: a trainer step trains "
+                f"parameter_sync_step mini-batches between two weight syncs); set parameter_sync_step="
+                f"{size // mini if mini and size % mini == 0 else 'data.train_batch_size / ppo_mini_batch_size'} "
+                "or 0 (derived)")
+    if mode == "colocate_async" and c.placement.mode != "colocated":
+        raise ConfigError(f"{where}.trainer_mode='colocate_async' runs the rollout on the training devices: "
+                          "it needs placement.mode='colocated' (on devices of its own: 'separate_async')")
 
 
 def _check_async(c: RunConfig) -> None:
@@ -363,32 +470,22 @@ def _check_async(c: RunConfig) -> None:
     _positive(a.staleness_threshold, f"{where}.staleness_threshold", allow_zero=True)
     _positive(a.trigger_parameter_sync_step, f"{where}.trigger_parameter_sync_step")
     _positive(a.require_batches, f"{where}.require_batches")
-    if not a.enable:
+    v1 = c.trainer.v1
+    if v1.trainer_mode == "sync":
         return
-    step = a.require_batches * c.actor.ppo_mini_batch_size
-    if c.data.train_batch_size % step:
-        raise ConfigError(
-            f"{where}.require_batches={a.require_batches} x actor.ppo_mini_batch_size="
-            f"{c.actor.ppo_mini_batch_size} = {step} prompts per training step must divide "
-            f"data.train_batch_size={c.data.train_batch_size} (the prompts drawn at a time)")
-    if c.use_critic and step % c.critic.ppo_mini_batch_size:
-        raise ConfigError(f"critic.ppo_mini_batch_size={c.critic.ppo_mini_batch_size} must divide the "
-                          f"{step} prompts of an {where} step (require_batches x actor.ppo_mini_batch_size)")
-    if a.partial_rollout and a.staleness_threshold == 0:
-        raise ConfigError(f"{where}.partial_rollout=True needs {where}.staleness_threshold > 0: with 0 "
-                          "the rollout never runs ahead, so no request is in flight at a sync")
-    if c.placement.mode != "separate":
-        raise ConfigError(f"{where}.enable needs placement.mode='separate' (the rollout generates on "
-                          "its own devices while training runs; see docs/concepts.md, 'Asynchronous "
-                          "training', for why colocated async is not a mode here)")
-    if c.placement.one_step_off_policy:
-        raise ConfigError(f"{where}.enable and placement.one_step_off_policy are two async modes; "
-                          "choose one (one-step-off = staleness_threshold=1 without a queue)")
+    if a.partial_rollout and v1.trainer_mode == "separate_async" and v1.colocate_async.num_warmup_batches == 0:
+        raise ConfigError(f"{where}.partial_rollout=True needs trainer.v1.colocate_async.num_warmup_batches "
+                          f"(alias {where}.staleness_threshold) > 0: with 0 the rollout never runs ahead, so "
+                          "no request is in flight at a sync")
+    if c.use_critic and c.data.train_batch_size % c.critic.ppo_mini_batch_size:
+        raise ConfigError(f"critic.ppo_mini_batch_size={c.critic.ppo_mini_batch_size} must divide "
+                          f"data.train_batch_size={c.data.train_batch_size}")
+    mode = f"trainer.v1.trainer_mode={v1.trainer_mode!r}"
     for bad, why in ((c.algorithm.filter_groups.enable, "algorithm.filter_groups.enable"),
                      (c.algorithm.adv_estimator == "remax", "algorithm.adv_estimator='remax'"),
                      (bool(c.reward.model.path), "reward.model.path (a learned reward model)")):
         if bad:
-            raise ConfigError(f"{where}.enable cannot be combined with {why} yet: the rollouter scores "
+            raise ConfigError(f"{mode} cannot be combined with {why} yet: the asynchronous rollout scores "
                               "each group with the rule-based reward loop as it finishes")
 
 

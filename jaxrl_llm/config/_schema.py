@@ -268,28 +268,28 @@ class PlacementConfig:
     shape re-meshes the same devices (e.g. fsdp for training, tensor-parallel decode). `separate`:
     on its own devices, the last `rollout_mesh` devices (no -1) of every host (one engine replica
     per host on several hosts); the training roles get the rest of every host; sync copies across
-    meshes. `one_step_off_policy` (separate only) overlaps the rollout of step k+1 with the
-    training of step k (verl's one-step-off-policy recipe), also on several hosts."""
+    meshes. `one_step_off_policy` is an alias of `trainer.v1.trainer_mode='separate_async'` with
+    `num_warmup_batches=1`, `max_off_policy_threshold=1` (resolved when the config loads)."""
 
     mode: str  # colocated | separate
     rollout_mesh: MeshSection
-    one_step_off_policy: bool
+    one_step_off_policy: bool  # alias: trainer.v1.trainer_mode=separate_async, colocate_async.num_warmup_batches=1, sampler.max_off_policy_threshold=1
 
 
 @dataclasses.dataclass(frozen=True)
 class AsyncTrainingConfig:
-    """Fully asynchronous training (verl's fully_async_policy; `placement.mode='separate'`): a
-    rollouter keeps generating groups on the rollout server while the trainer trains on finished
-    ones. A training step takes `require_batches * actor.ppo_mini_batch_size` groups; weights are
-    synced after every `trigger_parameter_sync_step` steps. `staleness_threshold` s: the rollouter
-    may run ahead by s sync intervals' worth of groups (0 = synchronous); no trained group has a
-    token more than ceil(s) syncs old. `partial_rollout`: at a sync, running requests keep their
-    tokens and continue with the new weights instead of being waited for (needs s > 0)."""
+    """Fully asynchronous training (verl's fully_async_policy), today's names for
+    `trainer.v1.trainer_mode='separate_async'` with the rollouter: it keeps generating groups on
+    the rollout server while the trainer trains on finished ones. All but `partial_rollout` are
+    aliases of `trainer.v1` fields, resolved when the config loads (only the `trainer.v1` fields
+    drive the run; an alias and its field set to different values is an error naming both); see
+    each field. `partial_rollout`: at a sync, running requests keep their tokens and continue with
+    the new weights instead of being waited for (needs a run-ahead > 0)."""
 
-    enable: bool
-    staleness_threshold: float
-    trigger_parameter_sync_step: int
-    require_batches: int
+    enable: bool  # alias: trainer.v1.trainer_mode=separate_async
+    staleness_threshold: float  # alias: trainer.v1.colocate_async.num_warmup_batches=s and trainer.v1.sampler.max_off_policy_threshold=ceil(s)
+    trigger_parameter_sync_step: int  # alias: must be 1 (a trainer.v1 step is one sync interval: raise data.train_batch_size instead)
+    require_batches: int  # alias: trainer.v1.separate_async.parameter_sync_step (require_batches x actor.ppo_mini_batch_size must equal data.train_batch_size)
     partial_rollout: bool
 
 
@@ -308,6 +308,44 @@ class SFTConfig:
     builtin_off_by_one: float  # arithmetic demos: fraction whose answer is off by one (imperfect data)
     builtin_trailing_junk: float  # arithmetic demos: fraction whose answer ends with a stray "."
     builtin_no_tool: float  # arithmetic_tools demos: fraction answered directly, without the calculator
+
+
+@dataclasses.dataclass(frozen=True)
+class ColocateAsyncConfig:
+    """verl V1's `colocate_async` section."""
+
+    num_warmup_batches: float  # training batches whose generation may start before training needs them (fractional, as verl: 1.5 = one and a half); the async modes' run-ahead (separate_async too: verl fully async's staleness_threshold)
+
+
+@dataclasses.dataclass(frozen=True)
+class SeparateAsyncConfig:
+    """verl V1's `separate_async` section."""
+
+    parameter_sync_step: int  # actor mini-batch updates between two weight syncs: data.train_batch_size = parameter_sync_step x actor.ppo_mini_batch_size (verl's invariant; a trainer step is one sync interval); 0 = data.train_batch_size / actor.ppo_mini_batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """verl V1's replay-buffer sampler: how old a trained token may be."""
+
+    max_off_policy_threshold: int  # model versions (weight syncs) a trained token may lag the trainer's policy; -1 (None in a config file or on the command line) = no bound
+    max_off_policy_strategy: str  # drop (regenerate a group that is too old) | wait (train no such group: wait for in-flight groups to finish within the bound)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerV1Config:
+    """verl V1's trainer modes (docs/concepts.md, 'Trainer modes'). `sync`: generate, train, sync
+    weights, in turn. `colocate_async`: on the training devices (placement.mode='colocated'),
+    generation of the next batches starts before training needs them; when a batch is ready the
+    unfinished requests are suspended over the update and the weight sync and resume with their
+    tokens kept (partial rollout). `separate_async`: generation on its own devices
+    (placement.mode='separate') runs while the actor trains. Aliases: `async_training.*`,
+    `placement.one_step_off_policy`."""
+
+    trainer_mode: str  # sync | colocate_async | separate_async
+    colocate_async: ColocateAsyncConfig
+    separate_async: SeparateAsyncConfig
+    sampler: SamplerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +370,7 @@ class TrainerConfig:
     seed: int
     progress_bar: bool
     plot: bool
+    v1: TrainerV1Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,6 +391,23 @@ class RunConfig:
     @property
     def use_critic(self) -> bool:
         return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def rollout_source(self) -> str:
+        """Which rollout source runs `trainer.v1.trainer_mode` (jaxrl_llm/trainer/_sources.py):
+        `sync`; `colocated_buffer` (colocate_async: the rollouter on the training devices);
+        `one_step_off` (separate_async one batch ahead with a bound of one version, batch driver,
+        no agent loop or partial rollout: also on several hosts); `buffer` (any other
+        separate_async: the rollouter and its trajectory queue, one host)."""
+        v1 = self.trainer.v1
+        if v1.trainer_mode == "sync":
+            return "sync"
+        if v1.trainer_mode == "colocate_async":
+            return "colocated_buffer"
+        if (not self.rollout.multi_turn.enable and not self.async_training.partial_rollout
+                and v1.colocate_async.num_warmup_batches == 1 and v1.sampler.max_off_policy_threshold == 1):
+            return "one_step_off"
+        return "buffer"
 
     @property
     def use_reference(self) -> bool:

@@ -4,7 +4,7 @@ the RL `Batch` (verl's fields) that controller and workers exchange.
 Scoring responses is `jaxrl_llm.rewards`'s job; tokenizers come from `jaxrl_llm.models`.
 """
 from jaxrl_llm.data import tasks
-from jaxrl_llm.data._batch import Batch, MissingFieldError
+from jaxrl_llm.data._batch import Batch, MissingFieldError, RolloutResult
 from jaxrl_llm.data._loader import PromptLoader
 from jaxrl_llm.data._rl_dataset import PromptExample, RLDataset, collate_prompts
 from jaxrl_llm.data._builtin import builtin_folder, builtin_splits, prepare_builtin_files
@@ -19,6 +19,7 @@ __all__ = [
     "PromptExample",
     "PromptLoader",
     "RLDataset",
+    "RolloutResult",
     "SFTDataset",
     "SFTExample",
     "Tokenizer",

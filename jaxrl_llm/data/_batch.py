@@ -9,6 +9,10 @@ tokens, `t` response tokens, `s` = `p + t` whole-sequence tokens. A misspelt fie
 `MissingFieldError` naming it and what the batch holds. Name-driven code (a worker picking its
 inputs, the metrics) reads fields through the read-only `Mapping` interface.
 
+`RolloutResult`: what a worker's rollout call returns to the controller (rows, masks, log-probs,
+per-token policy versions, worker-side scores, group bookkeeping, timing), a frozen dataclass of
+host numpy and plain Python (it crosses Ray).
+
 A `Batch` is also a JAX pytree of its set fields (e.g. `jax.tree.map` over all of them).
 Building rollout batches, placing rewards and advantages is `jaxrl_llm.trainer`'s job.
 """
@@ -200,6 +204,47 @@ class Batch(Mapping):
 
 
 Batch.FIELDS = tuple(k for k, v in vars(Batch).items() if isinstance(v, _Field))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RolloutResult:
+    """One rollout as a worker returns it: `b` rows (prompt i's `n` samples are rows
+    i*n .. i*n+n-1, or the rows' own order for agent and asynchronous rollouts), `t` response
+    tokens. Only what the call produced is set; the rest keeps its empty default."""
+
+    responses: np.ndarray  # int32[b, t] generated tokens (tool/user tokens too for agents), right-padded
+    response_mask: np.ndarray  # int32[b, t] 1 on model tokens (holes at tool/user tokens)
+    rollout_log_probs: np.ndarray  # float32[b, t] the engine's log-prob of each sampled token
+    finish_reasons: tuple[str, ...]  # per row: "stop" | "length" | ...
+    response_attention_mask: np.ndarray | None = None  # int32[b, t] agents: the whole response (one run)
+    rollout_versions: np.ndarray | None = None  # int32[b, t] policy version of each model token, -1 elsewhere
+    prompt_ids: tuple[tuple[int, ...], ...] | None = None  # agents: each row's own prompt (rendered)
+    prompt_index: np.ndarray | None = None  # int32[b] batch driver: the prompt each row answers
+    response_lengths: np.ndarray | None = None  # int32[b] batch driver: generated tokens per row
+    # scored on the worker (agent loops: each trajectory as it finished); None: score on the controller
+    scores: np.ndarray | None = None  # float32[b]
+    reward_extra: dict = dataclasses.field(default_factory=dict)  # {key: float32[b]} reward extras
+    metrics: dict = dataclasses.field(default_factory=dict)  # {name: float} agent / reward metrics
+    num_turns: np.ndarray | None = None  # int32[b]
+    turn_texts: tuple = ()  # per row: the assistant turns' texts
+    messages: tuple = ()  # per row: the loop's conversation [{role, content}] or None
+    # group bookkeeping (asynchronous rollouts: groups in prompt order)
+    samples: tuple[dict, ...] = ()  # per group: the data row (agent sample fields)
+    group_index: np.ndarray | None = None  # int32[g] the prompt's position in the data order
+    group_min_version: np.ndarray | None = None  # int32[g] oldest policy version of a group's tokens
+    group_max_version: np.ndarray | None = None  # int32[g] newest
+    policy_version: int = -1  # the server's policy version when the rollout was taken
+    producer: dict = dataclasses.field(default_factory=dict)  # the rollouter's counters at that time
+    # timing
+    time_s: float = 0.0  # the call's duration on the worker
+    wait_s: float = 0.0  # time spent waiting for finished groups (asynchronous rollouts)
+
+    @property
+    def rows(self) -> int:
+        return int(self.responses.shape[0])
+
+    def replace(self, **fields) -> RolloutResult:
+        return dataclasses.replace(self, **fields)
 
 
 def _did_you_mean(name: str, choices) -> str:

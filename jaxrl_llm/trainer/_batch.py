@@ -10,33 +10,34 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import algos
-from jaxrl_llm.data import Batch, collate_prompts
+from jaxrl_llm.data import Batch, RolloutResult, collate_prompts
 
 
-def rollout_batch(examples, gen: dict, *, n: int, pad_token_id: int, max_prompt_length: int) -> Batch:
+def rollout_batch(examples, gen: RolloutResult, *, n: int, pad_token_id: int, max_prompt_length: int) -> Batch:
     """verl's fields for b*n sequences: prompts left-padded [b*n, p], responses [b*n, t].
 
-    Agent rollouts (`gen` has per-row `prompt_ids` and `response_attention_mask`): each row keeps
-    its own prompt (e.g. rendered with tool schemas); `response_mask` has holes where tool or user
+    Agent rollouts (`gen.prompt_ids` and `gen.response_attention_mask` set): each row keeps its
+    own prompt (e.g. rendered with tool schemas); `response_mask` has holes where tool or user
     tokens sit, while the attention mask covers the whole response (one contiguous run)."""
-    if "prompt_ids" in gen:
-        rows = [_Prompt(list(ids), i) for i, ids in enumerate(gen["prompt_ids"])]
+    if gen.prompt_ids is not None:
+        rows = [_Prompt(list(ids), i) for i, ids in enumerate(gen.prompt_ids)]
         prompts = collate_prompts(rows, pad_token_id, max_prompt_length)
         prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
     else:
         prompts = collate_prompts(examples, pad_token_id, max_prompt_length)
         rep = lambda x: np.repeat(x, n, axis=0)  # noqa: E731 - prompt i's samples are rows i*n..i*n+n-1
         prompt_ids, prompt_mask = rep(prompts["input_ids"]), rep(prompts["attention_mask"])
-    responses = gen["responses"].astype(np.int32)
-    response_mask = gen["response_mask"].astype(np.int32)
-    response_attention = np.asarray(gen.get("response_attention_mask", response_mask), np.int32)
+    responses = gen.responses.astype(np.int32)
+    response_mask = gen.response_mask.astype(np.int32)
+    attention = gen.response_attention_mask if gen.response_attention_mask is not None else response_mask
+    response_attention = np.asarray(attention, np.int32)
     attention_mask = np.concatenate([prompt_mask, response_attention], axis=1).astype(np.int32)
     position_ids = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0).astype(np.int32)
     return Batch(
         prompts=prompt_ids.astype(np.int32), responses=responses, response_mask=response_mask,
         input_ids=np.concatenate([prompt_ids, responses], axis=1).astype(np.int32),
         attention_mask=attention_mask, position_ids=position_ids,
-        rollout_log_probs=gen["rollout_log_probs"].astype(np.float32),
+        rollout_log_probs=gen.rollout_log_probs.astype(np.float32),
         group_ids=np.repeat(np.arange(len(examples), dtype=np.int32), n),
     )
 

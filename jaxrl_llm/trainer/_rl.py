@@ -2,7 +2,8 @@
 
 One step: prompts -> rollout (n per prompt) -> rewards -> old log-probs -> ref log-probs ->
 values -> KL in reward -> advantages -> critic/actor updates -> weight sync -> metrics ->
-checkpoint -> validation. The controller holds host numpy and Python state only (data iterator,
+checkpoint -> validation. The trainer mode's `RolloutSource` (`_sources`) supplies the prompts
+and their rollout and owns the weight-sync rule. The controller holds host numpy and Python state only (data iterator,
 KL controller, step, seeds); the workers hold every model.
 """
 from __future__ import annotations
@@ -13,7 +14,6 @@ import logging
 import math
 import os
 import time
-from contextlib import contextmanager
 
 import jax
 import numpy as np
@@ -23,9 +23,12 @@ from jaxrl_llm import _chaos, algos, data, metrics as M, models, rewards
 from jaxrl_llm._disk import as_disk_full, disk_full_guard
 from jaxrl_llm.checkpoint import checkpoint_root, resolve_resume, set_aside_steps
 from jaxrl_llm.config import RunConfig, SamplingConfig
+from jaxrl_llm.data import RolloutResult
 from jaxrl_llm.workers import HostWorker
 
 from . import _batch as B
+from ._sources import (ColocatedBufferSource, OneStepOffSource, RolloutBufferSource, RolloutSource, SourceContext,
+                       StepTimer, SyncSource)
 from ._backend import Method, P, R, WorkerError, make_group
 from ._sft_data import sft_batches, sft_dataset
 from ._startup import check_data_files, describe_run, prepare_builtin_data, write_config_json
@@ -35,13 +38,6 @@ log = logging.getLogger(__name__)
 
 class NonFiniteError(FloatingPointError):
     """The run stopped: too many consecutive steps had NaN/inf updates (all of them skipped)."""
-
-
-@contextmanager
-def _timer(timing: dict, name: str):
-    t0 = time.perf_counter()
-    yield
-    timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
 
 
 def load_tokenizer(config: RunConfig):
@@ -56,12 +52,12 @@ class RLTrainer:
 
     def __init__(self, config: RunConfig, *, num_hosts: int = 1, distributed: dict | None = None):
         self.config = c = config
-        self.overlap = c.placement.one_step_off_policy
-        self.fully_async = c.async_training.enable
-        # fully async: loader batches handed to the rollouter, groups handed and not yet trained,
-        # trained groups with a token from an older policy version, last rollouter stats
-        self._fed_batches = self._outstanding = self._stale_groups = 0
-        self._rollouter_last: tuple[float, dict] | None = None
+        self.mode = c.rollout_source
+        # agent loops generate (the request-level server) when the rows ask for them or the
+        # mode's rollouter drives them; otherwise the batch driver
+        self.agent_loop = c.rollout.multi_turn.enable or self.mode in ("buffer", "colocated_buffer")
+        self.source: RolloutSource | None = None
+        self.timer = StepTimer()
         if c.trainer.backend == "ray":
             # The controller's own JAX work (advantages) is tiny: keep it off the accelerators
             # that the Ray workers own. Workers get the original environment (RayGroup).
@@ -93,12 +89,10 @@ class RLTrainer:
                                             memory_limit_gb=c.reward.memory_limit_gb, sandbox=c.reward.sandbox)
         self.pad_id = self.tokenizer.pad_token_id
         stop_ids = tuple(getattr(self.tokenizer, "eos_token_ids", (self.tokenizer.eos_token_id,)))
-        # one-step-off-policy: (handle of the generate call in flight, its prompts, the data
-        # iterator's state before they were drawn)
-        self._pending = None
         self.group = make_group(c.trainer.backend, HostWorker, c, vocab_size=self.tokenizer.vocab_size,
                                 pad_token_id=self.pad_id, stop_token_ids=stop_ids, num_hosts=num_hosts,
-                                distributed=distributed, max_concurrency=2 if self.overlap else 1)
+                                distributed=distributed, max_concurrency=2 if self.mode == "one_step_off" else 1)
+        self.source = self._make_source()
         self.info = self.call0(HostWorker.info)
         # the controller's first JAX computation: only after Ray has started its processes (it
         # starts them with a preexec_fn, and JAX warns of a fork once its backend is running)
@@ -112,6 +106,17 @@ class RLTrainer:
         self.nonfinite_steps = 0  # steps with a skipped (NaN/inf) optimizer update, in all
         self.nonfinite_streak = 0  # ... in a row, up to now
         self._best_val: float | None = None  # trainer.keep_best_val_metric's best (read lazily)
+
+    @property
+    def config(self) -> RunConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: RunConfig) -> None:
+        """A new config reaches the rollout source too (tests reconfigure a started trainer)."""
+        self._config = config
+        if getattr(self, "source", None) is not None:
+            self.source.ctx = dataclasses.replace(self.source.ctx, config=config)
 
     def call0(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Calls `method` (a `HostWorker` function) on every host; hosts return identical
@@ -145,7 +150,7 @@ class RLTrainer:
                 is_last = self.global_step == c.trainer.total_training_steps
                 if self.val_set is not None and (is_last or (c.trainer.test_freq > 0
                                                              and self.global_step % c.trainer.test_freq == 0)):
-                    self._settle()  # the engine must be idle and hold the newest weights
+                    self.source.settle(self.global_step)  # the engine idle, with the newest weights
                     last_val = self.validate()
                     step_metrics.update(last_val)
                     self._keep_best(last_val)
@@ -170,7 +175,7 @@ class RLTrainer:
                 raise
             log.error("%s; waiting for checkpoints in flight, then stopping",
                       "a worker failed" if full is None else "the disk is full")
-            self._pending = None
+            self.source.close(wait=False)
             self._safe_wait()
             if full is None:
                 raise
@@ -236,12 +241,8 @@ class RLTrainer:
             pass
 
     def close(self):
-        if getattr(self, "_pending", None) is not None and getattr(self, "group", None) is not None:
-            try:  # a rollout still in flight: let it end before the workers go
-                self.group.wait(self._pending[0])
-            except Exception:  # noqa: BLE001 - we are closing anyway
-                pass
-            self._pending = None
+        if getattr(self, "source", None) is not None:  # work in flight ends before the workers go
+            self.source.close()
         if getattr(self, "group", None) is not None:
             group, self.group = self.group, None
             try:
@@ -274,117 +275,30 @@ class RLTrainer:
         step = self.global_step if step is None else step
         return (self.config.trainer.seed * 1_000_003 + step * 7919 + salt) % (2**31 - 1)
 
-    def _generate_kwargs(self, examples, step: int, round_: int = 0) -> dict:
-        """Arguments of the workers' `generate` for step `step`'s prompts (generation round
-        `round_` of the step: DAPO's dynamic sampling may take several)."""
+    def _make_source(self) -> RolloutSource:
+        """The mode's rollout source (`_sources`), handed what it works with."""
         c = self.config
-        return dict(prompts=[e.prompt_ids for e in examples], n=c.rollout.n,
-                    max_new_tokens=c.data.max_response_length, seed=self._seed(1 + 100 * round_, step),
-                    sampling=rollout.SamplingParams.from_config(c.rollout))
+        ctx = SourceContext(config=c, group=self.group, loader=self.loader, seed=self._seed,
+                            timer=self.timer, generate=self._generate)
+        if self.mode == "one_step_off":
+            return OneStepOffSource(ctx)
+        if self.mode in ("buffer", "colocated_buffer"):
+            v1 = c.trainer.v1
+            bound = v1.sampler.max_off_policy_threshold
+            cls = RolloutBufferSource if self.mode == "buffer" else ColocatedBufferSource
+            return cls(ctx, groups_per_step=c.data.train_batch_size, sync_every=1,
+                       run_ahead=v1.colocate_async.num_warmup_batches,
+                       max_off_policy=None if bound is None or bound < 0 else bound)
+        return SyncSource(ctx)
 
-    def _rollout(self, timing: dict, metrics: dict, round_: int = 0):
-        """This step's prompts and their rollout (round `round_` of the step's generation).
-
-        Synchronous mode: draws prompts and generates with the current weights. One-step-off-policy:
-        takes the batch generated in the background during the previous step (with the weights
-        of one update ago), syncs the current weights into the now idle engine, and starts the
-        next step's rollout before returning, so it runs while this step trains.
-        """
-        if self.fully_async:
-            return self._async_rollout(timing, metrics)
-        if self._pending is not None:
-            handle, examples, _ = self._pending
-            with _timer(timing, "gen"):  # only the time this step waited for the rollout
-                gen = self.group.wait(handle)[0]
-                if gen.pop("deferred", False):  # several hosts: each holds its share; gather them
-                    gen.update(self.call0(HostWorker.collect_rollout))
-            self._pending = None
-            timing["gen_async"] = gen.pop("time_s", 0.0)  # its full duration, mostly hidden
-            metrics["rollout/off_policy_steps"] = 1.0
-        elif self.config.rollout.multi_turn.enable:
-            examples = next(self.loader)
-            with _timer(timing, "gen"):
-                gen = self._agent_generate(examples, self.config.rollout, seed=self._seed(1 + 100 * round_))
-            gen.pop("time_s", None)
-        else:
-            examples = next(self.loader)
-            with _timer(timing, "gen"):
-                gen = self.call0(HostWorker.generate, **self._generate_kwargs(examples, self.global_step, round_))
-            gen.pop("time_s", None)
-            metrics["rollout/off_policy_steps"] = 0.0
-        if self.overlap and self.global_step + 1 < self.config.trainer.total_training_steps:
-            with _timer(timing, "update_weights"):
-                self._sync(metrics)
-            state = self.loader.get_state()
-            nxt = next(self.loader)
-            handle = self.group.call_async(HostWorker.generate, **self._generate_kwargs(nxt, self.global_step + 1),
-                                           gather=False)  # no collectives while the actor trains
-            self._pending = (handle, nxt, state)
-        return examples, gen
-
-    # -- fully asynchronous training (async_training) ----------------------------------------------
-    @property
-    def _groups_per_step(self) -> int:
-        return self.config.async_training.require_batches * self.config.actor.ppo_mini_batch_size
-
-    @property
-    def _max_staleness(self) -> int:
-        """No trained group has a token more than this many weight syncs old: ceil(s)."""
-        return math.ceil(self.config.async_training.staleness_threshold - 1e-9)
-
-    def _async_feed(self) -> None:
-        """Hands the rollouter whole loader batches until it has the groups it may start before
-        the next sync plus one step's worth. Batch b's prompt i samples with the synchronous
-        trainer's seed for step b and rows i*n .. i*n+n-1, so s = 0 reproduces it exactly."""
-        c, a = self.config, self.config.async_training
-        per_sync = a.trigger_parameter_sync_step * self._groups_per_step
-        ahead = math.floor((1 + a.staleness_threshold) * per_sync + 1e-9) + self._groups_per_step
-        n, size = c.rollout.n, c.data.train_batch_size
-        while self._outstanding < ahead:
-            b = self._fed_batches
-            examples = next(self.loader)
-            groups = [dict(index=b * size + i, seed=self._seed(1, b), first_row=i * n, n=n,
-                           sample=dict(raw_prompt=e.raw_prompt, data_source=e.data_source,
-                                       ground_truth=e.ground_truth, extra_info=e.extra_info,
-                                       agent_name=e.agent_name))
-                      for i, e in enumerate(examples)]
-            self.call0(HostWorker.async_feed, groups)
-            self._fed_batches += 1
-            self._outstanding += len(groups)
-
-    def _async_rollout(self, timing: dict, metrics: dict):
-        """One step's groups from the trajectory queue (rows by prompt index), with the
-        staleness, partial-rollout and idle metrics."""
-        k = self._groups_per_step
-        self._async_feed()
-        with _timer(timing, "gen"):  # the trainer's wait for finished groups
-            gen = self.call0(HostWorker.async_take, k, max_staleness=self._max_staleness)
-        self._outstanding -= k
-        samples, version = gen.pop("samples"), gen.pop("policy_version")
-        lo, hi = gen.pop("group_min_version"), gen.pop("group_max_version")
-        gen.pop("indices")
-        stale = version - lo
-        self._stale_groups += int((stale > 0).sum())
-        versions = gen["rollout_versions"]
-        lag = (version - versions)[versions >= 0]
-        stats, now = gen.pop("rollouter"), time.perf_counter()
-        if self._rollouter_last is not None:
-            t_prev, prev = self._rollouter_last
-            idle = (stats["idle_s"] - prev["idle_s"]) / max(now - t_prev, 1e-9)
-            metrics["fully_async/rollouter/idle_ratio"] = float(min(max(idle, 0.0), 1.0))
-        self._rollouter_last = (now, stats)
-        gen.pop("wait_s", None)
-        metrics.update({
-            "fully_async/staleness/mean": float(stale.mean()), "fully_async/staleness/max": float(stale.max()),
-            "fully_async/staleness/bound": float(self._max_staleness),
-            "rollout/policy_version": float(version),
-            "rollout/policy_version_lag": float(lag.mean()) if lag.size else 0.0,
-            "fully_async/count/stale_samples_processed": float(self._stale_groups),
-            "fully_async/partial/partial_ratio": float((hi != lo).mean()),
-            "fully_async/partial/max_partial_span": float((hi - lo).max()),
-            "fully_async/queue_size": stats["queue_size"],
-            "fully_async/dropped_stale_groups": stats["groups_dropped_stale"]})
-        return samples, gen
+    def _generate(self, examples, sampling, *, seed: int) -> RolloutResult:
+        """`sampling.n` samples of each example with the current weights: the agent loops
+        (`_agent_generate`) or the batch driver."""
+        if self.agent_loop:
+            return self._agent_generate(examples, sampling, seed=seed)
+        return self.call0(HostWorker.generate, [e.prompt_ids for e in examples], n=sampling.n,
+                          max_new_tokens=self.config.data.max_response_length, seed=seed,
+                          sampling=rollout.SamplingParams.from_config(sampling))
 
     def _agent_generate(self, examples, sampling, *, seed: int) -> dict:
         """Agent rollouts (`rollout.multi_turn`): `sampling.n` trajectories per example, rows
@@ -396,32 +310,14 @@ class RLTrainer:
         return self.call0(HostWorker.agent_generate, samples, seed=seed,
                           sampling=rollout.SamplingParams.from_config(sampling))
 
-    def _sync(self, metrics: dict, method: Method[[], dict] = HostWorker.sync_weights) -> None:
-        sync = self.call0(method)
-        metrics.update({f"rollout/sync_{k}": float(v) for k, v in sync.items()})
-
-    def _settle(self) -> None:
-        """One-step-off-policy: waits for the rollout in flight (keeps its batch for the next step)
-        and gives the idle engine the newest weights, e.g. before validation. Fully async: syncs
-        the newest weights into the server unless the last step did."""
-        if self.fully_async:
-            if self.global_step % self.config.async_training.trigger_parameter_sync_step:
-                self._sync({}, HostWorker.async_sync)
-            return
-        if not self.overlap:
-            return
-        if self._pending is not None:
-            self.group.wait(self._pending[0])  # a handle can be waited on again: the next step does
-        self._sync({})
-
     def train_step(self) -> dict:
         c = self.config
-        timing: dict[str, float] = {}
+        timing = self.timer.reset()
         metrics: dict[str, float] = {}
         _chaos.at_step(self.global_step + 1)
         t_step = time.perf_counter()
         examples, batch = self._train_batch(timing, metrics)
-        with _timer(timing, "old_log_prob"):
+        with self.timer.phase("old_log_prob"):
             if c.rollout.use_rollout_log_probs:
                 batch.old_log_probs = batch.rollout_log_probs
             else:
@@ -442,15 +338,15 @@ class RLTrainer:
                     metrics["rollout/probs_diff/mean"] = float(probs.mean())
                     metrics["rollout/probs_diff/max"] = float(probs.max())
         if c.algorithm.rollout_correction.enabled:
-            with _timer(timing, "rollout_correction"):
+            with self.timer.phase("rollout_correction"):
                 metrics.update(B.rollout_correction(batch, c.algorithm.rollout_correction))
         if c.use_reference:
-            with _timer(timing, "ref"):
+            with self.timer.phase("ref"):
                 batch.update(self.call0(HostWorker.compute_ref_log_prob, batch))
         if c.use_critic:
-            with _timer(timing, "values"):
+            with self.timer.phase("values"):
                 batch.update(self.call0(HostWorker.compute_values, batch))
-        with _timer(timing, "adv"):
+        with self.timer.phase("adv"):
             if c.algorithm.use_kl_in_reward:
                 beta = float(np.asarray(self.kl_ctrl.value))
                 batch.token_level_rewards, current_kl = B.kl_in_reward(batch, beta, c.algorithm.kl_penalty)
@@ -463,25 +359,18 @@ class RLTrainer:
                 batch, estimator=a.adv_estimator, gamma=a.gamma, lam=a.lam,
                 norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
         if c.use_critic:
-            with _timer(timing, "update_critic"):
+            with self.timer.phase("update_critic"):
                 metrics.update(self.call0(HostWorker.update_critic, batch, mini_rows=c.critic.ppo_mini_batch_size * c.rollout.n,
                                           seed=self._seed(2)))
         if self.global_step >= c.critic.warmup_steps_before_actor or not c.use_critic:
-            with _timer(timing, "update_actor"):
+            with self.timer.phase("update_actor"):
                 metrics.update(self.call0(HostWorker.update_actor, batch, mini_rows=c.actor.ppo_mini_batch_size * c.rollout.n,
                                           seed=self._seed(3), on_policy=not c.rollout.use_rollout_log_probs))
             _chaos.kill_point("update", self.global_step + 1)
-            if self.fully_async:  # every trigger_parameter_sync_step steps, under the rollouter
-                if (self.global_step + 1) % c.async_training.trigger_parameter_sync_step == 0:
-                    with _timer(timing, "update_weights"):
-                        self._sync(metrics, HostWorker.async_sync)
-            elif not self.overlap:  # one-step-off-policy syncs at the start of the next step
-                with _timer(timing, "update_weights"):
-                    self._sync(metrics)
+            metrics.update(self.source.after_update(self.global_step))  # the mode's weight sync
         timing["step"] = time.perf_counter() - t_step
         metrics.update(self._step_metrics(batch, timing))
-        if self.fully_async:
-            metrics["fully_async/trainer/idle_ratio"] = timing["gen"] / max(timing["step"], 1e-9)
+        metrics.update(self.source.end_step(timing))
         metrics["training/epoch"] = float(self.loader.epoch)
         return metrics
 
@@ -498,12 +387,13 @@ class RLTrainer:
         fg, n, size = c.algorithm.filter_groups, c.rollout.n, c.data.train_batch_size
         kept_examples, kept_batches, filtered, rounds = [], [], 0, 0
         while True:
-            examples, gen = self._rollout(timing, metrics, rounds)
+            examples, gen, rmetrics = self.source.next(self.global_step, rounds)
+            metrics.update(rmetrics)
             _chaos.kill_point("generation", self.global_step + 1)
             rounds += 1
             batch = B.rollout_batch(examples, gen, n=n, pad_token_id=self.pad_id,
                                     max_prompt_length=c.data.max_prompt_length)
-            with _timer(timing, "reward"):
+            with self.timer.phase("reward"):
                 fields = self._score_rollout(examples, gen, batch, n, metrics)
             if not fg.enable:
                 break
@@ -527,11 +417,11 @@ class RLTrainer:
                     "response): the data may be too hard or too easy for the model. Raise "
                     "algorithm.filter_groups.max_num_gen_batches (0 = no limit) or turn the filter off")
         if c.algorithm.adv_estimator == "remax":
-            with _timer(timing, "gen_max"):
+            with self.timer.phase("gen_max"):
                 batch.reward_baselines = self._greedy_baselines(examples, n)
         return examples, batch
 
-    def _score_rollout(self, examples, gen: dict, batch: data.Batch, n: int, metrics: dict) -> dict:
+    def _score_rollout(self, examples, gen: RolloutResult, batch: data.Batch, n: int, metrics: dict) -> dict:
         """Puts `token_level_scores` into `batch`: the reward model's, the agent loop's or the
         scorers' sequence score on the last response token, plus DAPO's overlong penalty when
         `reward.overlong_buffer.enable`. Returns per-row fields for the group filter: `score`
@@ -540,9 +430,9 @@ class RLTrainer:
         if c.reward.model.path:  # a learned reward model replaces the rule-based scorers
             batch.token_level_scores = self.call0(HostWorker.compute_rm_score, batch)["rm_scores"]
             scores, extra = batch.token_level_scores.sum(-1), {}
-        elif "scores" in gen:  # agent rollouts: scored on the worker as each one finished
-            metrics.update(gen["metrics"])
-            scores, extra = gen["scores"], gen.get("reward_extra", {})
+        elif gen.scores is not None:  # agent rollouts: scored on the worker as each one finished
+            metrics.update(gen.metrics)
+            scores, extra = gen.scores, gen.reward_extra
             batch.token_level_scores = B.token_level_scores(scores, batch.response_mask)
         else:
             scores, extra, rmetrics = self._score(examples, batch, n)
@@ -565,13 +455,7 @@ class RLTrainer:
         included); its sequence reward repeated for the prompt's `n` rows. float32[b * n]."""
         c = self.config
         greedy = SamplingConfig(temperature=0.0, top_k=-1, top_p=1.0, n=1)
-        if c.rollout.multi_turn.enable:
-            gen = self._agent_generate(examples, greedy, seed=self._seed(5))
-        else:
-            gen = self.call0(HostWorker.generate, [e.prompt_ids for e in examples], n=1,
-                             max_new_tokens=c.data.max_response_length, seed=self._seed(5),
-                             sampling=rollout.SamplingParams.from_config(greedy))
-        gen.pop("time_s", None)
+        gen = self._generate(examples, greedy, seed=self._seed(5))
         batch = B.rollout_batch(examples, gen, n=1, pad_token_id=self.pad_id,
                                 max_prompt_length=c.data.max_prompt_length)
         self._score_rollout(examples, gen, batch, 1, {})
@@ -620,26 +504,22 @@ class RLTrainer:
         infos: dict[str, list[float]] = {"reward": []}
         for start in range(0, len(examples), c.data.val_batch_size):
             chunk = examples[start:start + c.data.val_batch_size]
-            if c.rollout.multi_turn.enable or self.fully_async:  # the same agent loops as training
-                gen = self._agent_generate(chunk, v, seed=self._seed(4) + start)
-                scores, extra = gen["scores"], gen["reward_extra"]
-                prompts = [self.tokenizer.decode(list(ids)) for ids in gen["prompt_ids"]]
-                lengths = np.asarray(gen["response_attention_mask"]).sum(-1)
+            gen = self._generate(chunk, v, seed=self._seed(4) + start)  # the same loops as training
+            if self.agent_loop:
+                scores, extra = gen.scores, gen.reward_extra
+                prompts = [self.tokenizer.decode(list(ids)) for ids in gen.prompt_ids]
+                lengths = np.asarray(gen.response_attention_mask).sum(-1)
                 rows["turns"] += [_turns(m, e.raw_prompt, turns) for m, e, turns in
-                                  zip(gen["messages"], (e for e in chunk for _ in range(v.n)), gen["turn_texts"])]
+                                  zip(gen.messages, (e for e in chunk for _ in range(v.n)), gen.turn_texts)]
             else:
-                gen = self.call0(HostWorker.generate, [e.prompt_ids for e in chunk], n=v.n,
-                                 max_new_tokens=c.data.max_response_length,
-                                 sampling=rollout.SamplingParams.from_config(v),
-                                 seed=self._seed(4) + start)
                 batch = B.rollout_batch(chunk, gen, n=v.n, pad_token_id=self.pad_id,
                                         max_prompt_length=c.data.max_prompt_length)
                 scores, extra, _ = self._score(chunk, batch, v.n)
                 prompts = [self.tokenizer.decode(list(e.prompt_ids)) for e in chunk for _ in range(v.n)]
-                lengths = gen["response_mask"].sum(-1)
+                lengths = gen.response_mask.sum(-1)
                 rows["turns"] += [None] * len(prompts)  # one completion: prompt and response say it all
             rows["prompt"] += prompts
-            rows["response"] += [self.tokenizer.decode(r[:k].tolist()) for r, k in zip(gen["responses"], lengths)]
+            rows["response"] += [self.tokenizer.decode(r[:k].tolist()) for r, k in zip(gen.responses, lengths)]
             rows["data_source"] += [e.data_source for e in chunk for _ in range(v.n)]
             rows["ground_truth"] += [e.ground_truth for e in chunk for _ in range(v.n)]
             start_row = len(infos["reward"])
@@ -703,36 +583,24 @@ class RLTrainer:
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def _meta(self) -> dict:
-        # with a rollout in flight, the saved data position is before its prompts: a resumed run
-        # draws them again (and generates them with the restored, newer weights)
-        data_state = self._pending[2] if self._pending is not None else self.loader.get_state()
-        meta = {"global_step": self.global_step, "data": data_state,
+        # the source's entries: the data position the next step draws from, its own state
+        return {"global_step": self.global_step, **self.source.state(),
                 "kl_coef": float(np.asarray(self.kl_ctrl.value)), "config": self.config.to_dict(),
                 "nonfinite_steps": self.nonfinite_steps, "nonfinite_streak": self.nonfinite_streak}
-        if self.fully_async:  # the trajectory queue and the prompts handed out but not finished
-            meta["fully_async"] = {**self.call0(HostWorker.async_state), "fed_batches": self._fed_batches,
-                                   "stale_groups": self._stale_groups}
-        return meta
 
     def save_checkpoint(self) -> None:
         meta = self._meta()
         self.group.call(HostWorker.save_checkpoint, self.global_step, meta)
-        if self.fully_async and (meta["fully_async"]["queued"] or meta["fully_async"]["pending"]):
-            _chaos.kill_point("async_queue", self.global_step)
+        self.source.after_save(self.global_step, meta)
 
     def _restore(self, directory, step) -> None:
         meta = self.call0(HostWorker.restore_checkpoint, str(directory), int(step))
         self.global_step = int(meta["global_step"])
-        self.loader.set_state(meta["data"])
         self.kl_ctrl = dataclasses.replace(self.kl_ctrl, value=np.float32(meta["kl_coef"]))
         # checkpoints from before these counters existed had none: 0
         self.nonfinite_steps = int(meta.get("nonfinite_steps", 0))
         self.nonfinite_streak = int(meta.get("nonfinite_streak", 0))
-        if self.fully_async and "fully_async" in meta:
-            state = meta["fully_async"]
-            self.call0(HostWorker.async_restore, state)
-            self._fed_batches, self._stale_groups = int(state["fed_batches"]), int(state["stale_groups"])
-            self._outstanding = len(state["pending"]) + len(state["queued"])
+        self.source.restore(meta)  # the data position and the mode's state
         log.info("resumed from %s at step %d", directory, self.global_step)
 
 

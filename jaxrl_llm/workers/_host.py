@@ -8,6 +8,7 @@ numpy and plain Python only; global `jax.Array`s never leave this object. Batche
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -21,7 +22,7 @@ from jax.experimental import multihost_utils
 import rollout
 import sharding
 from jaxrl_llm import agent, models, rewards
-from jaxrl_llm.data import Batch
+from jaxrl_llm.data import Batch, RolloutResult
 from jaxrl_llm.checkpoint import Checkpointer, checkpoint_root
 from jaxrl_llm.config import RunConfig
 
@@ -50,7 +51,8 @@ class HostWorker:
         self._sft = None
         self.actor = self.ref = self.critic = self.engine = self.driver = self.reward_model = None
         self.server = self._agents = None  # the request-level server and agent loops (multi-turn)
-        self._rollouter = None  # fully asynchronous training's background producer
+        self._rollouter = None  # the asynchronous modes' background producer
+        self._suspended = False  # colocate_async: the server suspended by async_hold
         self.checkpointer = Checkpointer(
             checkpoint_root(c.trainer.default_local_dir), max_to_keep=c.trainer.max_to_keep,
             async_save=c.trainer.async_save, enable=True)
@@ -90,9 +92,11 @@ class HostWorker:
         if multi_turn and jax.process_count() > 1:
             raise ValueError("rollout.multi_turn runs on one host only for now (its server schedules "
                              f"requests as they come); this run has {jax.process_count()} processes")
-        if c.async_training.enable and jax.process_count() > 1:
-            raise ValueError("async_training runs on one host only for now (its rollouter drives the "
-                             f"request-level server); this run has {jax.process_count()} processes")
+        rollouter = c.rollout_source in ("buffer", "colocated_buffer")
+        if rollouter and jax.process_count() > 1:
+            raise ValueError(f"trainer.v1.trainer_mode={c.trainer.v1.trainer_mode!r} runs its rollouter on one "
+                             "host only for now (it drives the request-level server); this run has "
+                             f"{jax.process_count()} processes")
         self._sft_ran = self._sft is not None
         if self._sft is not None:
             self._model = self._sft.model()
@@ -137,50 +141,56 @@ class HostWorker:
             top_k=c.rollout.top_k, top_p=c.rollout.top_p, seed=c.trainer.seed,
             stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id, layer_layout=layout)
         self.driver = rollout.RolloutDriver(self.engine, steps_per_sync=c.rollout.steps_per_sync)
-        if multi_turn or c.async_training.enable:
+        if multi_turn or rollouter:
             self.server = rollout.RolloutServer(self.engine, steps_per_sync=c.rollout.steps_per_sync,
                                                 partial_rollout_kv=c.rollout.partial_rollout_kv)
         return self.sync_weights()
 
     # -- the RL step's calls -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, sampling: rollout.SamplingParams,
-                 seed: int, gather: bool = True) -> dict:
-        """verl's rollout fields for `n` samples of each prompt. With a rollout replica per host
-        each host generates its share of the prompts (row r samples as row r of one engine
-        would); `gather=False` (a rollout in the background: no collectives there) keeps the
-        share until `collect_rollout` gathers every host's, and returns only `time_s`."""
+                 seed: int, gather: bool = True) -> RolloutResult | None:
+        """`n` samples of each prompt (prompt i's are rows i*n .. i*n+n-1). With a rollout
+        replica per host each host generates its share of the prompts (row r samples as row r
+        of one engine would); `gather=False` (a rollout in the background: no collectives there)
+        keeps the share until `collect_rollout` gathers every host's, and returns None."""
         t0 = time.perf_counter()
         if self.replica_mesh is None:
             out = self.driver.generate(prompts, n=n, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
-            return {"responses": out.responses, "response_mask": out.response_mask,
-                    "rollout_log_probs": out.rollout_log_probs, "response_lengths": out.response_lengths,
-                    "finish_reasons": list(out.finish_reasons), "prompt_index": out.prompt_index,
-                    "time_s": time.perf_counter() - t0}
+            result = RolloutResult(
+                responses=out.responses, response_mask=out.response_mask,
+                rollout_log_probs=out.rollout_log_probs, response_lengths=out.response_lengths,
+                finish_reasons=tuple(out.finish_reasons), prompt_index=out.prompt_index,
+                time_s=time.perf_counter() - t0)
+            if not gather:
+                self._deferred = result
+                return None
+            return result
         per = -(-len(prompts) // jax.process_count())  # prompts per host (the last ones padded)
         lo = jax.process_index() * per
         share = (list(prompts[lo:lo + per]) + [prompts[0]] * per)[:per]
         out = self.driver.generate(share, n=n, max_new_tokens=max_new_tokens, sampling=sampling,
                                    seed=seed, row_offset=lo * n)
         if not gather:
-            self._deferred = (out, len(prompts), n)
-            return {"time_s": time.perf_counter() - t0, "deferred": True}
-        return {**_gather_shares(out, len(prompts), n), "time_s": time.perf_counter() - t0}
+            self._deferred = (out, len(prompts), n, time.perf_counter() - t0)
+            return None
+        return _gather_shares(out, len(prompts), n).replace(time_s=time.perf_counter() - t0)
 
-    def collect_rollout(self) -> dict:
-        """Every host's share of the last `generate(gather=False)`, as one batch (an all-gather
-        over the hosts: call it when that generate has returned)."""
-        out, num_prompts, n = self._deferred
-        self._deferred = None
-        return _gather_shares(out, num_prompts, n)
+    def collect_rollout(self) -> RolloutResult:
+        """The last `generate(gather=False)`'s rollout, with every host's share (an all-gather
+        over the hosts: call it when that generate has returned); `time_s` is its duration."""
+        deferred, self._deferred = self._deferred, None
+        if isinstance(deferred, RolloutResult):
+            return deferred
+        out, num_prompts, n, took = deferred
+        return _gather_shares(out, num_prompts, n).replace(time_s=took)
 
-    def agent_generate(self, samples: list[dict], *, sampling: rollout.SamplingParams, seed: int) -> dict:
+    def agent_generate(self, samples: list[dict], *, sampling: rollout.SamplingParams, seed: int) -> RolloutResult:
         """Agent rollouts of `samples` (`agent.AgentSample` fields) on the request-level server,
-        each trajectory scored as it finishes; see `agent.AgentRunner.collate` for the fields."""
+        each trajectory scored as it finishes (`scores`, `reward_extra`, `metrics` set)."""
         t0 = time.perf_counter()
         out = self._agent_runner().run([agent.AgentSample(**s) for s in samples],
                                        sampling=sampling, seed=seed)
-        out["time_s"] = time.perf_counter() - t0
-        return out
+        return _agent_result(out, time_s=time.perf_counter() - t0)
 
     def _agent_runner(self) -> "agent.AgentRunner":
         if self._agents is None:
@@ -204,24 +214,33 @@ class HostWorker:
     # -- fully asynchronous training (async_training) --------------------------------------------
     def _async(self) -> "agent.Rollouter":
         if self._rollouter is None:
-            c, a = self.config, self.config.async_training
-            r = c.rollout
+            c, v1 = self.config, self.config.trainer.v1
+            strategy = v1.sampler.max_off_policy_strategy
+            extra = {}
+            if "max_off_policy_strategy" in inspect.signature(agent.Rollouter).parameters:
+                extra["max_off_policy_strategy"] = strategy
+            elif strategy != "drop":  # the replay buffer's `wait` is not in this tree's Rollouter yet
+                raise ValueError(f"trainer.v1.sampler.max_off_policy_strategy={strategy!r} needs a Rollouter "
+                                 "that implements it; this one only drops stale groups: use 'drop'")
             self._rollouter = agent.Rollouter(
                 self._agent_runner(),
-                sampling=rollout.SamplingParams.from_config(r),
-                groups_per_sync=a.trigger_parameter_sync_step * a.require_batches * c.actor.ppo_mini_batch_size,
-                staleness_threshold=a.staleness_threshold, partial_rollout=a.partial_rollout,
-                version=self.server.policy_version)
+                sampling=rollout.SamplingParams.from_config(c.rollout),
+                groups_per_sync=c.data.train_batch_size,  # a trainer.v1 step is one sync interval
+                staleness_threshold=v1.colocate_async.num_warmup_batches,
+                # colocate_async holds the unfinished requests over every update and sync
+                partial_rollout=c.async_training.partial_rollout or c.rollout_source == "colocated_buffer",
+                version=self.server.policy_version, **extra)
         return self._rollouter
 
     def async_feed(self, groups: list[dict]) -> None:
         """Prompts for the rollouter (`agent.PromptGroup` fields), generated in the background."""
         self._async().feed([agent.PromptGroup(**g) for g in groups])
 
-    def async_take(self, k: int, *, max_staleness: int) -> dict:
-        """Blocks until `k` groups are finished and returns them collated (`AgentRunner.collate`
-        fields, rows by prompt index) plus `indices`, per-group `group_min_version` /
-        `group_max_version`, the server's `policy_version`, `wait_s` and the rollouter's stats."""
+    def async_take(self, k: int, *, max_staleness: int | None) -> RolloutResult:
+        """Blocks until `k` groups are finished and returns them (rows by prompt index) with
+        the group bookkeeping (`samples`, `group_index`, `group_min_version` /
+        `group_max_version`), the server's `policy_version`, `wait_s` and the rollouter's
+        counters (`producer`)."""
         r = self._async()
         t0 = time.perf_counter()
         groups = sorted(r.take(k, max_staleness=max_staleness), key=lambda g: g.prompt.index)
@@ -229,20 +248,46 @@ class HostWorker:
         samples = [agent.AgentSample(**g.prompt.sample, row=g.prompt.first_row + j)
                    for g in groups for j in range(g.prompt.n)]
         out = self._agent_runner().collate(samples, [res for g in groups for res in g.results])
-        out.update(indices=[g.prompt.index for g in groups], samples=[g.prompt.sample for g in groups],
-                   group_min_version=np.asarray([g.min_version for g in groups], np.int32),
-                   group_max_version=np.asarray([g.max_version for g in groups], np.int32),
-                   policy_version=int(r.version), wait_s=wait, rollouter=r.stats())
-        return out
+        return _agent_result(
+            out, samples=tuple(g.prompt.sample for g in groups),
+            group_index=np.asarray([g.prompt.index for g in groups], np.int32),
+            group_min_version=np.asarray([g.min_version for g in groups], np.int32),
+            group_max_version=np.asarray([g.max_version for g in groups], np.int32),
+            policy_version=int(r.version), wait_s=wait, producer=r.stats(), time_s=wait)
 
     def async_sync(self) -> dict:
         """A weight sync under the rollouter: pause it (without partial rollout: until its
-        running groups end), sync the server, resume with the new policy version."""
+        running groups end), sync the server, resume the server (after `async_hold`) and the
+        rollouter with the new policy version."""
         r = self._async()
         wait = r.pause()
         stats = self.sync_weights()
+        self._resume_server()
         r.resume(self.server.policy_version)
         return {**stats, "pause_wait_s": wait}
+
+    def async_hold(self) -> dict:
+        """colocate_async, before the actor trains on the engine's devices: the rollouter admits
+        no group (its running requests stay in their slots with their tokens and log-probs:
+        partial rollout) and the server is suspended (no decode or admission) until
+        `async_sync` / `async_release`. `suspended` is False on a server without `suspend()`
+        (it then keeps decoding its running requests while the actor trains)."""
+        r = self._async()
+        r.pause()  # partial rollout: returns at once
+        self._suspended = hasattr(self.server, "suspend")
+        if self._suspended:
+            self.server.suspend()
+        return {"held_groups": int(r.stats()["running"]), "suspended": self._suspended}
+
+    def async_release(self) -> None:
+        """Ends an `async_hold` without a weight sync (a step without an actor update)."""
+        self._resume_server()
+        self._async().resume(self.server.policy_version)
+
+    def _resume_server(self) -> None:
+        if getattr(self, "_suspended", False):
+            self.server.resume()
+            self._suspended = False
 
     def async_state(self) -> dict:
         """The rollouter's checkpoint state plus the policy version (see `agent.Rollouter.state`)."""
@@ -497,17 +542,29 @@ def _split_separate(c: RunConfig, devices=None):
     return train, replicas
 
 
-def _gather_shares(out, num_prompts: int, n: int) -> dict:
-    """verl's rollout fields of the whole batch from every host's share (`out`, this host's
-    `RolloutBatch`; shares are equal-sized, host order = prompt order, the padding dropped)."""
+def _gather_shares(out, num_prompts: int, n: int) -> RolloutResult:
+    """The whole batch's rollout from every host's share (`out`, this host's `RolloutBatch`;
+    shares are equal-sized, host order = prompt order, the padding dropped)."""
     local = {"responses": out.responses, "response_mask": out.response_mask,
              "rollout_log_probs": out.rollout_log_probs, "response_lengths": out.response_lengths,
              "stop": np.asarray([r == "stop" for r in out.finish_reasons])}
     rows = num_prompts * n
     full = {k: np.asarray(v)[:rows] for k, v in multihost_utils.process_allgather(local, tiled=True).items()}
     stop = full.pop("stop")
-    return {**full, "finish_reasons": ["stop" if s else "length" for s in stop],
-            "prompt_index": np.repeat(np.arange(num_prompts, dtype=np.int32), n)}
+    return RolloutResult(**full, finish_reasons=tuple("stop" if s else "length" for s in stop),
+                         prompt_index=np.repeat(np.arange(num_prompts, dtype=np.int32), n))
+
+
+def _agent_result(out: dict, **fields) -> RolloutResult:
+    """An `agent.AgentRunner.collate` result as a `RolloutResult` (plus `fields`)."""
+    return RolloutResult(
+        responses=out["responses"], response_mask=out["response_mask"],
+        response_attention_mask=out["response_attention_mask"],
+        rollout_log_probs=out["rollout_log_probs"], rollout_versions=out["rollout_versions"],
+        prompt_ids=tuple(tuple(int(i) for i in ids) for ids in out["prompt_ids"]),
+        scores=out["scores"], reward_extra=dict(out["reward_extra"]), metrics=dict(out["metrics"]),
+        num_turns=out["num_turns"], finish_reasons=tuple(out["finish_reasons"]),
+        turn_texts=tuple(out["turn_texts"]), messages=tuple(out["messages"]), **fields)
 
 
 @jax.jit

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm.config import ConfigError, load_config
+from jaxrl_llm.config import load_config
 from jaxrl_llm.trainer import RLTrainer
 from jaxrl_llm.trainer import _batch as B
 from jaxrl_llm.workers import HostWorker
@@ -83,7 +83,7 @@ def test_holes_in_the_loss_mask_change_nothing_and_the_loss_is_the_masked_mean(s
     assert second["actor/pg_loss"] == pytest.approx(first["actor/pg_loss"], rel=1e-6)
     for a, b in zip(jax.tree.leaves(after_first), jax.tree.leaves(actor.state)):
         np.testing.assert_array_equal(a, np.asarray(b))
-    started._sync({})
+    started.call0(HostWorker.sync_weights)
 
 
 def test_validation_uses_the_agent_loops(started):
@@ -110,10 +110,14 @@ def test_validation_generations_keep_the_turns_of_a_conversation_apart(started):
         assert all(t["content"] in row["response"] for t in turns if t["role"] == "assistant")
 
 
-def test_multi_turn_with_one_step_off_policy_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="one_step_off_policy cannot be combined"):
-        tools_run(tmp_path, **{"placement.mode": "separate", "placement.one_step_off_policy": True,
-                               "mesh.fsdp": 4})
+def test_multi_turn_with_one_step_off_policy_runs_the_agent_loops_through_the_rollouter(tmp_path):
+    """The batch driver's one-step-off pipeline has no agent loops: separate_async one batch
+    ahead with multi-turn rows is the rollouter's (once refused)."""
+    run = tools_run(tmp_path, **{"placement.mode": "separate", "placement.one_step_off_policy": True,
+                                 "mesh.fsdp": 4})
+    assert run.trainer.v1.trainer_mode == "separate_async" and run.rollout_source == "buffer"
+    assert tools_run(tmp_path, **{"placement.mode": "separate", "placement.one_step_off_policy": True,
+                                  "mesh.fsdp": 4, "rollout.multi_turn.enable": False}).rollout_source == "one_step_off"
 
 
 def test_token_level_scores_land_on_the_last_model_token():

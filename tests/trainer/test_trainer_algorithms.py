@@ -78,7 +78,7 @@ def test_remax_baseline_is_the_reward_of_each_prompts_greedy_response(started):
                            max_new_tokens=started.base.data.max_response_length,
                            sampling=rollout.SamplingParams(temperature=0.0))
     texts = [started.tokenizer.decode(r[:m.sum()].tolist())
-             for r, m in zip(greedy["responses"], greedy["response_mask"])]
+             for r, m in zip(greedy.responses, greedy.response_mask)]
     parity = np.array([len(t) % 2 for t in texts], np.float32)  # the fixture's length-parity reward
     np.testing.assert_array_equal(batch["reward_baselines"], np.repeat(parity, started.base.rollout.n))
 

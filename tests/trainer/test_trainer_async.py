@@ -77,9 +77,9 @@ def test_async_resume_repeats_the_next_step_exactly(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("extra, match", [
     ({"async_training.partial_rollout": True}, "partial_rollout=True needs"),
-    ({"async_training.require_batches": 3}, "must divide"),
+    ({"async_training.require_batches": 3}, r"parameter_sync_step=3 x actor.ppo_mini_batch_size=4 = 12 must equal"),
     ({"placement.mode": "colocated"}, "needs placement.mode='separate'"),
-    ({"placement.one_step_off_policy": True}, "two async modes"),
+    ({"placement.one_step_off_policy": True}, "one_step_off_policy=True is an alias of .*num_warmup_batches"),
     ({"algorithm.filter_groups.enable": True}, "filter_groups"),
     ({"async_training.staleness_threshold": -0.5}, "staleness_threshold must be >= 0"),
     ({"async_training.trigger_parameter_sync_step": 0}, "trigger_parameter_sync_step must be > 0"),
@@ -87,3 +87,22 @@ def test_async_resume_repeats_the_next_step_exactly(tmp_path, monkeypatch):
 def test_config_errors(tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
         _run(tmp_path, "bad", **{"async_training.enable": True, **extra})
+
+
+def test_separate_async_with_the_agent_loop_runs_two_steps(tmp_path):
+    """separate_async with multi-turn rows: the rollouter drives the tool agent loops."""
+    import os
+
+    from trainer_helpers import ROOT
+
+    o = {**_SEPARATE, "trainer.v1.trainer_mode": "separate_async", "trainer.total_training_steps": 2,
+         "trainer.default_local_dir": str(tmp_path / "agent"), "trainer.progress_bar": False, "trainer.plot": False,
+         "trainer.logger": "jsonl", "trainer.async_save": False, "data.builtin_val_size": 0,
+         "data.train_batch_size": 4, "actor.ppo_mini_batch_size": 2}
+    run = load_config(f"{os.path.join(ROOT, 'configs', 'quickstart_tools.py')}:tiny,local",
+                      [f"{k}={v}" for k, v in o.items()])
+    assert run.rollout_source == "buffer"
+    RLTrainer(run).fit()
+    rows = _rows(tmp_path, "agent")
+    assert [r["training/global_step"] for r in rows] == [1, 2]
+    assert all(r["num_turns/min"] >= 1 and r["fully_async/staleness/max"] <= 1 for r in rows)

@@ -65,8 +65,18 @@ def test_host_worker_batch_methods_refuse_a_plain_dict():
 def test_the_controller_sends_sampling_params(tmp_path):
     run = load_config(f"{QUICKSTART}:tiny,local", tiny_overrides(tmp_path / "run"))
     trainer = RLTrainer.__new__(RLTrainer)  # only the config is needed to build the arguments
-    trainer.config, trainer.global_step = run, 0
-    kw = trainer._generate_kwargs([], step=0)
+    trainer.config, trainer.global_step, trainer.agent_loop = run, 0, False
+    sent = {}
+
+    class _Group:  # records what the batch driver's generate is called with
+        def call(self, method, *args, **kwargs):
+            sent.update(kwargs, method=method)
+            return [None]
+
+    trainer.group = _Group()
+    trainer._generate([], run.rollout, seed=0)
+    kw = sent
+    assert kw["method"] is HostWorker.generate
     r = run.rollout
     assert kw["sampling"] == rollout.SamplingParams(r.temperature, r.top_k, r.top_p)
     assert rollout.SamplingParams.from_config(run.rollout.val).temperature == run.rollout.val.temperature

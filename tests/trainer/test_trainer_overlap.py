@@ -49,9 +49,9 @@ def test_one_step_off_policy_overlaps_rollout_with_training(tiny_run):
             metrics.append(trainer.train_step())
             if trainer.global_step == 1:  # with a rollout in flight, a checkpoint saves the data
                 meta = trainer._meta()     # position from before its prompts were drawn
-                assert meta["data"] == trainer._pending[2] != trainer.loader.get_state()
+                assert meta["data"] == trainer.source._pending[2] != trainer.loader.get_state()
             trainer.global_step += 1
-        assert trainer._pending is None  # the last step starts no rollout
+        assert trainer.source._pending is None  # the last step starts no rollout
         after = param_checksum(trainer)
     finally:
         trainer.close()
@@ -91,7 +91,7 @@ def test_one_step_off_policy_fit_with_ray_backend(tmp_path):
 
 
 def test_one_step_off_policy_needs_separate_placement_and_training_devices_on_every_host(tmp_path, tiny_run):
-    with pytest.raises(ConfigError, match="one_step_off_policy needs placement.mode='separate'"):
+    with pytest.raises(ConfigError, match=r"placement.one_step_off_policy\) needs placement.mode='separate'"):
         load_config(f"{QUICKSTART}:tiny,local",
                     tiny_overrides(tmp_path / "run", **{"placement.one_step_off_policy": True}))
     # several hosts (tests/multihost runs them): every host gives rollout_mesh devices to its own
