@@ -160,6 +160,7 @@ class RolloutConfig:
     steps_per_sync: int  # decode steps on device between host checks
     dtype: str  # "" = same as the actor's compute dtype
     use_rollout_log_probs: bool  # reuse the engine's log-probs as old_log_probs
+    free_cache_engine: bool  # colocate_async: the engine sleeps while the actor trains (its KV cache, and its own weight copy where the layouts differ, are released; held requests are re-prefilled at wake), verl's name; False: it is only suspended
     partial_rollout_kv: str  # recompute | keep: at a weight sync, re-prefill held requests' KV with the new weights (verl) or decode on the old KV
     val: SamplingConfig
     multi_turn: MultiTurnConfig
@@ -328,7 +329,7 @@ class SeparateAsyncConfig:
 class SamplerConfig:
     """verl V1's replay-buffer sampler: how old a trained token may be."""
 
-    max_off_policy_threshold: int  # model versions (weight syncs) a trained token may lag the trainer's policy; -1 (None in a config file or on the command line) = no bound
+    max_off_policy_threshold: int  # model versions (weight syncs) a trained token may lag the trainer's policy; -1 (None in a config file or on the command line) = no bound (the largest lag K; the replay buffer counts it as verl's span of K + 1 versions, both ends included)
     max_off_policy_strategy: str  # drop (regenerate a group that is too old) | wait (train no such group: wait for in-flight groups to finish within the bound)
 
 

@@ -310,8 +310,9 @@ class RolloutBufferSource(SyncSource):
 class ColocatedBufferSource(RolloutBufferSource):
     """colocate_async: the rollouter on the colocated engine's server. `next` takes a step's
     finished groups and then holds the rest (`HostWorker.async_hold`: no group admitted, running
-    requests keep their slots, tokens and log-probs, the server suspended so it does not decode
-    while the actor trains on the same devices); `after_update` syncs the new weights under the
+    requests keep their slots, tokens and log-probs, the server asleep (`rollout.free_cache_engine`:
+    its KV cache released for the update, the held requests re-prefilled at wake) or suspended,
+    so it does not decode while the actor trains on the same devices); `after_update` syncs the new weights under the
     rollouter, which resumes the held requests with the new policy version."""
 
     def __init__(self, ctx: SourceContext, **kwargs):
@@ -324,7 +325,8 @@ class ColocatedBufferSource(RolloutBufferSource):
             held = self.ctx.call0(HostWorker.async_hold)
         self._held = True
         metrics.update({"colocate_async/held_groups": float(held["held_groups"]),
-                        "colocate_async/server_suspended": float(held["suspended"])})
+                        "colocate_async/server_suspended": float(held["suspended"]),
+                        "colocate_async/kv_bytes_released": float(held["kv_bytes_released"])})
         return examples, gen, metrics
 
     def after_update(self, step):

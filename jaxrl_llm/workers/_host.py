@@ -8,7 +8,6 @@ numpy and plain Python only; global `jax.Array`s never leave this object. Batche
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import time
@@ -215,13 +214,7 @@ class HostWorker:
     def _async(self) -> "agent.Rollouter":
         if self._rollouter is None:
             c, v1 = self.config, self.config.trainer.v1
-            strategy = v1.sampler.max_off_policy_strategy
-            extra = {}
-            if "max_off_policy_strategy" in inspect.signature(agent.Rollouter).parameters:
-                extra["max_off_policy_strategy"] = strategy
-            elif strategy != "drop":  # the replay buffer's `wait` is not in this tree's Rollouter yet
-                raise ValueError(f"trainer.v1.sampler.max_off_policy_strategy={strategy!r} needs a Rollouter "
-                                 "that implements it; this one only drops stale groups: use 'drop'")
+            lag = v1.sampler.max_off_policy_threshold  # the largest lag K in versions; -1 = none
             self._rollouter = agent.Rollouter(
                 self._agent_runner(),
                 sampling=rollout.SamplingParams.from_config(c.rollout),
@@ -229,7 +222,11 @@ class HostWorker:
                 staleness_threshold=v1.colocate_async.num_warmup_batches,
                 # colocate_async holds the unfinished requests over every update and sync
                 partial_rollout=c.async_training.partial_rollout or c.rollout_source == "colocated_buffer",
-                version=self.server.policy_version, **extra)
+                version=self.server.policy_version,
+                # the Rollouter counts verl's way: the versions a group spans, both ends (K + 1)
+                max_off_policy_threshold=None if lag < 0 else lag + 1,
+                max_off_policy_strategy=v1.sampler.max_off_policy_strategy,
+                config_prefix="trainer.v1.sampler.")
         return self._rollouter
 
     def async_feed(self, groups: list[dict]) -> None:
@@ -243,7 +240,8 @@ class HostWorker:
         counters (`producer`)."""
         r = self._async()
         t0 = time.perf_counter()
-        groups = sorted(r.take(k, max_staleness=max_staleness), key=lambda g: g.prompt.index)
+        taken = r.take_batch(k, max_staleness=max_staleness)  # + verl's off-policy metrics
+        groups = sorted(taken.groups, key=lambda g: g.prompt.index)
         wait = time.perf_counter() - t0
         samples = [agent.AgentSample(**g.prompt.sample, row=g.prompt.first_row + j)
                    for g in groups for j in range(g.prompt.n)]
@@ -253,7 +251,8 @@ class HostWorker:
             group_index=np.asarray([g.prompt.index for g in groups], np.int32),
             group_min_version=np.asarray([g.min_version for g in groups], np.int32),
             group_max_version=np.asarray([g.max_version for g in groups], np.int32),
-            policy_version=int(r.version), wait_s=wait, producer=r.stats(), time_s=wait)
+            policy_version=int(r.version), wait_s=wait, producer=r.stats(), time_s=wait,
+            extra_metrics=taken.metrics)
 
     def async_sync(self) -> dict:
         """A weight sync under the rollouter: pause it (without partial rollout: until its
@@ -269,24 +268,34 @@ class HostWorker:
     def async_hold(self) -> dict:
         """colocate_async, before the actor trains on the engine's devices: the rollouter admits
         no group (its running requests stay in their slots with their tokens and log-probs:
-        partial rollout) and the server is suspended (no decode or admission) until
-        `async_sync` / `async_release`. `suspended` is False on a server without `suspend()`
-        (it then keeps decoding its running requests while the actor trains)."""
+        partial rollout) and the server stops decoding until `async_sync` / `async_release`:
+        with `rollout.free_cache_engine` it sleeps (KV cache, and the engine's own weight copy
+        where it has one, released for the update; `kv_bytes_released`), else it is suspended."""
         r = self._async()
         r.pause()  # partial rollout: returns at once
-        self._suspended = hasattr(self.server, "suspend")
-        if self._suspended:
+        released = 0
+        if self.config.rollout.free_cache_engine:
+            released = int(self.server.sleep().get("kv_bytes", 0))
+        else:
             self.server.suspend()
-        return {"held_groups": int(r.stats()["running"]), "suspended": self._suspended}
+        self._suspended = True
+        return {"held_groups": int(r.stats()["running"]), "suspended": True,
+                "kv_bytes_released": released}
 
     def async_release(self) -> None:
-        """Ends an `async_hold` without a weight sync (a step without an actor update)."""
+        """Ends an `async_hold` without a weight sync (a step without an actor update): a server
+        that released its weights while asleep gets the same weights (same version) back."""
+        if getattr(self.server, "asleep", False):
+            self.sync_weights(version=self.server.policy_version)
         self._resume_server()
         self._async().resume(self.server.policy_version)
 
     def _resume_server(self) -> None:
         if getattr(self, "_suspended", False):
-            self.server.resume()
+            if getattr(self.server, "asleep", False):
+                self.server.wake()  # re-prefills the held requests with the current weights
+            else:
+                self.server.resume()
             self._suspended = False
 
     def async_state(self) -> dict:
@@ -555,14 +564,16 @@ def _gather_shares(out, num_prompts: int, n: int) -> RolloutResult:
                          prompt_index=np.repeat(np.arange(num_prompts, dtype=np.int32), n))
 
 
-def _agent_result(out: dict, **fields) -> RolloutResult:
-    """An `agent.AgentRunner.collate` result as a `RolloutResult` (plus `fields`)."""
+def _agent_result(out: dict, extra_metrics: dict | None = None, **fields) -> RolloutResult:
+    """An `agent.AgentRunner.collate` result as a `RolloutResult` (plus `fields`; `extra_metrics`
+    join the runner's)."""
     return RolloutResult(
         responses=out["responses"], response_mask=out["response_mask"],
         response_attention_mask=out["response_attention_mask"],
         rollout_log_probs=out["rollout_log_probs"], rollout_versions=out["rollout_versions"],
         prompt_ids=tuple(tuple(int(i) for i in ids) for ids in out["prompt_ids"]),
-        scores=out["scores"], reward_extra=dict(out["reward_extra"]), metrics=dict(out["metrics"]),
+        scores=out["scores"], reward_extra=dict(out["reward_extra"]),
+        metrics={**out["metrics"], **(extra_metrics or {})},
         num_turns=out["num_turns"], finish_reasons=tuple(out["finish_reasons"]),
         turn_texts=tuple(out["turn_texts"]), messages=tuple(out["messages"]), **fields)
 

@@ -47,6 +47,8 @@ def test_warmup_generates_ahead_and_held_requests_resume_with_their_tokens(tmp_p
         # held over the update: the server stops decoding where it can (suspend), the rollouter
         # admits nothing; the step then syncs, which resumes them with the new version
         assert "colocate_async/held_groups" in m and "rollout/sync_policy_version" in m
+        # rollout.free_cache_engine (default): the engine slept through the update, its KV cache released
+        assert m["colocate_async/kv_bytes_released"] > 0 and m["colocate_async/server_suspended"] == 1.0
         assert m["fully_async/staleness/max"] <= run.trainer.v1.sampler.max_off_policy_threshold
     assert versions >= 2
     assert steps[1]["rollout/policy_version"] == steps[0]["rollout/policy_version"] + 1
@@ -150,7 +152,8 @@ def test_a_request_held_at_a_step_boundary_resumes_with_its_tokens(tmp_path):
 
     from jaxrl_llm import agent, models
 
-    run = load_config(f"{QUICKSTART}:tiny", tiny_overrides(tmp_path / "run", **_COLOCATE))
+    run = load_config(f"{QUICKSTART}:tiny", tiny_overrides(tmp_path / "run", **_COLOCATE,
+                                                        **{"rollout.free_cache_engine": False}))
     server = _GateServer(length=6)
     runner = agent.AgentRunner(server, models.CharTokenizer(), run.rollout.multi_turn, max_prompt_length=16,
                                max_response_length=16, pad_token_id=0, tools={}, interactions={})
@@ -173,7 +176,7 @@ def test_a_request_held_at_a_step_boundary_resumes_with_its_tokens(tmp_path):
         server.allow(3)
         server.wait_emitted(3)
         held = host.async_hold()
-        assert held == {"held_groups": 1, "suspended": True}
+        assert held == {"held_groups": 1, "suspended": True, "kv_bytes_released": 0}
         server.allow(3)  # tokens allowed, but the server is suspended: none comes
         assert server.emitted == 3 and len(r.queue) == 0
         host.async_sync()  # version 1, server and rollouter resumed

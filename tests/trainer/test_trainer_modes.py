@@ -103,36 +103,28 @@ def test_a_hand_built_config_with_an_unresolved_alias_is_refused(tmp_path):
         validate(raw)
 
 
-@pytest.mark.parametrize("strategy", ["drop", "wait"])
-def test_the_off_policy_strategy_reaches_the_rollouter(tmp_path, monkeypatch, strategy):
-    """`sampler.max_off_policy_strategy` is the Rollouter's `max_off_policy_strategy` keyword; a
-    Rollouter without it (before the replay buffer's `wait`) runs `drop` and refuses `wait`."""
-    import inspect
+@pytest.mark.parametrize("strategy,lag", [("drop", 1), ("wait", 2), ("wait", -1)])
+def test_the_sampler_settings_reach_the_rollouter(tmp_path, monkeypatch, strategy, lag):
+    """`sampler.max_off_policy_strategy` is the Rollouter's keyword; `max_off_policy_threshold`
+    (the largest lag K, -1 = none) reaches it as the span verl counts, K + 1 versions (None)."""
     import types
 
     from jaxrl_llm import agent
     from jaxrl_llm.workers import HostWorker
 
     run = _load(tmp_path, **_SEPARATE, **{"trainer.v1.trainer_mode": "separate_async",
-                                          "trainer.v1.sampler.max_off_policy_strategy": strategy})
+                                          "trainer.v1.sampler.max_off_policy_strategy": strategy,
+                                          "trainer.v1.sampler.max_off_policy_threshold": lag})
     made = {}
-    supported = "max_off_policy_strategy" in inspect.signature(agent.Rollouter).parameters
 
-    def fake_rollouter(runner, *, sampling, groups_per_sync, staleness_threshold, partial_rollout, version,
-                       **maybe_strategy):  # the real class's keywords (and the strategy where it has it)
-        made.update(groups_per_sync=groups_per_sync, version=version, **maybe_strategy)
+    def fake_rollouter(runner, **kwargs):
+        made.update(kwargs)
         return "rollouter"
 
-    if not supported:  # the real class's keywords without the strategy
-        fake_rollouter.__signature__ = inspect.Signature(
-            [p for p in inspect.signature(fake_rollouter).parameters.values() if p.kind != p.VAR_KEYWORD])
     monkeypatch.setattr(agent, "Rollouter", fake_rollouter)
     host = types.SimpleNamespace(config=run, _rollouter=None, _agent_runner=lambda: "runner",
                                  server=types.SimpleNamespace(policy_version=3))
-    if supported or strategy == "drop":
-        assert HostWorker._async(host) == "rollouter"
-        assert made["groups_per_sync"] == run.data.train_batch_size and made["version"] == 3
-        assert made.get("max_off_policy_strategy", "drop") == strategy
-    else:
-        with pytest.raises(ValueError, match="max_off_policy_strategy='wait' needs a Rollouter"):
-            HostWorker._async(host)
+    assert HostWorker._async(host) == "rollouter"
+    assert made["groups_per_sync"] == run.data.train_batch_size and made["version"] == 3
+    assert made["max_off_policy_strategy"] == strategy
+    assert made["max_off_policy_threshold"] == (None if lag < 0 else lag + 1)
