@@ -19,6 +19,19 @@ _PAD_TO = 64
 _FORWARDS = {}
 
 
+def hook_decode(monkeypatch, engine, hooks):
+    """Runs hooks[i]() on the scheduler thread just before its i-th decode loop (from 1)."""
+    real, calls = engine.decode_loop, [0]
+
+    def decode_loop(*args):
+        calls[0] += 1
+        if calls[0] in hooks:
+            hooks[calls[0]]()
+        return real(*args)
+
+    monkeypatch.setattr(engine, "decode_loop", decode_loop)
+
+
 def full_logits(model, ids):
     """Logits f32[len(ids), vocab] of one full causal forward (right-padded to a fixed length so
     it compiles once per model; causal attention makes the padding irrelevant)."""

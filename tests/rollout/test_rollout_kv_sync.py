@@ -15,23 +15,10 @@ import pytest
 from flax import nnx
 
 import rollout
-from conftest import greedy_reference, trainer_log_probs
+from conftest import greedy_reference, hook_decode, trainer_log_probs
 
 GREEDY = rollout.SamplingParams(0.0)
 SAMPLED = rollout.SamplingParams(1.0)
-
-
-def _hook_decode(monkeypatch, engine, hooks):
-    """Runs hooks[i]() on the scheduler thread just before its i-th decode loop (from 1)."""
-    real, calls = engine.decode_loop, [0]
-
-    def decode_loop(*args):
-        calls[0] += 1
-        if calls[0] in hooks:
-            hooks[calls[0]]()
-        return real(*args)
-
-    monkeypatch.setattr(engine, "decode_loop", decode_loop)
 
 
 def _no_stop_prompt(model, prompts, stop_id, steps):
@@ -58,7 +45,7 @@ def kv_weights(tiny_model, tiny_engine):
 def _generate_with_sync_after(srv, engine, monkeypatch, weights, prompt, sampling, loops=2):
     """One request (seed 5, row 0) whose weights change after `loops` decode loops of 4 steps."""
     sync = {}
-    _hook_decode(monkeypatch, engine, {loops: lambda: sync.setdefault("f", srv.submit_update(weights))})
+    hook_decode(monkeypatch, engine, {loops: lambda: sync.setdefault("f", srv.submit_update(weights))})
     out = srv.generate("r", prompt, sampling=sampling, max_new_tokens=16, seed=5, row=0)
     assert sync["f"].result()["held_requests"] == 1
     return out
@@ -149,7 +136,7 @@ def _suspend_before_loop(srv, engine, monkeypatch, i):
         held["f"] = srv.submit_suspend()
         queued.set()
 
-    _hook_decode(monkeypatch, engine, {i: hook})
+    hook_decode(monkeypatch, engine, {i: hook})
     queued.wait()
     held["f"].result()
 

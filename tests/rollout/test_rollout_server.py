@@ -14,22 +14,9 @@ import pytest
 from flax import nnx
 
 import rollout
-from conftest import greedy_reference, trainer_log_probs
+from conftest import greedy_reference, hook_decode, trainer_log_probs
 
 GREEDY = rollout.SamplingParams(0.0)
-
-
-def _hook_decode(monkeypatch, engine, hooks):
-    """Runs hooks[i]() on the scheduler thread just before its i-th decode loop (from 1)."""
-    real, calls = engine.decode_loop, [0]
-
-    def decode_loop(*args):
-        calls[0] += 1
-        if calls[0] in hooks:
-            hooks[calls[0]]()
-        return real(*args)
-
-    monkeypatch.setattr(engine, "decode_loop", decode_loop)
 
 
 def _padded(tokens, size=16):
@@ -175,7 +162,7 @@ def test_abort_running_and_pending_requests(tiny_model, tiny_engine, prompts, st
             queued["f"] = srv.submit("queued", prompts[2], sampling=GREEDY, max_new_tokens=4)
             assert srv.abort("queued")
 
-        _hook_decode(monkeypatch, tiny_engine, {1: during_first_loop})
+        hook_decode(monkeypatch, tiny_engine, {1: during_first_loop})
         out = srv.generate("long", prompt, sampling=GREEDY, max_new_tokens=20)
         assert out.finish_reason == "abort"
         assert out.token_ids == greedy_reference(tiny_model, prompt, 4)  # the one loop's 4 steps
@@ -203,7 +190,7 @@ def test_update_params_hold_keeps_tokens_and_continues_with_new_weights(
     prompt = _no_stop_prompt(tiny_model, prompts, stop_id, 8)
     with rollout.RolloutServer(tiny_engine, steps_per_sync=4) as srv:
         sync = {}
-        _hook_decode(monkeypatch, tiny_engine,
+        hook_decode(monkeypatch, tiny_engine,
                      {2: lambda: sync.setdefault("f", srv.submit_update(other_weights))})
         out = srv.generate("r", prompt, sampling=GREEDY, max_new_tokens=16)
         assert sync["f"].result()["policy_version"] == 1 and srv.policy_version == 1
@@ -226,7 +213,7 @@ def test_update_params_finish_lets_running_requests_end_first(
             later["sync"] = srv.submit_update(other_weights, version=7, in_flight="finish")
             later["req"] = srv.submit("after", prompts[1], sampling=GREEDY, max_new_tokens=6)
 
-        _hook_decode(monkeypatch, tiny_engine, {1: during_first_loop})
+        hook_decode(monkeypatch, tiny_engine, {1: during_first_loop})
         first = srv.generate("before", prompts[0], sampling=GREEDY, max_new_tokens=6)
         second = later["req"].result()
         assert later["sync"].result()["held_requests"] == 0 and srv.policy_version == 7
@@ -262,7 +249,7 @@ def test_requests_are_validated_at_submit_and_long_prompts_prefill_in_chunks(
                 srv.submit("a", [1, 2], **kw)
             dup["checked"] = True
 
-        _hook_decode(monkeypatch, tiny_engine, {1: during_first_loop})
+        hook_decode(monkeypatch, tiny_engine, {1: during_first_loop})
         srv.generate("a", [1, 2], **kw)
         assert dup == {"checked": True}
         long = prompts[3] + prompts[5] + prompts[1]  # 28 tokens > max_prefill_length=16
@@ -280,7 +267,7 @@ def test_scheduler_error_fails_every_waiting_future_and_later_calls(tiny_engine,
                        for i in range(1, 6))  # pending when the scheduler dies
         raise RuntimeError("boom in the decode loop")
 
-    _hook_decode(monkeypatch, tiny_engine, {1: boom})
+    hook_decode(monkeypatch, tiny_engine, {1: boom})
     with pytest.raises(RuntimeError, match="boom in the decode loop"):
         futures[0].result()
     assert len(futures) == 6
@@ -303,7 +290,7 @@ def test_close_aborts_what_is_left_and_refuses_new_requests(tiny_engine, prompts
                           for i in range(4)]
         srv.close()  # from the scheduler thread: it stops after this loop
 
-    _hook_decode(monkeypatch, tiny_engine, {1: during_first_loop})
+    hook_decode(monkeypatch, tiny_engine, {1: during_first_loop})
     out = srv.generate("run", prompts[0], sampling=GREEDY, max_new_tokens=20)
     assert out.finish_reason == "abort" and len(out.token_ids) == 2
     assert [f.result().finish_reason for f in left["queued"]] == ["abort"] * 4
