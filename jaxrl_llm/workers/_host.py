@@ -218,7 +218,10 @@ class HostWorker:
             fg = c.algorithm.filter_groups  # DAPO dynamic sampling: evict a group whose rewards all agree
             dapo = dict(group_filter=agent.dapo_group_filter(fg.metric),
                         max_filtered_groups=((fg.max_num_gen_batches - 1) * c.data.train_batch_size
-                                             if fg.max_num_gen_batches > 0 else None)) if fg.enable else {}
+                                             if fg.max_num_gen_batches > 0 else None),
+                        filter_budget_source="algorithm.filter_groups.max_num_gen_batches="
+                                             f"{fg.max_num_gen_batches}: (this - 1) x data.train_batch_size"
+                        ) if fg.enable else {}
             self._rollouter = agent.Rollouter(
                 self._agent_runner(),
                 sampling=rollout.SamplingParams.from_config(c.rollout),

@@ -228,6 +228,19 @@ def test_dapo_filter_in_the_rollouter_refills_the_evicted_groups(tmp_path):
         assert np.isfinite(m["actor/pg_loss"])
 
 
+def test_dapo_filter_budget_in_the_rollouter_names_max_num_gen_batches(tmp_path):
+    """max_num_gen_batches=1: a step may evict (1 - 1) x train_batch_size = 0 groups, so the first
+    group the filter rejects fails the step with the setting to raise."""
+    o = {**_COLOCATE, "algorithm.filter_groups.enable": True, "algorithm.filter_groups.max_num_gen_batches": 1}
+    trainer = RLTrainer(load_config(f"{QUICKSTART}:tiny", tiny_overrides(tmp_path / "run", **o)))
+    try:
+        trainer.call0(HostWorker.start_rl, 1)
+        with pytest.raises(Exception, match=r"algorithm\.filter_groups\.max_num_gen_batches=1"):
+            trainer.train_step()
+    finally:
+        trainer.close()
+
+
 @pytest.mark.parametrize("mode", ["colocate_async", "separate_async"])
 def test_dapo_filter_config_in_the_async_modes(mode):
     o = {"trainer.v1.trainer_mode": mode, "algorithm.filter_groups.enable": True}
