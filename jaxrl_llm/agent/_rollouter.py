@@ -97,6 +97,8 @@ class Rollouter:
     max_filtered_groups / max_filtered_fraction: the same budget for groups `group_filter`
         rejects (None: no limit).
     config_prefix: put before the keyword names in error messages (e.g. "trainer.v1.sampler.").
+    filter_budget_source: names the setting the filter budget came from in its error message
+        (e.g. "algorithm.filter_groups.max_num_gen_batches=2"), instead of the keyword names.
     """
 
     def __init__(self, runner, *, sampling, groups_per_sync: int, staleness_threshold: float,
@@ -106,7 +108,7 @@ class Rollouter:
                  group_filter: Callable[[TrajectoryGroup], bool] | None = None,
                  max_failed_groups: int = 0, max_failed_fraction: float | None = None,
                  max_filtered_groups: int | None = None, max_filtered_fraction: float | None = None,
-                 config_prefix: str = ""):
+                 config_prefix: str = "", filter_budget_source: str = ""):
         if groups_per_sync < 1:
             raise ValueError(f"groups_per_sync must be >= 1, got {groups_per_sync}")
         if staleness_threshold < 0:
@@ -133,7 +135,7 @@ class Rollouter:
         self.refill, self.group_filter = refill, group_filter
         self.max_failed_groups, self.max_failed_fraction = int(max_failed_groups), max_failed_fraction
         self.max_filtered_groups, self.max_filtered_fraction = max_filtered_groups, max_filtered_fraction
-        self.config_prefix = config_prefix
+        self.config_prefix, self.filter_budget_source = config_prefix, filter_budget_source
         # at most this many groups started per sync interval, stale ones carried over included;
         # `wait` never starts a group the trainer could not take within the bound
         ahead = self.staleness_threshold
@@ -348,9 +350,10 @@ class Rollouter:
             if w["filtered"] > allowed:
                 raise ReplayBudgetError(
                     f"the group filter removed {w['filtered']} trajectory groups since the last "
-                    f"training step, more than the {allowed:g} allowed ({p}max_filtered_groups="
-                    f"{self.max_filtered_groups}, {p}max_filtered_fraction={self.max_filtered_fraction} "
-                    f"of {k} groups a step): the data may be too hard or too easy for the model. "
+                    f"training step, more than the {allowed:g} allowed ("
+                    + (self.filter_budget_source or f"{p}max_filtered_groups={self.max_filtered_groups}, "
+                       f"{p}max_filtered_fraction={self.max_filtered_fraction} of {k} groups a step")
+                    + "): the data may be too hard or too easy for the model. "
                     "Raise the budget or turn the filter off")
 
     # -- the loop thread -----------------------------------------------------------------------

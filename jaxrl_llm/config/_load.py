@@ -409,10 +409,12 @@ def _check_dapo(c: RunConfig) -> None:
         if c.rollout.n < 2:
             raise ConfigError(f"{where}.enable keeps prompts whose responses differ, which needs "
                               f"rollout.n >= 2 (got {c.rollout.n})")
-        if c.trainer.v1.trainer_mode != "sync":
-            raise ConfigError(f"{where}.enable cannot be combined with trainer.v1.trainer_mode="
-                              f"{c.trainer.v1.trainer_mode!r} (a step may need several generation rounds): "
-                              "use trainer_mode='sync'")
+        mode = c.trainer.v1.trainer_mode
+        # the async modes: the rollouter evicts a rejected group as it finishes (agent.dapo_group_filter)
+        if mode != "sync" and fg.metric not in ("acc", "score"):
+            raise ConfigError(f"trainer.v1.trainer_mode={mode!r} filters groups in the rollouter, which "
+                              f"offers {where}.metric 'acc' or 'score', not {fg.metric!r} (it needs the "
+                              "trainer's overlong penalty): set one of those or trainer_mode='sync'")
         if fg.metric == "seq_final_reward" and c.algorithm.use_kl_in_reward:
             raise ConfigError(f"{where}.metric='seq_final_reward' with algorithm.use_kl_in_reward=True: "
                               "the filter runs before the KL penalty is known; use 'seq_reward'")
@@ -481,8 +483,7 @@ def _check_async(c: RunConfig) -> None:
         raise ConfigError(f"critic.ppo_mini_batch_size={c.critic.ppo_mini_batch_size} must divide "
                           f"data.train_batch_size={c.data.train_batch_size}")
     mode = f"trainer.v1.trainer_mode={v1.trainer_mode!r}"
-    for bad, why in ((c.algorithm.filter_groups.enable, "algorithm.filter_groups.enable"),
-                     (c.algorithm.adv_estimator == "remax", "algorithm.adv_estimator='remax'"),
+    for bad, why in ((c.algorithm.adv_estimator == "remax", "algorithm.adv_estimator='remax'"),
                      (bool(c.reward.model.path), "reward.model.path (a learned reward model)")):
         if bad:
             raise ConfigError(f"{mode} cannot be combined with {why} yet: the asynchronous rollout scores "

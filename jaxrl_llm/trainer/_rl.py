@@ -395,7 +395,7 @@ class RLTrainer:
                                     max_prompt_length=c.data.max_prompt_length)
             with self.timer.phase("reward"):
                 fields = self._score_rollout(examples, gen, batch, n, metrics)
-            if not fg.enable:
+            if not fg.enable or self.source.filters_groups:  # async modes: the rollouter filtered
                 break
             metric = B.filter_metric(fg.metric, batch, fields)
             keep = np.asarray(algos.dynamic_sampling_keep_mask(metric, batch.group_ids))

@@ -79,6 +79,10 @@ class SourceContext:
 class RolloutSource(Protocol):
     """One trainer mode's rollout and weight-sync rule."""
 
+    # the groups `next` returns were already filtered by DAPO's dynamic sampling
+    # (`algorithm.filter_groups`), so the trainer takes them as they are
+    filters_groups: bool
+
     def next(self, step: int, round_: int = 0) -> tuple[list, RolloutResult, dict]:
         """Step `step`'s (0-based) prompts, their rollout and the rollout's metrics; `round_` > 0
         is an extra generation round of the same step (DAPO's dynamic sampling)."""
@@ -108,6 +112,8 @@ class RolloutSource(Protocol):
 
 class SyncSource:
     """Synchronous: generate with the current weights, sync after every actor update."""
+
+    filters_groups = False
 
     def __init__(self, ctx: SourceContext):
         self.ctx = ctx
@@ -209,7 +215,11 @@ class RolloutBufferSource(SyncSource):
     whole loader batches are fed as prompt groups ahead of need, a step takes
     `groups_per_step` finished groups (prompt order), weights are synced under the rollouter
     every `sync_every` steps. `run_ahead` (verl's staleness s) bounds the groups started per sync
-    interval; `max_off_policy` bounds a trained token's age in syncs."""
+    interval; `max_off_policy` bounds a trained token's age in syncs. With
+    `algorithm.filter_groups` the rollouter evicts the groups DAPO's filter rejects as they
+    finish (their slots go to prompts fed ahead), so a step's groups are already filtered."""
+
+    filters_groups = True
 
     def __init__(self, ctx: SourceContext, *, groups_per_step: int, sync_every: int, run_ahead: float,
                  max_off_policy: int | None):
@@ -220,6 +230,9 @@ class RolloutBufferSource(SyncSource):
         # groups with a token from an older policy version, last rollouter counters
         self._fed_batches = self._outstanding = self._stale_groups = 0
         self._producer_last: tuple[float, dict] | None = None
+        # the rollouter's groups_evicted at the last take: an evicted group (filtered by DAPO's
+        # dynamic sampling, or failed) leaves without being taken, its slot going to a fed prompt
+        self._evicted_seen = self._filtered_seen = self._last_evicted = 0
 
     def _feed(self) -> None:
         """Hands the rollouter whole loader batches until it has the groups it may start before
@@ -229,6 +242,9 @@ class RolloutBufferSource(SyncSource):
         per_sync = self.sync_every * self.groups_per_step
         ahead = math.floor((1 + self.run_ahead) * per_sync + 1e-9) + self.groups_per_step
         n, size = c.rollout.n, c.data.train_batch_size
+        fg = c.algorithm.filter_groups
+        if fg.enable:  # prompts for the groups the filter will evict: the step's budget, else as many as last step
+            ahead += (fg.max_num_gen_batches - 1) * size if fg.max_num_gen_batches > 0 else self._last_evicted
         while self._outstanding < ahead:
             b = self._fed_batches
             examples = next(ctx.loader)
@@ -248,7 +264,12 @@ class RolloutBufferSource(SyncSource):
         self._feed()
         with ctx.timer.phase("gen"):  # the trainer's wait for finished groups
             gen = ctx.call0(HostWorker.async_take, k, max_staleness=self.max_off_policy)
-        self._outstanding -= k
+        stats = gen.producer
+        evicted = int(stats["groups_evicted"]) - self._evicted_seen
+        filtered = int(stats["groups_filtered"]) - self._filtered_seen
+        self._evicted_seen, self._filtered_seen = int(stats["groups_evicted"]), int(stats["groups_filtered"])
+        self._outstanding -= k + evicted  # so the next _feed replaces the evicted groups too
+        self._last_evicted = evicted
         version, lo, hi = gen.policy_version, gen.group_min_version, gen.group_max_version
         stale = version - lo
         self._stale_groups += int((stale > 0).sum())
@@ -271,6 +292,8 @@ class RolloutBufferSource(SyncSource):
             "fully_async/partial/max_partial_span": float((hi - lo).max()),
             "fully_async/queue_size": stats["queue_size"],
             "fully_async/dropped_stale_groups": stats["groups_dropped_stale"]})
+        if ctx.config.algorithm.filter_groups.enable:  # verl's name: groups the filter rejected this step
+            metrics["filter_groups/filtered_groups"] = float(filtered)
         return list(gen.samples), gen, metrics
 
     def after_update(self, step):
@@ -300,6 +323,9 @@ class RolloutBufferSource(SyncSource):
             self.ctx.call0(HostWorker.async_restore, state)
             self._fed_batches, self._stale_groups = int(state["fed_batches"]), int(state["stale_groups"])
             self._outstanding = len(state["pending"]) + len(state["queued"])
+            counters = state.get("counters", {})  # the rollouter restores its cumulative counters
+            self._filtered_seen = int(counters.get("groups_filtered", 0))
+            self._evicted_seen = int(counters.get("groups_failed", 0)) + self._filtered_seen
 
     def after_save(self, step, state):
         queue = state["fully_async"]

@@ -215,6 +215,13 @@ class HostWorker:
         if self._rollouter is None:
             c, v1 = self.config, self.config.trainer.v1
             lag = v1.sampler.max_off_policy_threshold  # the largest lag K in versions; -1 = none
+            fg = c.algorithm.filter_groups  # DAPO dynamic sampling: evict a group whose rewards all agree
+            dapo = dict(group_filter=agent.dapo_group_filter(fg.metric),
+                        max_filtered_groups=((fg.max_num_gen_batches - 1) * c.data.train_batch_size
+                                             if fg.max_num_gen_batches > 0 else None),
+                        filter_budget_source="algorithm.filter_groups.max_num_gen_batches="
+                                             f"{fg.max_num_gen_batches}: (this - 1) x data.train_batch_size"
+                        ) if fg.enable else {}
             self._rollouter = agent.Rollouter(
                 self._agent_runner(),
                 sampling=rollout.SamplingParams.from_config(c.rollout),
@@ -226,7 +233,7 @@ class HostWorker:
                 # the Rollouter counts verl's way: the versions a group spans, both ends (K + 1)
                 max_off_policy_threshold=None if lag < 0 else lag + 1,
                 max_off_policy_strategy=v1.sampler.max_off_policy_strategy,
-                config_prefix="trainer.v1.sampler.")
+                config_prefix="trainer.v1.sampler.", **dapo)
         return self._rollouter
 
     def async_feed(self, groups: list[dict]) -> None:

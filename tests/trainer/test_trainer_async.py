@@ -80,7 +80,8 @@ def test_async_resume_repeats_the_next_step_exactly(tmp_path, monkeypatch):
     ({"async_training.require_batches": 3}, r"parameter_sync_step=3 x actor.ppo_mini_batch_size=4 = 12 must equal"),
     ({"placement.mode": "colocated"}, "needs placement.mode='separate'"),
     ({"placement.one_step_off_policy": True}, "one_step_off_policy=True is an alias of .*num_warmup_batches"),
-    ({"algorithm.filter_groups.enable": True}, "filter_groups"),
+    ({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "seq_final_reward"},
+     r"offers algorithm\.filter_groups\.metric 'acc' or 'score', not 'seq_final_reward'"),
     ({"async_training.staleness_threshold": -0.5}, "staleness_threshold must be >= 0"),
     ({"async_training.trigger_parameter_sync_step": 0}, "trigger_parameter_sync_step must be > 0"),
 ])

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from jaxrl_llm.config import load_config
+from jaxrl_llm.config import ConfigError, load_config
 from jaxrl_llm.trainer import RLTrainer
 from jaxrl_llm.workers import HostWorker
 from trainer_helpers import QUICKSTART, ROOT, tiny_overrides
@@ -187,3 +187,70 @@ def test_a_request_held_at_a_step_boundary_resumes_with_its_tokens(tmp_path):
     assert out.response_versions == [0, 0, 0, 1, 1, 1]
     want = np.random.default_rng([11, 0]).integers(ord("a"), ord("z") + 1, size=6).tolist()
     assert out.response_ids == want
+
+
+def test_dapo_filter_in_the_rollouter_refills_the_evicted_groups(tmp_path):
+    """algorithm.filter_groups in colocate_async: the rollouter evicts each finished group whose
+    rewards all agree (the tiny model's length-parity rewards agree for about half the groups)
+    and a fed prompt takes its slot; each step still trains train_batch_size groups, and the
+    trainer counts an evicted group as gone, so it feeds prompts for it (what it believes is
+    outstanding is what the rollouter holds)."""
+    o = {**_COLOCATE, "algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc"}
+    run = load_config(f"{QUICKSTART}:tiny", tiny_overrides(tmp_path / "run", **o))
+    size = run.data.train_batch_size
+    trainer = RLTrainer(run)
+    taken = []
+    next_ = trainer.source.next
+
+    def counting(step, round_=0):
+        examples, gen, metrics = next_(step, round_)
+        taken.append(len(examples))
+        return examples, gen, metrics
+    trainer.source.next = counting
+    try:
+        trainer.call0(HostWorker.start_rl, 2)
+        host = trainer.group.workers[0]
+        steps = []
+        for _ in range(2):
+            steps.append(trainer.train_step())
+            trainer.global_step += 1
+            s = host._rollouter.stats()
+            # every fed group not yet taken is queued, running or waiting, or was evicted (those
+            # since the last take are counted at the next one)
+            since = s["groups_evicted"] - trainer.source._evicted_seen
+            assert trainer.source._outstanding - since == s["queue_size"] + s["running"] + s["waiting"]
+    finally:
+        trainer.close()
+    assert taken == [size, size]  # one take of a full batch per step, no trainer-side rounds
+    assert sum(m["filter_groups/filtered_groups"] for m in steps) > 0
+    assert s["groups_filtered"] >= sum(m["filter_groups/filtered_groups"] for m in steps)
+    for m in steps:
+        assert np.isfinite(m["actor/pg_loss"])
+
+
+def test_dapo_filter_budget_in_the_rollouter_names_max_num_gen_batches(tmp_path):
+    """max_num_gen_batches=1: a step may evict (1 - 1) x train_batch_size = 0 groups, so the first
+    group the filter rejects fails the step with the setting to raise."""
+    o = {**_COLOCATE, "algorithm.filter_groups.enable": True, "algorithm.filter_groups.max_num_gen_batches": 1}
+    trainer = RLTrainer(load_config(f"{QUICKSTART}:tiny", tiny_overrides(tmp_path / "run", **o)))
+    try:
+        trainer.call0(HostWorker.start_rl, 1)
+        with pytest.raises(Exception, match=r"algorithm\.filter_groups\.max_num_gen_batches=1"):
+            trainer.train_step()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("mode", ["colocate_async", "separate_async"])
+def test_dapo_filter_config_in_the_async_modes(mode):
+    o = {"trainer.v1.trainer_mode": mode, "algorithm.filter_groups.enable": True}
+    if mode == "colocate_async":
+        o["placement.mode"] = "colocated"
+    else:
+        o.update({"placement.mode": "separate", "mesh.fsdp": 4, "placement.rollout_mesh.tensor": 4,
+                  "model.init.num_key_value_heads": 4, "data.train_batch_size": 4,
+                  "actor.ppo_mini_batch_size": 4})
+    load = lambda **x: load_config(f"{QUICKSTART}:tiny", [f"{k}={v}" for k, v in {**o, **x}.items()])  # noqa: E731
+    assert load(**{"algorithm.filter_groups.metric": "score"}).algorithm.filter_groups.enable
+    with pytest.raises(ConfigError, match=r"filter_groups\.metric .*'seq_reward'"):
+        load(**{"algorithm.filter_groups.metric": "seq_reward"})

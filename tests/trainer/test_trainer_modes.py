@@ -86,8 +86,10 @@ def test_an_alias_and_its_v1_field_agreeing_is_accepted(tmp_path):
      r"max_off_policy_strategy='keep' is not one of \['drop', 'wait'\]"),
     ({"trainer.v1.trainer_mode": "separate_async", "trainer.v1.sampler.max_off_policy_threshold": -2},
      r"max_off_policy_threshold must be >= 0 \(model versions\) or None / -1"),
-    ({"trainer.v1.trainer_mode": "separate_async", "algorithm.filter_groups.enable": True},
-     r"filter_groups.enable cannot be combined with trainer.v1.trainer_mode='separate_async'"),
+    ({"trainer.v1.trainer_mode": "separate_async", "algorithm.filter_groups.enable": True,
+      "algorithm.filter_groups.metric": "seq_reward"},
+     r"trainer_mode='separate_async' filters groups in the rollouter, which offers "
+     r"algorithm.filter_groups.metric 'acc' or 'score', not 'seq_reward'"),
 ])
 def test_config_errors_name_the_fields(tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
