@@ -415,6 +415,15 @@ def _check_dapo(c: RunConfig) -> None:
             raise ConfigError(f"trainer.v1.trainer_mode={mode!r} filters groups in the rollouter, which "
                               f"offers {where}.metric 'acc' or 'score', not {fg.metric!r} (it needs the "
                               "trainer's overlong penalty): set one of those or trainer_mode='sync'")
+        if mode != "sync" and c.rollout_source == "one_step_off":
+            raise ConfigError(f"{where}.enable cannot run in the one-step-off pipeline (trainer.v1.trainer_mode="
+                              f"{mode!r} one batch ahead on the batch driver: a step may need several "
+                              "generation rounds): use trainer_mode='sync', or the rollouter (e.g. "
+                              "rollout.multi_turn.enable or colocate_async)")
+        if mode != "sync" and fg.max_num_gen_batches == 0:
+            raise ConfigError(f"{where}.max_num_gen_batches=0 (unlimited) has no meaning in trainer.v1.trainer_mode="
+                              f"{mode!r}: the replay buffer feeds (max_num_gen_batches - 1) batches of prompts "
+                              "ahead to replace the groups the filter evicts; set it > 0 (e.g. 3)")
         if fg.metric == "seq_final_reward" and c.algorithm.use_kl_in_reward:
             raise ConfigError(f"{where}.metric='seq_final_reward' with algorithm.use_kl_in_reward=True: "
                               "the filter runs before the KL penalty is known; use 'seq_reward'")

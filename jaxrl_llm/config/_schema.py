@@ -200,7 +200,7 @@ class FilterGroupsConfig:
 
     enable: bool
     metric: str  # acc | score | seq_reward | seq_final_reward
-    max_num_gen_batches: int  # generation rounds a step may take; 0 = unlimited; async modes: a step may evict (max_num_gen_batches - 1) * data.train_batch_size filtered groups
+    max_num_gen_batches: int  # generation rounds a step may take; 0 = unlimited; async modes: a step may evict (max_num_gen_batches - 1) * data.train_batch_size filtered groups (> 0 there)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -195,7 +195,8 @@ def test_dapo_filter_in_the_rollouter_refills_the_evicted_groups(tmp_path):
     and a fed prompt takes its slot; each step still trains train_batch_size groups, and the
     trainer counts an evicted group as gone, so it feeds prompts for it (what it believes is
     outstanding is what the rollouter holds)."""
-    o = {**_COLOCATE, "algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc"}
+    o = {**_COLOCATE, "algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
+         "algorithm.filter_groups.max_num_gen_batches": 4}
     run = load_config(f"{QUICKSTART}:tiny", tiny_overrides(tmp_path / "run", **o))
     size = run.data.train_batch_size
     trainer = RLTrainer(run)
@@ -243,14 +244,22 @@ def test_dapo_filter_budget_in_the_rollouter_names_max_num_gen_batches(tmp_path)
 
 @pytest.mark.parametrize("mode", ["colocate_async", "separate_async"])
 def test_dapo_filter_config_in_the_async_modes(mode):
-    o = {"trainer.v1.trainer_mode": mode, "algorithm.filter_groups.enable": True}
+    o = {"trainer.v1.trainer_mode": mode, "algorithm.filter_groups.enable": True,
+         "algorithm.filter_groups.max_num_gen_batches": 3}
     if mode == "colocate_async":
         o["placement.mode"] = "colocated"
-    else:
+    else:  # two batches ahead: the rollouter pipeline, not the one-step-off batch driver
         o.update({"placement.mode": "separate", "mesh.fsdp": 4, "placement.rollout_mesh.tensor": 4,
                   "model.init.num_key_value_heads": 4, "data.train_batch_size": 4,
-                  "actor.ppo_mini_batch_size": 4})
+                  "actor.ppo_mini_batch_size": 4, "trainer.v1.colocate_async.num_warmup_batches": 2.0,
+                  "trainer.v1.sampler.max_off_policy_threshold": 2})
     load = lambda **x: load_config(f"{QUICKSTART}:tiny", [f"{k}={v}" for k, v in {**o, **x}.items()])  # noqa: E731
     assert load(**{"algorithm.filter_groups.metric": "score"}).algorithm.filter_groups.enable
     with pytest.raises(ConfigError, match=r"filter_groups\.metric .*'seq_reward'"):
         load(**{"algorithm.filter_groups.metric": "seq_reward"})
+    with pytest.raises(ConfigError, match=r"max_num_gen_batches=0 \(unlimited\)"):
+        load(**{"algorithm.filter_groups.max_num_gen_batches": 0})
+    if mode == "separate_async":  # one batch ahead, bound 1: the batch driver's pipeline has no rounds
+        with pytest.raises(ConfigError, match="one-step-off pipeline"):
+            load(**{"trainer.v1.colocate_async.num_warmup_batches": 1.0,
+                    "trainer.v1.sampler.max_off_policy_threshold": 1})
