@@ -51,7 +51,6 @@ class HostWorker:
         self.actor = self.ref = self.critic = self.engine = self.driver = self.reward_model = None
         self.server = self._agents = None  # the request-level server and agent loops (multi-turn)
         self._rollouter = None  # the asynchronous modes' background producer
-        self._suspended = False  # colocate_async: the server suspended by async_hold
         self.checkpointer = Checkpointer(
             checkpoint_root(c.trainer.default_local_dir), max_to_keep=c.trainer.max_to_keep,
             async_save=c.trainer.async_save, enable=True)
@@ -285,25 +284,23 @@ class HostWorker:
             released = int(self.server.sleep().get("kv_bytes", 0))
         else:
             self.server.suspend()
-        self._suspended = True
         return {"held_groups": int(r.stats()["running"]), "suspended": True,
                 "kv_bytes_released": released}
 
     def async_release(self) -> None:
         """Ends an `async_hold` without a weight sync (a step without an actor update): a server
         that released its weights while asleep gets the same weights (same version) back."""
-        if getattr(self.server, "asleep", False):
+        if self.server.asleep:
             self.sync_weights(version=self.server.policy_version)
         self._resume_server()
         self._async().resume(self.server.policy_version)
 
     def _resume_server(self) -> None:
-        if getattr(self, "_suspended", False):
-            if getattr(self.server, "asleep", False):
-                self.server.wake()  # re-prefills the held requests with the current weights
-            else:
-                self.server.resume()
-            self._suspended = False
+        """Ends an `async_hold`'s sleep or suspension (the server's own state says which)."""
+        if self.server.asleep:
+            self.server.wake()  # re-prefills the held requests with the current weights
+        elif self.server.suspended:
+            self.server.resume()
 
     def async_state(self) -> dict:
         """The rollouter's checkpoint state plus the policy version (see `agent.Rollouter.state`)."""

@@ -98,7 +98,7 @@ class _GateServer:
     def __init__(self, length):
         import threading
 
-        self.length, self.policy_version, self.suspended = length, 0, False
+        self.length, self.policy_version, self.suspended, self.asleep = length, 0, False, False
         self.emitted, self._budget = 0, 0
         self._cv = threading.Condition()
 
@@ -157,7 +157,7 @@ def test_a_request_held_at_a_step_boundary_resumes_with_its_tokens(tmp_path):
     server = _GateServer(length=6)
     runner = agent.AgentRunner(server, models.CharTokenizer(), run.rollout.multi_turn, max_prompt_length=16,
                                max_response_length=16, pad_token_id=0, tools={}, interactions={})
-    host = types.SimpleNamespace(config=run, _rollouter=None, _suspended=False, server=server,
+    host = types.SimpleNamespace(config=run, _rollouter=None, server=server,
                                  _agent_runner=lambda: runner)
     for name in ("_async", "async_hold", "async_sync", "async_release", "_resume_server"):
         setattr(host, name, functools.partial(getattr(HostWorker, name), host))
