@@ -10,9 +10,10 @@ random-init model with Qwen2.5 shapes. The responses' lengths are the point: a r
 almost never writes its stop token, so the rows run through the `long_tail_agent` loop defined
 here, a single-turn loop whose request asks for `L` new tokens, `L` drawn per row from a
 lognormal (median `--median`, log-std `--sigma`, capped at `--cap`) seeded by the row, so both
-modes generate the same lengths for the same prompt and row. Rewards come from the built-in
-arithmetic scorer and are 0 for a random model (the update's compute is the same); reward curves
-are therefore not measured here.
+modes generate the same lengths for the same prompt and row. The reward is one a random model
+can learn (`scripts/bench_modes_reward.py`: ids past the character vocabulary decode as "a" for
+an even id and "b" for an odd one; the score is the share of a's, about 0.5 at the start), so
+reward against step and against wall time compare how the modes learn at equal samples.
 
 `sync` generates a batch and waits for its longest row before training; `colocate_async` keeps
 generating the next batches (`num_warmup_batches`), trains as soon as a batch's groups are done,
@@ -23,7 +24,9 @@ Reported per mode (one JSON object; the first `--warmup` steps, which compile, a
 `tokens_per_s_per_device` = sum of `perf/total_num_tokens` (prompt + response tokens trained) /
 sum of `timing_s/step` / devices, `step_s` per step, `response_length/mean` and `/max`, the mean
 `timing_s/gen` (the trainer's wait for its batch) and, for colocate_async, held groups and
-staleness. The last line is the summary: each mode's throughput relative to `sync`.
+staleness, and the curves: `score_mean` (`critic/score/mean`) and `wall_s` (cumulative step
+time) per step, warm-up steps included. The last line is the summary: each mode's throughput
+relative to `sync`. `--plot PATH` draws reward against step and against wall time (PNG).
 """
 from __future__ import annotations
 
@@ -90,7 +93,9 @@ def parse_args(argv=None):
     p.add_argument("--steps-per-sync", type=int, default=16)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a run-config override for every mode, e.g. rollout.free_cache_engine=false")
+    p.add_argument("--lr", type=float, default=1e-5, help="actor.optim.lr")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
+    p.add_argument("--plot", default="", help="also draw reward vs step and vs wall time here (PNG)")
     p.add_argument("--dry-run", "--tiny", dest="dry_run", action="store_true",
                    help="tiny model, 4 prompts x 2 samples, lengths up to 12, 2 steps, CPU")
     args = p.parse_args(argv)
@@ -116,6 +121,9 @@ def run_config(mode: str, args, run_dir: str):
     c.model.dtype = "float32" if tiny else "bfloat16"
     c.model.remat = "none" if tiny else "full"
     c.data.builtin_task, c.data.builtin_val_size = "arithmetic", 0
+    c.reward.custom_reward_function.path = os.path.join(ROOT, "scripts", "bench_modes_reward.py")
+    c.reward.custom_reward_function.name = "even_token_share"
+    c.actor.optim.lr = args.lr
     c.data.builtin_train_size = max(256, args.prompts * (args.steps + 4))
     c.data.max_prompt_length, c.data.max_response_length = 16, args.cap
     c.data.train_batch_size = args.prompts
@@ -157,7 +165,9 @@ def summarize(mode: str, rows: list[dict], *, warmup: int, devices: int) -> dict
            "tokens_per_s_per_device": tokens / sum(step_s) / devices,
            "gen_wait_s_mean": float(np.mean([r.get("timing_s/gen", 0.0) for r in timed])),
            "response_length_mean": float(np.mean([r["response_length/mean"] for r in timed])),
-           "response_length_max": float(max(r["response_length/max"] for r in timed))}
+           "response_length_max": float(max(r["response_length/max"] for r in timed)),
+           "score_mean": [round(float(r.get("critic/score/mean", 0.0)), 5) for r in rows],
+           "wall_s": [round(float(x), 3) for x in np.cumsum([r["timing_s/step"] for r in rows])]}
     if mode == "colocate_async":
         out["held_groups_mean"] = float(np.mean([r.get("colocate_async/held_groups", 0.0) for r in timed]))
         out["staleness_max"] = float(max(r.get("fully_async/staleness/max", 0.0) for r in timed))
@@ -167,14 +177,16 @@ def summarize(mode: str, rows: list[dict], *, warmup: int, devices: int) -> dict
 
 class PaddedCharTokenizer(models.CharTokenizer):
     """The character tokenizer with the model shape's vocabulary size (the trainer sizes the
-    embedding and LM head by the tokenizer): ids past the characters decode to nothing."""
+    embedding and LM head by the tokenizer): ids past the characters decode as "a" (even) or
+    "b" (odd), which the bench's reward counts."""
 
     def __init__(self, vocab_size: int):
         super().__init__()
         self.num_chars, self.vocab_size = self.vocab_size, max(vocab_size, self.vocab_size)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return super().decode([i for i in ids if i < self.num_chars], skip_special_tokens)
+        text = super().decode([i for i in ids if i < self.num_chars], skip_special_tokens)
+        return text + "".join("b" if i % 2 else "a" for i in map(int, ids) if i >= self.num_chars)
 
 
 def run_mode(mode: str, args) -> dict:
@@ -212,7 +224,35 @@ def main(argv=None) -> list[dict]:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(results + [summary], f, indent=1)
+    if args.plot:
+        plot(results, args.plot)
     return results
+
+
+def label(result: dict) -> str:
+    """A result's legend: its mode, its --set overrides, its throughput."""
+    sets = ", ".join(s.split(".")[-1] for s in result.get("set", []))
+    return (f"{result['mode']}{f' ({sets})' if sets else ''}: "
+            f"{result['tokens_per_s_per_device']:,.0f} tok/s/GPU")
+
+
+def plot(results: list[dict], path: str) -> None:
+    """Reward against step and against wall time, one line per result."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        steps = range(1, len(r["score_mean"]) + 1)
+        by_step.plot(steps, r["score_mean"], marker="o", label=label(r))
+        by_time.plot(r["wall_s"], r["score_mean"], marker="o", label=label(r))
+    by_step.set(xlabel="training step", ylabel="critic/score/mean")
+    by_time.set(xlabel="wall time, s (sum of timing_s/step)", ylabel="critic/score/mean")
+    by_step.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

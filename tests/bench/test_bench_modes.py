@@ -6,13 +6,16 @@ import numpy as np
 import pytest
 
 
-def test_dry_run_trains_both_modes_on_long_tailed_lengths(capsys, load_script):
+def test_dry_run_trains_both_modes_on_long_tailed_lengths(capsys, load_script, tmp_path):
     bench = load_script("bench_modes")
-    results = bench.main(["--dry-run"])
+    results = bench.main(["--dry-run", "--plot", str(tmp_path / "modes.png")])
     assert [r["mode"] for r in results] == ["sync", "colocate_async"]
     for r in results:
         assert r["timed_steps"] == 1 and r["tokens_trained"] > 0
         assert 1 <= r["response_length_max"] <= 12  # the --cap of the dry run
+        assert len(r["score_mean"]) == len(r["wall_s"]) == 2  # every step, the warm-up's included
+        assert all(0.0 <= s <= 1.0 for s in r["score_mean"]) and r["wall_s"][1] > r["wall_s"][0] > 0
+    assert (tmp_path / "modes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     colocate = results[1]
     assert colocate["held_groups_mean"] >= 0 and colocate["kv_bytes_released"] > 0  # slept over the update
     lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
@@ -37,3 +40,14 @@ def test_summary_counts_only_the_steps_after_warmup(load_script):
     out = bench.summarize("sync", rows, warmup=1, devices=2)
     assert out["timed_steps"] == 2 and out["tokens_trained"] == 900
     assert out["tokens_per_s_per_device"] == pytest.approx(900 / 6.0 / 2)
+
+
+def test_reward_counts_even_ids_past_the_characters(load_script):
+    bench = load_script("bench_modes")
+    reward = load_script("bench_modes_reward")
+    tok = bench.PaddedCharTokenizer(1000)
+    first = tok.num_chars + (tok.num_chars % 2)  # an even id past the characters
+    text = tok.decode([first, first + 1, first + 2, first + 4])
+    assert text == "abaa"
+    assert reward.even_token_share("d", text, None) == 0.75
+    assert reward.even_token_share("d", "", None) == 0.0
