@@ -56,6 +56,8 @@ def test_one_step_off_resume_repeats_the_next_step(tmp_path):
         "trainer.v1.trainer_mode": "separate_async", "trainer.v1.colocate_async.num_warmup_batches": 1.0,
         "trainer.v1.sampler.max_off_policy_threshold": 1})
     assert [r["rollout/off_policy_steps"] for r in first] == [0.0, 1.0, 1.0]
+    meta = json.load(open(tmp_path / "run" / "checkpoints" / "2" / "meta" / "metadata"))
+    assert set(meta["one_step_off"]["rollout"]) == {"arrays", "fields"}  # step 3's rollout, saved
 
 
 _DAPO = {"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
