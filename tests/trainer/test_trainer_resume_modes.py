@@ -25,11 +25,11 @@ def _rows(run_dir):
     return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 
-def _resume_repeats_step_3(tmp_path, variant="tiny", **extra):
+def _resume_repeats_step_3(tmp_path, config=f"{QUICKSTART}:tiny", **extra):
     """Runs 3 steps, resumes from step 2's checkpoint, and checks step 3 against the first run;
     returns the first run's rows."""
     run_dir = tmp_path / "run"
-    load = lambda **x: load_config(f"{QUICKSTART}:{variant}",  # noqa: E731
+    load = lambda **x: load_config(config,  # noqa: E731
                                    tiny_overrides(run_dir, **{**_RESUMABLE, **extra, **x}))
     RLTrainer(load()).fit()
     first = _rows(run_dir)
@@ -79,3 +79,14 @@ def test_dapo_filter_in_an_async_mode_resume_repeats_the_next_step(tmp_path, mod
                  "trainer.v1.sampler.max_off_policy_threshold": 0}
     first = _resume_repeats_step_3(tmp_path, **_DAPO, **extra)
     assert sum(r["filter_groups/filtered_groups"] for r in first) > 0  # the filter evicted groups
+
+
+def test_colocate_async_with_the_agent_loop_resume_repeats_the_next_step(tmp_path):
+    """The tools config's multi-turn agent loops under the colocated rollouter (no warm-up batch,
+    so nothing is held over a step): step 3 redone from the step-2 checkpoint equals the
+    uninterrupted one, turns and tool calls included."""
+    tools = os.path.join(os.path.dirname(QUICKSTART), "quickstart_tools.py")
+    first = _resume_repeats_step_3(tmp_path, f"{tools}:tiny,local", **{
+        "trainer.v1.trainer_mode": "colocate_async", "trainer.v1.colocate_async.num_warmup_batches": 0.0,
+        "sft.steps": 0, "data.val_files": "[]"})
+    assert all(r["num_turns/min"] >= 1 for r in first)
