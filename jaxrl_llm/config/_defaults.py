@@ -78,5 +78,6 @@ def base_config() -> ConfigDict:
         experiment_name="default", seed=0, progress_bar=True, plot=True,
         v1=dict(trainer_mode="sync", colocate_async=dict(num_warmup_batches=1.0),
                 separate_async=dict(parameter_sync_step=0),
-                sampler=dict(max_off_policy_threshold=1, max_off_policy_strategy="drop")))
+                sampler=dict(max_off_policy_threshold=1, max_off_policy_strategy="drop",
+                             max_failed_groups=0, max_failed_fraction=1.0)))
     return c

@@ -438,6 +438,21 @@ def _check_dapo(c: RunConfig) -> None:
                           "background rollout: use trainer_mode='sync'")
 
 
+def _check_failed_budget(c: RunConfig) -> None:
+    """`trainer.v1.sampler.max_failed_*`: the rollouter's budget of evicted failed groups."""
+    sampler, where = c.trainer.v1.sampler, "trainer.v1.sampler"
+    _positive(sampler.max_failed_groups, f"{where}.max_failed_groups", allow_zero=True)
+    if not 0 <= sampler.max_failed_fraction <= 1:
+        raise ConfigError(f"{where}.max_failed_fraction must be in [0, 1] (a fraction of "
+                          f"data.train_batch_size), got {sampler.max_failed_fraction}")
+    if sampler.max_failed_groups and c.rollout_source not in ("buffer", "colocated_buffer"):
+        raise ConfigError(f"{where}.max_failed_groups={sampler.max_failed_groups}: only the rollouter evicts and "
+                          "replaces failed groups, and this config runs "
+                          f"trainer.v1.trainer_mode={c.trainer.v1.trainer_mode!r} without it (rollout source "
+                          f"{c.rollout_source!r}): use trainer_mode='colocate_async' or 'separate_async' with "
+                          "the rollouter, or set max_failed_groups=0")
+
+
 def _check_trainer_mode(c: RunConfig) -> None:
     """verl V1's `trainer.v1` fields; the aliases must have been resolved (`resolve_aliases`)."""
     v1, where = c.trainer.v1, "trainer.v1"
@@ -449,6 +464,7 @@ def _check_trainer_mode(c: RunConfig) -> None:
         raise ConfigError(f"{where}.sampler.max_off_policy_threshold must be >= 0 (model versions) or "
                           f"None / -1 (no bound), got {bound}")
     _positive(v1.colocate_async.num_warmup_batches, f"{where}.colocate_async.num_warmup_batches", allow_zero=True)
+    _check_failed_budget(c)
     _positive(v1.separate_async.parameter_sync_step, f"{where}.separate_async.parameter_sync_step",
               allow_zero=True)
     for alias, on in (("async_training.enable", c.async_training.enable),

@@ -21,11 +21,16 @@ imports nothing from the trainer. Batch assembly, scoring and training stay the 
 """
 from __future__ import annotations
 
+import base64
+import dataclasses
+import io
 import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
+
+import numpy as np
 
 import rollout
 from jaxrl_llm import _chaos
@@ -157,7 +162,8 @@ class OneStepOffSource(SyncSource):
 
     def __init__(self, ctx: SourceContext):
         super().__init__(ctx)
-        # (handle of the generate call in flight, its prompts, the loader state before them)
+        # (handle of the generate call in flight, its prompts, the loader state before them,
+        # its rollout once collected (the handle then None when it came from a checkpoint))
         self._pending = None
 
     def _kwargs(self, examples, step: int) -> dict:
@@ -171,10 +177,8 @@ class OneStepOffSource(SyncSource):
         if self._pending is None:
             examples, gen, metrics = super().next(step, round_)
         else:
-            handle, examples, _ = self._pending
             with ctx.timer.phase("gen"):  # only the time this step waited for the rollout
-                ctx.group.wait(handle)
-                gen = ctx.call0(HostWorker.collect_rollout)  # several hosts: gathers their shares
+                examples, gen = self._collect()
             self._pending = None
             ctx.timer.timing["gen_async"] = gen.time_s  # its full duration, mostly hidden
             metrics = {"rollout/off_policy_steps": 1.0}
@@ -185,24 +189,46 @@ class OneStepOffSource(SyncSource):
             nxt = next(ctx.loader)
             handle = ctx.group.call_async(HostWorker.generate, **self._kwargs(nxt, step + 1),
                                           gather=False)  # no collectives while the actor trains
-            self._pending = (handle, nxt, state)
+            self._pending = (handle, nxt, state, None)
         return examples, gen, metrics
 
     def after_update(self, step):
         return {}  # the next step syncs, once its rollout is taken
 
+    def _collect(self) -> tuple[list, RolloutResult]:
+        """The rollout in flight, waited for and gathered (kept: a second call returns it again)."""
+        handle, examples, state, gen = self._pending
+        if gen is None:
+            self.ctx.group.wait(handle)
+            gen = self.ctx.call0(HostWorker.collect_rollout)  # several hosts: gathers their shares
+            self._pending = (None, examples, state, gen)
+        return examples, gen
+
     def settle(self, steps_done):
-        if self._pending is not None:
+        if self._pending is not None and self._pending[0] is not None:
             self.ctx.group.wait(self._pending[0])  # a handle can be waited on again: the next step does
         self.ctx.sync({})
 
     def state(self):
-        # with a rollout in flight, the saved data position is before its prompts: a resumed run
-        # draws them again (and generates them with the restored, newer weights)
-        return {"data": self._pending[2] if self._pending is not None else self.ctx.loader.get_state()}
+        # the saved data position is before the prompts of a rollout in flight; that rollout
+        # (generated with the weights before the last update, which the checkpoint does not
+        # hold) is waited for and saved, so a resumed run draws its prompts again and trains on
+        # it, as the uninterrupted run does
+        if self._pending is None:
+            return {"data": self.ctx.loader.get_state()}
+        _, gen = self._collect()
+        return {"data": self._pending[2], "one_step_off": {"rollout": encode_rollout(gen)}}
+
+    def restore(self, meta):
+        super().restore(meta)
+        self._pending = None
+        if "one_step_off" in meta:  # older checkpoints: the prompts are drawn and generated again
+            state = self.ctx.loader.get_state()
+            examples = next(self.ctx.loader)
+            self._pending = (None, examples, state, decode_rollout(meta["one_step_off"]["rollout"]))
 
     def close(self, wait=True):
-        if self._pending is not None and wait:
+        if self._pending is not None and self._pending[0] is not None and wait:
             try:  # a rollout still in flight: let it end before the workers go
                 self.ctx.group.wait(self._pending[0])
             except Exception:  # noqa: BLE001 - we are closing anyway
@@ -364,3 +390,34 @@ class ColocatedBufferSource(RolloutBufferSource):
             self.ctx.call0(HostWorker.async_release)
             self._held = False
         return super().end_step(timing)
+
+
+def encode_rollout(gen: RolloutResult) -> dict:
+    """A batch-driver `RolloutResult` as checkpoint metadata (JSON): its arrays in one compressed
+    npz (base64), its other set fields as they are. Fields the batch driver leaves at their
+    defaults are left out; one of another kind is refused (the agent loop's rollouts are not
+    checkpointed this way)."""
+    arrays, fields = {}, {}
+    for f in dataclasses.fields(gen):
+        value = getattr(gen, f.name)
+        if isinstance(value, np.ndarray):
+            arrays[f.name] = value
+        elif f.default is not dataclasses.MISSING and value == f.default or (
+                f.default_factory is not dataclasses.MISSING and value == f.default_factory()):
+            continue
+        elif isinstance(value, (int, float, str)) or (
+                isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
+            fields[f.name] = list(value) if isinstance(value, tuple) else value
+        else:
+            raise TypeError(f"RolloutResult.{f.name} ({type(value).__name__}) cannot be checkpointed")
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    return {"arrays": base64.b64encode(buf.getvalue()).decode("ascii"), "fields": fields}
+
+
+def decode_rollout(d: dict) -> RolloutResult:
+    """`encode_rollout`'s inverse."""
+    with np.load(io.BytesIO(base64.b64decode(d["arrays"]))) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in d["fields"].items()}
+    return RolloutResult(**arrays, **fields)

@@ -32,6 +32,10 @@ The decode loop's trip count is dynamic: its figures are per decode step (= `gen
 `--extend=REPORT.json --programs=a,b` compiles programs a saved report lacks (from its own
 command line) and adds them.
 
+Sleep (colocated modes): the engine frees its decode state (KV cache) and its own weight copy
+while the actor trains; the report's `sleep` entry (`sleep_savings`) gives each training
+program's peak with the engine resident and asleep, and `--table` a table of it.
+
 `--check`: exit 1 when a program does not fit (the TPU launch script runs this before booking
 anything). The compile needs libtpu; without it the script says so and exits 2.
 """
@@ -491,10 +495,44 @@ def run_aot(topology: str, config: str, overrides=(), *, model: str = "", progra
         **_totals(report),
         "wall_s": None,
     }
+    out["sleep"] = sleep_savings(out)
     if cost:
         out["step_roofline"] = step_estimate(run, report, engine)
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     return out
+
+
+# the programs that run while a colocated engine sleeps (the actor / critic steps, not generation
+# or the weight sync, which writes the engine's weights)
+SLEEP_PROGRAMS = ("actor_update", "log_prob", "critic_update", "values")
+
+
+def sleep_savings(report: dict) -> dict | None:
+    """What the engine's sleep (colocated modes; `rollout.free_cache_engine`) saves per chip while
+    the training programs run: it frees the decode state (the KV cache, `kv_cache_bytes`, and
+    the engine's small per-slot buffers) and, when the engine holds its own weight copy (no
+    zero-copy sync), those weights. `released_bytes` = those resident groups as compiled;
+    `kv_cache_bytes` = the engine's KV figure over the chips; per training program,
+    `peak_bytes` (engine resident), `peak_asleep_bytes` = that minus the released bytes, and
+    whether that fits. None for a report whose rollout runs on other devices (separate
+    placement: nothing of the engine sits beside the update)."""
+    engine, res = report["engine"], report["resident_bytes"]
+    if engine.get("cross_mesh_sync", False):
+        return None
+    weights = 0 if engine["zero_copy_sync"] else res.get("engine_params") or 0
+    released = {"decode_state": res["decode_state"], "engine_params": weights}
+    freed = sum(released.values())
+    hbm = report["chip"]["hbm_bytes"]
+    programs = {}
+    for name in SLEEP_PROGRAMS:
+        e = report["programs"].get(name)
+        if e is None or e.get("peak_bytes") is None:
+            continue
+        asleep = e["peak_bytes"] - freed
+        programs[name] = {"peak_bytes": e["peak_bytes"], "peak_asleep_bytes": asleep, "saved_bytes": freed,
+                          "fits_asleep": asleep <= hbm}
+    return {"released_bytes": released, "kv_cache_bytes": engine["kv_cache_bytes_global"] // report["chips"],
+            "programs": programs}
 
 
 def _totals(programs: dict) -> dict:
@@ -569,6 +607,7 @@ def extend_report(report: dict, programs, *, cost: bool = True) -> dict:
     merged = {**report["programs"], **new["programs"]}
     report["programs"] = {k: merged[k] for k in PROGRAMS if k in merged}
     report.update(_totals(report["programs"]))
+    report["sleep"] = sleep_savings(report)
     if any("roofline_s" in p for p in report["programs"].values()):
         report["step_roofline"] = step_estimate(run, report["programs"], report["engine"])
     report.setdefault("extended", []).append({"programs": sorted(new["programs"]), "cost": cost,
@@ -651,7 +690,30 @@ def markdown_tables(reports: list[dict]) -> str:
     if rows:  # roofline seconds per step
         lines += ["", "| model | slice | " + " | ".join(parts) + " | step (s) | bound of the update / decode |",
                   "|---" * (4 + len(parts)) + "|"] + rows
-    return "\n".join(lines)
+    return "\n".join(lines + _sleep_table(reports, slice_name))
+
+
+def _sleep_table(reports: list[dict], slice_name) -> list[str]:
+    """Rows of what the engine's sleep saves for the colocated reports (`sleep_savings`)."""
+    rows = []
+    for r in reports:
+        sleep = sleep_savings(r)
+        if sleep is None or not sleep["programs"]:
+            continue
+        rel = sleep["released_bytes"]
+        cells = []
+        for p in SLEEP_PROGRAMS[:2]:
+            e = sleep["programs"].get(p)
+            cells.append("-" if e is None else f"{_gib(e['peak_bytes'])} -> {_gib(e['peak_asleep_bytes'])}"
+                         + ("" if e["fits_asleep"] else " **over**"))
+        rows.append(f"| {r['model']} | {slice_name(r)} | {_gib(sleep['kv_cache_bytes'])} | "
+                    f"{_gib(rel['decode_state'])} | {_gib(rel['engine_params'])} | "
+                    f"{_gib(sum(rel.values()))} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return ["", "| model | slice | KV cache (GiB/chip) | decode state freed | engine weights freed | "
+            "saved by sleep | `actor_update` peak awake -> asleep | `log_prob` peak awake -> asleep |",
+            "|---" * 8 + "|"] + rows
 
 
 def main(argv=None) -> int:

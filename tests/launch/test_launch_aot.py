@@ -68,6 +68,13 @@ def test_critic_update_and_weight_sync_compile_for_v5e(ppo):
         critic["pallas_kernels"])
     assert not ppo["engine"]["zero_copy_sync"] and sync["output_bytes"] >= residents["engine_params"]
     assert sync["peak_bytes"] == sync["program_bytes"] + sync["other_resident_bytes"] <= sync["hbm_bytes"]
+    # the engine's sleep frees its decode state and its own weight copy beside each training program
+    sleep, freed = ppo["sleep"], residents["decode_state"] + residents["engine_params"]
+    assert set(sleep["programs"]) == {"actor_update", "critic_update"}
+    for name, e in sleep["programs"].items():
+        assert e["saved_bytes"] == freed and e["peak_asleep_bytes"] == ppo["programs"][name]["peak_bytes"] - freed
+    assert sleep["kv_cache_bytes"] == ppo["engine"]["kv_cache_bytes_global"] // ppo["chips"]
+    assert sleep["kv_cache_bytes"] <= residents["decode_state"]
 
 
 def test_the_config_switch_takes_the_kernels_out(aot):
