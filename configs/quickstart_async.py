@@ -2,9 +2,10 @@
 
 The rollouter generates on its own device (`placement.mode=separate`, one device for rollout,
 the rest for training) while the trainer trains on finished groups from the trajectory queue
-(`async_training`, verl's fully async mode). The rollout may run half a sync interval ahead
-(`staleness_threshold=0.5`, so no trained group is more than one weight sync old), requests in
-flight at a sync continue with the new weights (`partial_rollout`), and token-level importance
+(`trainer.v1.trainer_mode=separate_async`, verl's fully async mode). The rollout may run half a
+sync interval ahead (`num_warmup_batches=0.5`; `max_off_policy_threshold=1`: no trained group is
+more than one weight sync old), requests in flight at a sync continue with the new weights
+(`async_training.partial_rollout`), and token-level importance
 weights correct for the stale tokens (`algorithm.rollout_correction.rollout_is=token`). Same
 model, data, SFT warm start and steps as configs/quickstart.py; held-out accuracy rises the
 same way (tests/trainer/test_trainer_quickstart_async.py checks +20 points).
@@ -39,12 +40,13 @@ def get_config(arg: str | None = None):
     c.placement.rollout_mesh.data = 1
     c.placement.rollout_mesh.fsdp = 1
     c.placement.rollout_mesh.tensor = 1
-    c.async_training.enable = True
-    c.async_training.staleness_threshold = 0.5
+    v1 = c.trainer.v1
+    v1.trainer_mode = "separate_async"
+    v1.colocate_async.num_warmup_batches = 0.5
+    v1.sampler.max_off_policy_threshold = 1
+    # a step takes a whole loader batch: parameter_sync_step x ppo_mini_batch_size = train_batch_size
+    v1.separate_async.parameter_sync_step = c.data.train_batch_size // c.actor.ppo_mini_batch_size
     c.async_training.partial_rollout = True
-    c.async_training.trigger_parameter_sync_step = 1
-    # a step takes a whole loader batch: require_batches x ppo_mini_batch_size = train_batch_size
-    c.async_training.require_batches = c.data.train_batch_size // c.actor.ppo_mini_batch_size
     c.algorithm.rollout_correction.rollout_is = "token"
     c.trainer.experiment_name = "quickstart_async"
     quickstart.use_run_dir(c, "runs/quickstart_async-tiny" if "tiny" in variants else "runs/quickstart_async")
