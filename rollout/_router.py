@@ -208,12 +208,14 @@ class _Routed:
 
 
 def _combine(results: list[dict]) -> dict:
-    """Per-replica result dicts -> one: flags any-ed, `*_s` durations max-ed, numbers summed."""
+    """Per-replica result dicts -> one: numbers summed, `*_s` durations max-ed, flags true when
+    true on every replica (zero_copy), except weights_released: true when true on any (a sync is
+    then due before `wake`)."""
     out: dict = {}
     for result in results:
         for k, v in result.items():
             if isinstance(v, bool):
-                out[k] = bool(out.get(k, False)) or v
+                out[k] = (out.get(k, False) or v) if k == "weights_released" else (out.get(k, True) and v)
             elif isinstance(v, (int, float)) and k.endswith("_s"):
                 out[k] = max(out.get(k, v), v)
             elif isinstance(v, (int, float)):
@@ -532,7 +534,7 @@ class ReplicaRouter:
         same version (`version`, else one more than the last sync asked). Give `params` (one tree
         for all) or `replica_params` (a sequence indexed by replica, or a callable index ->
         params, called here in index order for the live replicas only). Returns one Future of the
-        replicas' sync stats combined (numbers summed, flags any-ed, `*_s` max-ed) plus
+        replicas' sync stats combined (numbers summed, `*_s` max-ed, zero_copy if on all) plus
         policy_version and replicas (how many synced). Safe on a replica's scheduler thread."""
         if in_flight not in ("hold", "finish"):
             raise ValueError(f"in_flight must be 'hold' or 'finish', got {in_flight!r}")
