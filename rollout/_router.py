@@ -535,7 +535,10 @@ class ReplicaRouter:
         for all) or `replica_params` (a sequence indexed by replica, or a callable index ->
         params, called here in index order for the live replicas only). Returns one Future of the
         replicas' sync stats combined (numbers summed, `*_s` max-ed, zero_copy if on all) plus
-        policy_version and replicas (how many synced). Safe on a replica's scheduler thread."""
+        policy_version and replicas (how many synced). A replica that fails meanwhile is dropped
+        and left out; any other error (a bad tree) fails the Future with the first replica's
+        error, `policy_version` unchanged (replicas that did apply it are ahead: sync again).
+        Safe on a replica's scheduler thread."""
         if in_flight not in ("hold", "finish"):
             raise ValueError(f"in_flight must be 'hold' or 'finish', got {in_flight!r}")
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)):

@@ -336,7 +336,8 @@ def test_a_replica_failing_mid_decode_has_its_requests_retried_on_the_others(
     want = reference(tiny_engine, calls)
     assert_same_tokens(outs, want)
     # the retried turn was prefilled in full on its new replica, which then holds the session
-    assert outs["q1"].num_cached_tokens == 0 and outs["q1"].num_computed_prompt_tokens == len(calls[1]["prompt_ids"])
+    assert (outs["q1"].num_cached_tokens, outs["q1"].num_computed_prompt_tokens) == \
+        (0, len(calls[1]["prompt_ids"]))
     assert placed["q1-next"] == [placed["q1"][1]] and turn2.num_cached_tokens > 0
     retried = sum(len(want[k].token_ids) > 4 for k in on_one)  # those still running in loop 2
     assert retried >= 1
