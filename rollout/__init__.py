@@ -23,7 +23,8 @@ This package does not import optax or trainer code.
 from ._driver import RolloutBatch, RolloutDriver
 from ._engine import PREFILL_BUCKETS, Engine, prefill_bucket
 from ._sampling import SamplingParams, sample
-from ._router import LocalReplica, Replica, ReplicaRouter
+from ._replica import LocalReplica, Replica
+from ._router import ReplicaRouter
 from ._server import GenerateOutput, RolloutServer
 from ._state import DecodeState, Prefix, ResultTokens, SlotData
 
