@@ -1,7 +1,8 @@
 """ReplicaRouter over 2 in-process replicas, each a RolloutServer over its own engine on its own
 CPU device: stickiness and parked-KV reuse, least-in-flight balance, the bound per replica, tokens
 equal to one server's, weight-sync and sleep fan-out, replica death (the scheduler failing
-mid-decode, and a replica the caller drops), no replica left, and request errors.
+mid-decode, and a replica the caller drops), no replica left, request errors, and the agent
+runner over a router.
 
 Where a test needs placements that do not depend on timing it suspends the replicas, submits,
 then resumes (a suspended replica takes requests but runs none); where it needs a replica to fail
@@ -378,3 +379,37 @@ def test_no_live_replica_left_fails_every_request_with_one_clear_error(engines, 
         router.update_params(engines[0].params)
     assert router.stats["dead_replicas"] == 2
     router.close()
+
+
+# ---------------------------------------------------------------- the agent code, unchanged
+def test_agent_runner_over_a_router_equals_one_server(engines, tiny_engine):
+    """AgentRunner's single-turn loop (session, release_session, agenerate) gives the same
+    responses and log-probs over a router as over one server: nothing in the agent code changes."""
+    from jaxrl_llm import agent
+    from jaxrl_llm.config import MultiTurnConfig
+    from jaxrl_llm.models import CharTokenizer
+
+    mt = MultiTurnConfig(enable=False, default_agent_loop="single_turn_agent", max_assistant_turns=0,
+                         max_user_turns=0, max_parallel_calls=1, max_tool_response_length=256,
+                         tool_response_truncate_side="middle", tool_timeout_s=5.0,
+                         tool_memory_limit_gb=4.0, tool_workers=1, sandbox="process",
+                         tool_config_path="", function_tool_path="", interaction_config_path="",
+                         format="hermes", tokenization_sanity_check_mode="strict")
+    samples = [agent.AgentSample(raw_prompt=[{"role": "user", "content": f"{i}+1="}],
+                                 data_source="arithmetic", ground_truth=str(i + 1), extra_info={},
+                                 agent_name="", row=i) for i in range(6)]
+
+    def run(server):
+        runner = agent.AgentRunner(server, CharTokenizer(), mt, max_prompt_length=16,
+                                   max_response_length=12, pad_token_id=0, tools={}, interactions={})
+        return runner.run(samples, sampling=SAMPLED, seed=4)
+
+    router, replicas, placed = make_router(engines)
+    with router:
+        routed = run(router)
+        assert {p[0] for p in placed.values()} == {0, 1} and len(placed) == 6
+    with rollout.RolloutServer(tiny_engine, steps_per_sync=4) as one:
+        single = run(one)
+    assert np.asarray(single["response_mask"]).sum() >= 6  # every trajectory generated tokens
+    for key in ("responses", "response_mask", "rollout_log_probs"):
+        np.testing.assert_allclose(np.asarray(routed[key]), np.asarray(single[key]), atol=1e-5, err_msg=key)
