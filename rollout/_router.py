@@ -334,7 +334,7 @@ class ReplicaRouter:
 
     def _check_running(self) -> None:
         if self._error is not None:
-            raise self._error
+            raise RuntimeError(str(self._error)) from self._error
         if self._closing:
             raise RuntimeError("the ReplicaRouter is closed")
 
