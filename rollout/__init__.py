@@ -11,6 +11,9 @@
   agenerate from many threads or coroutines; per-request sampling, budget and seed; session KV
   reuse across turns; abort; weight sync holding or finishing in-flight requests) returning
   `GenerateOutput` (tokens, log-probs, finish reason, policy version per token).
+- `ReplicaRouter`: the server's API over several replicas (`Replica`; in process `LocalReplica`
+  over a `RolloutServer`): sticky by session, least in-flight otherwise, a bound per replica,
+  weight syncs and suspend/sleep to all, per-replica metrics, failover when a replica dies.
 - `SamplingParams`, `sample`: greedy / temperature / top-k / top-p with log-probs.
 - `rollout.jetstream_adapter` (imports jetstream lazily; the `jetstream` extra) and
   `python -m rollout.serve` (gRPC server) serve an engine through JetStream.
@@ -20,9 +23,12 @@ This package does not import optax or trainer code.
 from ._driver import RolloutBatch, RolloutDriver
 from ._engine import PREFILL_BUCKETS, Engine, prefill_bucket
 from ._sampling import SamplingParams, sample
+from ._replica import LocalReplica, Replica
+from ._router import ReplicaRouter
 from ._server import GenerateOutput, RolloutServer
 from ._state import DecodeState, Prefix, ResultTokens, SlotData
 
 __all__ = ["Engine", "RolloutDriver", "RolloutBatch", "RolloutServer", "GenerateOutput",
+           "ReplicaRouter", "Replica", "LocalReplica",
            "SamplingParams", "sample", "DecodeState", "Prefix", "ResultTokens", "SlotData",
            "PREFILL_BUCKETS", "prefill_bucket"]

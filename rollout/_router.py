@@ -1,0 +1,650 @@
+"""`ReplicaRouter`: one load balancer over N rollout replicas, used wherever a `RolloutServer` is.
+
+A replica is one engine behind one `RolloutServer` (`LocalReplica`, in this process) or anything
+else that implements the `Replica` protocol (a Ray actor or RPC handle on another host: later
+work). The router has the server's public API (`submit`, `generate`, `agenerate`, `abort`,
+`release_session`, `submit_update` / `update_params`, `suspend` / `submit_suspend` / `resume` /
+`sleep` / `wake`, `suspended`, `asleep`, `policy_version`, `stats`, `close`, context manager), so
+agent loops, the Rollouter and HostWorker run unchanged over several replicas.
+
+Routing (all decisions under one lock, in submit order):
+- a request whose `session_id` the router has seen goes to that session's replica (it holds the
+  session's parked KV), waiting if that replica is at its bound;
+- any other request goes to the live replica with the fewest requests in flight that is below
+  its bound (ties: the lowest index), so a replica held up by long requests gets fewer new ones;
+- a request no replica can take now waits in the router's FIFO queue; whenever a request ends
+  the queue is walked in order and every request that can go somewhere is sent (one waiting for
+  a busy session replica does not hold up the others). `submit` returns the Future at once.
+  `max_inflight_per_replica` (default: each replica's `capacity`, its decode slots) bounds the
+  requests in flight on a replica: a dispatched request gets a slot at once, so the only queue is
+  the router's, where a request can still go to whichever replica frees first.
+
+Sampling is keyed by (seed, row) and the step, so a request gives the same tokens on any replica
+with the same weights: where a request runs never changes what it samples.
+
+Fan-out: weight syncs and suspend / resume / sleep / wake go to every live replica at once (syncs
+through `submit_update`, the blocking controls on a thread pool) and return when all are done.
+Every replica gets the same explicit version, so `policy_version` is one number; a sync takes one
+params tree for all replicas (`params`) or one per replica (`replica_params`: a sequence indexed
+by replica, or a callable `index -> params`, called in the caller's thread in index order, only
+for live replicas: where each replica's engine lives on its own devices).
+
+Replica death: a replica fails when its scheduler thread dies (a `RolloutServer` then fails every
+future with the error and refuses submits), when a request future or a submit of it raises, or
+when the caller says so (`mark_dead`). The router logs a warning, counts it, drops the replica for
+good and re-queues every request it had in flight, ahead of the newer ones; they run again from
+the start on the live replicas with the same seed, row and step_offset, so they give the tokens
+the dead replica would have given (under the same weights). A session whose replica died is
+prefilled in full on its new replica. Tokens the dead replica had already generated are not kept
+(a request is retried from scratch, not resumed from a partial result); an aborted request whose
+replica dies resolves as "abort" with no tokens. With no live replica left every waiting future
+fails with one error naming each replica's failure, and later calls raise it. Request errors
+(validation: empty prompt, too long, bad sampling, a duplicate live request id, ...) raise in the
+caller at `submit`, as on the server, and are never retried.
+
+Left to others: starting replicas (HostWorker, from the config), restarting dead ones, and remote
+replicas (an RPC `Replica`).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._engine import Engine
+from ._replica import LocalReplica, Replica
+from ._sampling import SamplingParams
+from ._server import GenerateOutput, RolloutServer, _set_future
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class _Routed:
+    """A request as the router sees it (under the router's lock)."""
+
+    seq: int  # submit order: retried requests go back in the queue in this order
+    request_id: str
+    prompt: list[int]
+    kwargs: dict  # sampling, max_new_tokens, session_id, seed, row, step_offset
+    future: concurrent.futures.Future  # the caller's
+    replica: int = -1  # -1: in the router's queue
+    attempt: int = 0  # bumped at each dispatch and re-queue: a stale replica result is ignored
+    aborted: bool = False
+    waited: bool = False  # had to wait in the router's queue (counted once)
+
+
+def _combine(results: list[dict]) -> dict:
+    """Per-replica result dicts -> one: numbers summed, `*_s` durations max-ed, flags true when
+    true on every replica (zero_copy), except weights_released: true when true on any (a sync is
+    then due before `wake`)."""
+    out: dict = {}
+    for result in results:
+        for k, v in result.items():
+            if isinstance(v, bool):
+                out[k] = (out.get(k, False) or v) if k == "weights_released" else (out.get(k, True) and v)
+            elif isinstance(v, (int, float)) and k.endswith("_s"):
+                out[k] = max(out.get(k, v), v)
+            elif isinstance(v, (int, float)):
+                out[k] = out.get(k, 0) + v
+    return out
+
+
+def _rate(num: float, den: float, empty: float) -> float:
+    return float(num) / float(den) if den else empty
+
+
+class ReplicaRouter:
+    """Serves requests over `replicas` (see the module docstring): same API as `RolloutServer`.
+
+    replicas: `Replica`s or `RolloutServer`s (wrapped in `LocalReplica`), all at the same
+    policy_version; the router owns them (`close` closes them). max_inflight_per_replica: the
+    most requests in flight on one replica (None: each replica's `capacity`, its decode slots).
+    """
+
+    def __init__(self, replicas: Sequence[Replica | RolloutServer], *,
+                 max_inflight_per_replica: int | None = None):
+        if not replicas:
+            raise ValueError("ReplicaRouter needs at least one replica")
+        self.replicas: list[Replica] = [LocalReplica(r) if isinstance(r, RolloutServer) else r
+                                        for r in replicas]
+        for i, r in enumerate(self.replicas):
+            if not isinstance(r, Replica):
+                raise TypeError(f"replica {i} ({type(r).__name__}) is neither a RolloutServer nor "
+                                f"a rollout.Replica")
+        bound = max_inflight_per_replica
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
+            raise ValueError(f"max_inflight_per_replica must be an int >= 1 or None (each "
+                             f"replica's decode slots), got {bound!r}")
+        self.bounds = [int(bound) if bound is not None else r.capacity for r in self.replicas]
+        versions = [r.policy_version for r in self.replicas]
+        if len(set(versions)) != 1:
+            raise ValueError(f"the replicas are at different policy versions {versions}; sync "
+                             f"them to one version before building the router")
+        n = len(self.replicas)
+        self._lock = threading.Lock()
+        self._queue: collections.deque[_Routed] = collections.deque()
+        self._live: dict[str, _Routed] = {}
+        self._inflight: list[set[_Routed]] = [set() for _ in range(n)]
+        self._sessions: dict[str, int] = {}
+        self._dead: dict[int, BaseException] = {}  # replica -> why it was dropped
+        self._dead_stats: dict[int, dict] = {}  # a dead replica's last counters
+        self._error: BaseException | None = None  # no live replica left
+        self._closing = False
+        self._seq = itertools.count()
+        self._version = self._target_version = versions[0]
+        self._sync_seq, self._applied_seq = itertools.count(1), 0
+        self._counts = collections.Counter()  # router counters, cumulative
+        self._interval = collections.Counter()  # since the last metrics() call
+        self._last_stats = [dict() for _ in range(n)]
+        self._last_metrics_t = time.perf_counter()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="ReplicaRouter")
+
+    @classmethod
+    def from_engines(cls, engines: Sequence[Engine], *, max_inflight_per_replica: int | None = None,
+                     **server_kwargs) -> "ReplicaRouter":
+        """A router over one new `RolloutServer(engine, **server_kwargs)` per engine."""
+        return cls([RolloutServer(e, **server_kwargs) for e in engines],
+                   max_inflight_per_replica=max_inflight_per_replica)
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, request_id: str, prompt_ids, *, sampling: SamplingParams, max_new_tokens: int,
+               session_id: str | None = None, seed: int = 0, row: int = 0,
+               step_offset: int = 0) -> concurrent.futures.Future:
+        """As `RolloutServer.submit`: queues a request, returns a Future[GenerateOutput]; errors in
+        the request raise here. Cancelling the future aborts the request."""
+        kwargs = dict(sampling=sampling, max_new_tokens=max_new_tokens, session_id=session_id,
+                      seed=seed, row=row, step_offset=step_offset)
+        prompt = self._validator().validate(request_id, prompt_ids, **kwargs)
+        req = _Routed(next(self._seq), request_id, prompt, kwargs, concurrent.futures.Future())
+        with self._lock:
+            self._check_running()
+            if request_id in self._live:
+                raise ValueError(f"request_id {request_id!r} is already pending or running; "
+                                 f"request ids must be unique among live requests")
+            self._live[request_id] = req
+            self._queue.append(req)
+            self._counts["routed_requests"] += 1
+        req.future.add_done_callback(lambda f: self._abort(req) if f.cancelled() else None)
+        self._pump()
+        return req.future
+
+    def generate(self, request_id: str, prompt_ids, **kwargs) -> GenerateOutput:
+        """`submit(...)` and wait for the result (not from a replica's scheduler thread)."""
+        return self.submit(request_id, prompt_ids, **kwargs).result()
+
+    async def agenerate(self, request_id: str, prompt_ids, **kwargs) -> GenerateOutput:
+        """`submit(...)` awaited from asyncio (cancelling the awaiting task aborts the request)."""
+        return await asyncio.wrap_future(self.submit(request_id, prompt_ids, **kwargs))
+
+    def abort(self, request_id: str) -> bool:
+        """Ends a queued or dispatched request: its future resolves with finish_reason "abort"
+        (a dispatched one with its tokens so far). False when no such request is live."""
+        with self._lock:
+            req = self._live.get(request_id)
+        return req is not None and self._abort(req)
+
+    def release_session(self, session_id: str) -> None:
+        """Forgets the session: its replica drops the parked KV; a later turn is a new session."""
+        with self._lock:
+            i = self._sessions.pop(session_id, None)
+        if i is not None and i not in self._dead:
+            self._call(i, lambda r: r.release_session(session_id))
+
+    def _abort(self, req: _Routed) -> bool:
+        with self._lock:
+            if self._live.get(req.request_id) is not req:
+                return False
+            req.aborted = True
+            i = req.replica
+            if i < 0:  # still queued here
+                self._queue.remove(req)
+                del self._live[req.request_id]
+        if i < 0:
+            _set_future(req.future, self._abort_output(req))
+        else:  # the replica's "abort" result comes back through _on_done
+            self._call(i, lambda r: r.abort(req.request_id))
+        return True
+
+    def _abort_output(self, req: _Routed) -> GenerateOutput:
+        return GenerateOutput(request_id=req.request_id, token_ids=[], log_probs=[],
+                              finish_reason="abort", num_prompt_tokens=len(req.prompt),
+                              num_cached_tokens=0, num_computed_prompt_tokens=0,
+                              policy_version=self._version, policy_versions=[])
+
+    # ------------------------------------------------------------------ routing
+    def _target(self, req: _Routed) -> int | None:
+        """The replica `req` goes to now, or None (it waits). Under the lock."""
+        room = [len(s) < b for s, b in zip(self._inflight, self.bounds)]
+        home = self._sessions.get(req.kwargs["session_id"])
+        if home is not None and home not in self._dead:
+            return home if room[home] else None
+        free = [i for i in range(len(self.replicas)) if room[i] and i not in self._dead]
+        return min(free, key=lambda i: (len(self._inflight[i]), i)) if free else None
+
+    def _assign(self) -> list[tuple[_Routed, int, int]]:
+        """Takes every queued request that a replica can take now, in queue order. Under the lock."""
+        if self._closing or self._error is not None:
+            return []
+        sent, kept = [], collections.deque()
+        for req in self._queue:
+            i = self._target(req)
+            if i is None:
+                self._counts["waited_requests"] += not req.waited
+                req.waited = True
+                kept.append(req)
+                continue
+            self._place(req, i)
+            sent.append((req, i, req.attempt))
+        self._queue = kept
+        return sent
+
+    def _place(self, req: _Routed, i: int) -> None:
+        """Books `req` on replica `i` (under the lock): in-flight, session map, counters."""
+        req.replica, req.attempt = i, req.attempt + 1
+        self._inflight[i].add(req)
+        self._interval[f"requests/{i}"] += 1
+        session = req.kwargs["session_id"]
+        if session is not None:
+            if session in self._sessions:  # a later turn (or a retry) of a known session
+                self._counts["session_requests"] += 1
+                self._interval["session_requests"] += 1
+                sticky = self._sessions[session] == i
+                self._counts["sticky_requests"] += sticky
+                self._interval["sticky_requests"] += sticky
+            self._sessions[session] = i
+
+    def _pump(self) -> None:
+        """Sends what the replicas can take now (outside the lock: a submit may be an RPC)."""
+        with self._lock:
+            sent = self._assign()
+        for req, i, attempt in sent:
+            self._dispatch(req, i, attempt)
+
+    def _dispatch(self, req: _Routed, i: int, attempt: int) -> None:
+        replica = self.replicas[i]
+        try:
+            inner = replica.submit(req.request_id, req.prompt, **req.kwargs)
+        except (ValueError, TypeError) as error:  # the request, not the replica (no retry)
+            with self._lock:
+                stale = req.attempt != attempt
+                if not stale:
+                    self._inflight[i].discard(req)
+                    self._live.pop(req.request_id, None)
+            if not stale:
+                _set_future(req.future, error=error)
+                self._pump()
+            return
+        except Exception as error:  # noqa: BLE001 - the replica failed: retried elsewhere
+            if self._closing:  # close() is closing the replicas
+                self._resolve_closed([req], attempt)
+            else:
+                self._fail_replica(i, error)
+            return
+        with self._lock:
+            current = req.attempt == attempt and i not in self._dead
+            aborted = req.aborted
+        if not current:  # its replica was dropped meanwhile: the request was re-queued
+            self._call(i, lambda r: r.abort(req.request_id))
+            return
+        inner.add_done_callback(functools.partial(self._on_done, req, i, attempt))
+        if aborted:
+            self._call(i, lambda r: r.abort(req.request_id))
+
+    def _on_done(self, req: _Routed, i: int, attempt: int, inner: concurrent.futures.Future) -> None:
+        """A replica's result (on its scheduler thread): resolve, or fail over the replica."""
+        error = inner.exception() if not inner.cancelled() else None
+        with self._lock:
+            if req.attempt != attempt or req.replica != i:
+                return  # a re-queued request's old attempt
+            if error is None:
+                self._inflight[i].discard(req)
+                self._live.pop(req.request_id, None)
+        if error is not None:
+            self._fail_replica(i, error)
+            return
+        if inner.cancelled():
+            req.future.cancel()
+        else:
+            _set_future(req.future, inner.result())
+        self._pump()
+
+    def _call(self, i: int, fn: Callable[[Replica], Any]) -> Any:
+        """A best-effort call on replica i (abort, release): a failure there is logged, not raised."""
+        try:
+            return fn(self.replicas[i])
+        except Exception as error:  # noqa: BLE001 - best effort on a replica that may be gone
+            log.debug("rollout replica %d: %r", i, error)
+            return None
+
+    def _validator(self) -> Replica:
+        with self._lock:
+            self._check_running()
+            return next(r for i, r in enumerate(self.replicas) if i not in self._dead)
+
+    def _check_running(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(str(self._error)) from self._error
+        if self._closing:
+            raise RuntimeError("the ReplicaRouter is closed")
+
+    # ------------------------------------------------------------------ replica death
+    def mark_dead(self, index: int, reason: str = "marked dead by the caller") -> None:
+        """Drops replica `index` (e.g. its host stopped answering): its requests are retried on
+        the live replicas and aborted on it (best effort). No-op when it is already dead."""
+        if not 0 <= index < len(self.replicas):
+            raise IndexError(f"replica index {index} out of range [0, {len(self.replicas)})")
+        self._fail_replica(index, RuntimeError(f"rollout replica {index}: {reason}"), abort_there=True)
+
+    def _fail_replica(self, i: int, error: BaseException, abort_there: bool = False) -> None:
+        """Drops replica i for good and re-queues its in-flight requests (see the module doc)."""
+        last = self._call(i, lambda r: r.stats)
+        with self._lock:
+            if i in self._dead:
+                return
+            self._dead[i] = error
+            self._dead_stats[i] = last if last is not None else self._last_stats[i]
+            moved = sorted(self._inflight[i], key=lambda r: r.seq)
+            self._inflight[i] = set()
+            for req in moved:
+                req.replica, req.attempt = -1, req.attempt + 1
+            aborted = [r for r in moved if r.aborted]
+            retried = [r for r in moved if not r.aborted]
+            for req in aborted:
+                self._live.pop(req.request_id, None)
+            self._queue = collections.deque(sorted([*retried, *self._queue], key=lambda r: r.seq))
+            self._counts["dead_replicas"] += 1
+            self._counts["retried_requests"] += len(retried)
+            left = [r for r in self._live.values()]
+            if len(self._dead) == len(self.replicas):
+                self._error = self._no_replica_error()
+                self._queue.clear()
+                self._live.clear()
+        log.warning("rollout replica %d failed (%r): %d in-flight requests retried on the %d live "
+                    "replicas", i, error, len(retried), len(self.replicas) - len(self._dead))
+        for req in aborted:
+            _set_future(req.future, self._abort_output(req))
+        if abort_there:
+            for req in moved:
+                self._call(i, lambda r, rid=req.request_id: r.abort(rid))
+        if self._error is not None:
+            for req in left:
+                _set_future(req.future, error=self._error)
+            return
+        if self._closing:
+            self._resolve_closed(retried)
+        self._pump()
+
+    def _resolve_closed(self, reqs: list[_Routed], attempt: int | None = None) -> None:
+        """Requests that can no longer run because the router is closing end as "abort"."""
+        with self._lock:
+            reqs = [r for r in reqs if (attempt is None or r.attempt == attempt)
+                    and self._live.get(r.request_id) is r]
+            for req in reqs:
+                self._live.pop(req.request_id)
+                if req.replica >= 0:
+                    self._inflight[req.replica].discard(req)
+                if req in self._queue:
+                    self._queue.remove(req)
+        for req in reqs:
+            _set_future(req.future, self._abort_output(req))
+
+    def _no_replica_error(self) -> RuntimeError:
+        why = "; ".join(f"replica {i}: {e!r}" for i, e in sorted(self._dead.items()))
+        return RuntimeError(f"no live rollout replica is left (all {len(self.replicas)} failed: "
+                            f"{why}); the requests cannot be served: restart the rollout replicas")
+
+    # ------------------------------------------------------------------ fan-out
+    def submit_update(self, params=None, *, version: int | None = None, in_flight: str = "hold",
+                      replica_params=None) -> concurrent.futures.Future:
+        """A weight sync to every live replica (`RolloutServer.submit_update` each), all at the
+        same version (`version`, else one more than the last sync asked). Give `params` (one tree
+        for all) or `replica_params` (a sequence indexed by replica, or a callable index ->
+        params, called here in index order for the live replicas only). Returns one Future of the
+        replicas' sync stats combined (numbers summed, `*_s` max-ed, zero_copy if on all) plus
+        policy_version and replicas (how many synced). A replica that fails meanwhile is dropped
+        and left out; any other error (a bad tree) fails the Future with the first replica's
+        error, `policy_version` unchanged (replicas that did apply it are ahead: sync again).
+        Safe on a replica's scheduler thread."""
+        if in_flight not in ("hold", "finish"):
+            raise ValueError(f"in_flight must be 'hold' or 'finish', got {in_flight!r}")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise TypeError(f"version must be an int or None, got {version!r}")
+        if (params is None) == (replica_params is None):
+            raise ValueError("give exactly one of params (one tree for every replica) or "
+                             "replica_params (a sequence or a callable index -> params)")
+        if replica_params is not None and not callable(replica_params) and \
+                len(replica_params) != len(self.replicas):
+            raise ValueError(f"replica_params has {len(replica_params)} entries for "
+                             f"{len(self.replicas)} replicas; give one per replica (by index)")
+        with self._lock:
+            self._check_running()
+            live = [i for i in range(len(self.replicas)) if i not in self._dead]
+            target = version if version is not None else self._target_version + 1
+            self._target_version, seq = target, next(self._sync_seq)
+        futures = {}
+        for i in live:
+            tree = params if replica_params is None else (
+                replica_params(i) if callable(replica_params) else replica_params[i])
+            try:
+                futures[i] = self.replicas[i].submit_update(tree, version=target, in_flight=in_flight)
+            except Exception as error:  # noqa: BLE001 - sorted out with the others' results
+                futures[i] = concurrent.futures.Future()
+                futures[i].set_exception(error)
+        return self._gather(futures, functools.partial(self._synced, target, seq))
+
+    def _synced(self, target: int, seq: int, results: dict[int, dict]) -> dict:
+        with self._lock:
+            if seq > self._applied_seq:
+                self._version, self._applied_seq = target, seq
+        stats = _combine(list(results.values()))
+        return {**stats, "policy_version": target, "replicas": len(results)}
+
+    def update_params(self, params=None, *, version: int | None = None, in_flight: str = "hold",
+                      replica_params=None) -> dict:
+        """`submit_update(...)` and wait: every live replica synced, `policy_version` = the new
+        version (not from a replica's scheduler thread)."""
+        return self.submit_update(params, version=version, in_flight=in_flight,
+                                  replica_params=replica_params).result()
+
+    def _gather(self, futures: dict[int, concurrent.futures.Future],
+                finish: Callable[[dict[int, Any]], Any]) -> concurrent.futures.Future:
+        """One Future over per-replica futures. A replica that failed (its `error` set) is
+        dropped and left out; another exception (a bad tree, resume while asleep) fails it."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def done(_):
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            results, errors = {}, []
+            for i, f in sorted(futures.items()):
+                error = f.exception()
+                if error is None:
+                    results[i] = f.result()
+                elif self._call(i, lambda r: r.error) is not None or i in self._dead:
+                    self._fail_replica(i, error)
+                else:
+                    errors.append((i, error))
+            if errors:
+                i, error = errors[0]
+                _set_future(out, error=error)
+            elif not results:
+                _set_future(out, error=self._error or self._no_replica_error())
+            else:
+                try:
+                    _set_future(out, finish(results))
+                except Exception as error:  # noqa: BLE001
+                    _set_future(out, error=error)
+
+        if not futures:
+            with self._lock:
+                _set_future(out, error=self._error or self._no_replica_error())
+        for f in futures.values():
+            f.add_done_callback(done)
+        return out
+
+    def _fan_out(self, name: str) -> concurrent.futures.Future:
+        """`replica.<name>()` on every live replica in parallel (the router's thread pool)."""
+        with self._lock:
+            self._check_running()
+            live = [i for i in range(len(self.replicas)) if i not in self._dead]
+        futures = {i: self._pool.submit(getattr(self.replicas[i], name)) for i in live}
+        return self._gather(futures, lambda results: _combine(
+            [r for r in results.values() if isinstance(r, dict)]))
+
+    def suspend(self) -> None:
+        """`suspend()` on every live replica; returns once all hold (see RolloutServer.suspend)."""
+        self.submit_suspend().result()
+
+    def submit_suspend(self) -> concurrent.futures.Future:
+        """Queues `suspend()` on every replica; a Future resolved once all hold. Safe to call on
+        a replica's scheduler thread."""
+        return self._fan_out("suspend")
+
+    def resume(self) -> None:
+        self._fan_out("resume").result()
+
+    def sleep(self) -> dict:
+        """`sleep()` on every live replica: {"kv_bytes", "weight_bytes"} summed, "weights_released"
+        if any replica released them."""
+        return self._fan_out("sleep").result()
+
+    def wake(self) -> dict:
+        """`wake()` on every live replica: {"recomputed_requests", "recomputed_tokens"} summed."""
+        return self._fan_out("wake").result()
+
+    # ------------------------------------------------------------------ state and metrics
+    def _live_replicas(self) -> list[Replica]:
+        with self._lock:
+            return [r for i, r in enumerate(self.replicas) if i not in self._dead]
+
+    @property
+    def suspended(self) -> bool:
+        """Whether any live replica is suspended (so `resume()` is due)."""
+        return any(r.suspended for r in self._live_replicas())
+
+    @property
+    def asleep(self) -> bool:
+        """Whether any live replica is asleep (so `wake()` is due)."""
+        return any(r.asleep for r in self._live_replicas())
+
+    @property
+    def policy_version(self) -> int:
+        """The version every live replica has: that of the last sync all of them applied."""
+        return self._version
+
+    @property
+    def live_replicas(self) -> list[int]:
+        with self._lock:
+            return [i for i in range(len(self.replicas)) if i not in self._dead]
+
+    def in_flight(self) -> list[int]:
+        """Requests in flight per replica (dispatched, not yet resolved)."""
+        with self._lock:
+            return [len(s) for s in self._inflight]
+
+    @property
+    def stats(self) -> dict:
+        """The replicas' counters summed (`RolloutServer.stats` keys; a dead replica's as last
+        read; a retried request counts on each replica it ran on) plus the router's: routed_requests
+        (submitted to the router), waited_requests (had to wait in its queue), session_requests /
+        sticky_requests (later turns of a known session / those sent to the session's replica),
+        dead_replicas, retried_requests."""
+        total = collections.Counter()
+        for i, r in enumerate(self.replicas):
+            with self._lock:
+                dead = self._dead_stats.get(i)
+            total.update(dead if dead is not None else (self._call(i, lambda x: x.stats) or {}))
+        with self._lock:
+            total.update(self._counts)
+        return dict(total)
+
+    def metrics(self) -> dict[str, float]:
+        """Gauges now and rates over the interval since the last call (call once per step):
+
+        rollout/replica/{i}/in_flight: requests dispatched to replica i and not yet resolved;
+        rollout/replica/{i}/queue: requests waiting in the router for replica i (their session is
+        there); rollout/replica/{i}/requests: requests sent to it in the interval;
+        rollout/replica/{i}/tokens_per_s: tokens of the requests it finished in the interval /
+        the interval; rollout/replica/{i}/prefix_hit_rate: reused_tokens / (reused_tokens +
+        prefill_tokens) in the interval (0 when it computed no prompt); rollout/replica/{i}/alive
+        (1 or 0); rollout/replica/{i}/policy_version.
+        rollout/router/queue: every request waiting in the router; rollout/router/stickiness:
+        the share of later session turns sent to their session's replica in the interval (1 when
+        none came); rollout/router/imbalance_requests, /imbalance_tokens: max / mean over the live
+        replicas of requests sent / tokens generated in the interval (1 = even; 1 when none);
+        rollout/router/live_replicas, /dead_replicas, /retried_requests (cumulative).
+        """
+        now = time.perf_counter()
+        stats = {i: self._call(i, lambda r: r.stats) or {} for i in self.live_replicas}
+        with self._lock:
+            dt, self._last_metrics_t = max(now - self._last_metrics_t, 1e-9), now
+            interval, self._interval = self._interval, collections.Counter()
+            pinned = collections.Counter(self._sessions.get(r.kwargs["session_id"]) for r in self._queue)
+            out = {"rollout/router/queue": float(len(self._queue)),
+                   "rollout/router/live_replicas": float(len(self.replicas) - len(self._dead)),
+                   "rollout/router/dead_replicas": float(self._counts["dead_replicas"]),
+                   "rollout/router/retried_requests": float(self._counts["retried_requests"]),
+                   "rollout/router/stickiness": _rate(interval["sticky_requests"],
+                                                      interval["session_requests"], 1.0)}
+            tokens, requests = [], []
+            for i, r in enumerate(self.replicas):
+                p = f"rollout/replica/{i}/"
+                new, old = stats.get(i, {}), self._last_stats[i]
+                delta = {k: new.get(k, 0) - old.get(k, 0) for k in
+                         ("generated_tokens", "reused_tokens", "prefill_tokens")}
+                if i in stats:
+                    self._last_stats[i] = new
+                    tokens.append(delta["generated_tokens"])
+                    requests.append(interval[f"requests/{i}"])
+                out.update({
+                    p + "alive": float(i not in self._dead),
+                    p + "in_flight": float(len(self._inflight[i])),
+                    p + "queue": float(pinned[i]),
+                    p + "requests": float(interval[f"requests/{i}"]),
+                    p + "tokens_per_s": delta["generated_tokens"] / dt if i in stats else 0.0,
+                    p + "prefix_hit_rate": _rate(delta["reused_tokens"],
+                                                 delta["reused_tokens"] + delta["prefill_tokens"], 0.0),
+                    p + "policy_version": -1.0,  # a dead replica's: set below for the live ones
+                })
+        for name, xs in (("requests", requests), ("tokens", tokens)):
+            out[f"rollout/router/imbalance_{name}"] = _rate(max(xs, default=0), np.mean(xs) if xs else 0, 1.0)
+        for i in stats:
+            out[f"rollout/replica/{i}/policy_version"] = float(self.replicas[i].policy_version)
+        return out
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Aborts the queued requests, closes every replica (their requests end as "abort")."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            queued, self._queue = list(self._queue), collections.deque()
+            for req in queued:
+                self._live.pop(req.request_id, None)
+        for req in queued:
+            _set_future(req.future, self._abort_output(req))
+        for f in [self._pool.submit(self._call, i, lambda r: r.close()) for i in range(len(self.replicas))]:
+            f.result()
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> "ReplicaRouter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
