@@ -50,3 +50,18 @@ def test_bench_sleep_dry_run_frees_the_kv_cache_and_weight_copy_and_wake_takes_t
     assert used["awake"] >= used["suspended"] - 1024  # the small per-slot arrays may differ
     assert record["wake"]["recomputed_requests"] == 3
     assert record["held_tokens"] == [12, 12, 12]
+
+
+def test_bench_recompute_dry_run_refills_held_prefixes_whole_in_few_prefill_calls(capsys, load_script):
+    """scripts/bench_recompute.py --dry-run (CPU): 8 held requests with prefixes up to 131 tokens
+    on a max_prefill_length=16 engine are rebuilt by prefill calls alone, fewer than the 16-token
+    chunk rounds the longest prefix would take through admission, every repeat the same calls."""
+    record = load_script("bench_recompute").main(["--dry-run"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(record))
+    assert record["recomputed_requests"] == record["held"] == 8
+    assert record["tokens"] == record["prefix_tokens"] and record["prefix_max"] > 8 * 16
+    assert record["append_calls"] == 0 and record["calls"] == record["prefill_calls"]
+    assert record["calls"] == sum(record["shapes"].values()) < record["prefix_max"] // 16
+    assert record["tokens"] <= record["padded_tokens"] and 0 <= record["padding_fraction"] < 1
+    assert record["seconds"] > 0 and record["tokens_per_s"] > 0
+    assert len({(r["calls"], r["padded_tokens"]) for r in record["repeats"]}) == 1

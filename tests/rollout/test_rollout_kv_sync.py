@@ -254,3 +254,128 @@ def test_a_session_request_aborted_with_stale_kv_is_not_parked(tiny_model, tiny_
         second = srv.generate("t2", nxt, sampling=GREEDY, max_new_tokens=3, session_id="s")
     assert second.num_cached_tokens == 0
     assert second.token_ids == greedy_reference(kv_weights, nxt, 3, (stop_id,))
+
+
+# ---------------------------------------------------------------- whole-prefix re-prefill
+# Kept prefixes (prompt + 8 tokens decoded before the sync) far past max_prefill_length=16, in
+# several refill buckets: 110, 100, 98 (bucket 128 = the KV cache length; a 4th row carries 50),
+# 40 (bucket 48) and 20 (bucket 24).
+_LONG_PROMPTS = (102, 92, 90, 42, 32, 12)
+_LONG_CALLS = 3  # one prefill call per bucket (the admission path took 1 prefill + 7 appends)
+
+
+@pytest.fixture(scope="module")
+def long_engine(tiny_model):
+    """tiny_model with a 128-token KV cache and max_prefill_length=16 (the async trainer's engine:
+    prompt-sized prefill buckets, long responses); no stop tokens, so requests run to budget."""
+    return rollout.Engine.from_model(tiny_model, max_concurrent_decodes=8, max_prefill_length=16,
+                                     max_target_length=128, temperature=1.0, layer_layout="per_layer")
+
+
+def _full_forward_log_probs(model, prompt, response, pad_to=128):
+    """log_softmax of the logits of one full causal forward (no KV cache), response tokens only."""
+    graphdef, state = nnx.split(model)
+    ids = np.zeros((1, pad_to), np.int32)
+    ids[0, :len(prompt) + len(response)] = list(prompt) + list(response)
+    logits = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))(state, jnp.asarray(ids))[0]
+    lp = jax.nn.log_softmax(logits[len(prompt) - 1:len(prompt) + len(response) - 1], axis=-1)
+    return np.asarray(jnp.take_along_axis(lp, jnp.asarray(response)[:, None], axis=-1)[:, 0])
+
+
+def _hold_long_requests(srv, engine, monkeypatch, at_loop_2):
+    """Admits the _LONG_PROMPTS requests in one round (the server suspended while they queue),
+    runs at_loop_2() on the scheduler thread before decode loop 2 and waits for it; returns
+    (prompts, futures, {"stats": the server's stats after admission})."""
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(1, 96, n)] for n in _LONG_PROMPTS]
+    snap, queued = {}, threading.Event()
+
+    def hook():
+        snap["stats"] = srv.stats
+        at_loop_2()
+        queued.set()
+
+    hook_decode(monkeypatch, engine, {2: hook})
+    srv.suspend()
+    futures = [srv.submit(f"r{i}", p, sampling=SAMPLED, max_new_tokens=12, seed=5, row=i)
+               for i, p in enumerate(prompts)]
+    srv.resume()
+    queued.wait()
+    return prompts, futures, snap
+
+
+@pytest.mark.parametrize("via", ["sync", "sleep_wake"])
+def test_long_held_prefixes_are_refilled_whole_in_one_call_per_bucket_and_continue_as_fresh_prefills(
+        tiny_model, long_engine, kv_weights, monkeypatch, via):
+    """Held requests of mixed lengths past max_prefill_length, rebuilt after a recompute sync (or
+    a sleep, new weights and a wake): one prefill call per refill bucket, no appends, and every
+    request continues exactly as a fresh request of its prefix under the new weights would."""
+    try:
+        with rollout.RolloutServer(long_engine, steps_per_sync=4, partial_rollout_kv="recompute") as srv:
+            held = {}
+            if via == "sync":
+                at_loop_2 = lambda: held.setdefault("f", srv.submit_update(kv_weights))  # noqa: E731
+            else:
+                at_loop_2 = lambda: held.setdefault("f", srv.submit_suspend())  # noqa: E731
+            prompts, futures, snap = _hold_long_requests(srv, long_engine, monkeypatch, at_loop_2)
+            if via == "sync":
+                assert held["f"].result()["held_requests"] == len(prompts)
+            else:
+                held["f"].result()
+                srv.sleep()
+                srv.update_params(kv_weights)
+                woke = srv.wake()
+                assert woke == {"recomputed_requests": len(prompts),
+                                "recomputed_tokens": sum(len(p) + 8 for p in prompts)}
+            outs = [f.result() for f in futures]
+            stats = srv.stats
+            calls = {k: stats.get(k, 0) - snap["stats"].get(k, 0) for k in ("prefill_calls", "append_calls")}
+            assert calls == {"prefill_calls": _LONG_CALLS, "append_calls": 0}
+            assert stats["recomputed_requests"] == len(prompts)
+            assert stats["recomputed_tokens"] == sum(len(p) + 8 for p in prompts)
+            fresh = [srv.generate(f"f{i}", p + o.token_ids[:8], sampling=SAMPLED, max_new_tokens=4,
+                                  seed=5, row=i, step_offset=8)
+                     for i, (p, o) in enumerate(zip(prompts, outs))]
+    finally:
+        long_engine.update_params(tiny_model)
+    for p, out, new in zip(prompts, outs, fresh):
+        before, after = out.token_ids[:8], out.token_ids[8:]
+        assert len(after) == 4
+        if via == "sync":
+            assert out.policy_versions == [0] * 8 + [1] * 4
+        assert after == new.token_ids
+        np.testing.assert_allclose(out.log_probs[8:], new.log_probs, atol=1e-5)
+        np.testing.assert_allclose(out.log_probs[8:], _full_forward_log_probs(kv_weights, p + before, after),
+                                   atol=1e-5)
+
+
+def test_refill_calls_take_the_longest_bucket_first_and_pad_rows_with_the_next_longest(long_engine):
+    """The call plan of `_refill_calls`: rows capped by recompute_tokens // bucket, padded to a
+    power of two, padding rows carrying shorter prefixes; a bucket past the last one under the KV
+    cache length is the KV cache length."""
+    from rollout._server import _Request
+
+    def plan(lengths, recompute_tokens):
+        srv = rollout.RolloutServer(long_engine, recompute_tokens=recompute_tokens)
+        try:
+            reqs = [_Request(f"r{i}", [1] * n, SAMPLED, 1, None, None, None) for i, n in enumerate(lengths)]
+            for r in reqs:
+                r.fill = r.prompt
+            return [(bucket, [len(r.fill) for r in chunk], size)
+                    for bucket, chunk, size in srv._refill_calls(reqs)]
+        finally:
+            srv.close()
+
+    assert rollout._server.REFILL_BUCKETS[:6] == (16, 24, 32, 48, 64, 96)
+    assert plan([110, 20, 100, 98, 50, 40], 4096) == [(128, [110, 100, 98, 50], 4), (48, [40], 1),
+                                                      (24, [20], 1)]
+    # 256 tokens a call: 2 rows of 128, then 2 of 96 (the 97-token prefix is past 96: bucket 128)
+    assert plan([110, 100, 97, 90, 80, 10], 256) == [(128, [110, 100], 2), (128, [97], 1),
+                                                     (96, [90, 80], 2), (16, [10], 1)]
+    assert plan([127], 1) == [(128, [127], 1)]  # at least one row, whatever the cap
+
+
+def test_recompute_tokens_is_validated(tiny_engine):
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="recompute_tokens"):
+            rollout.RolloutServer(tiny_engine, recompute_tokens=bad)
