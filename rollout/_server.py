@@ -38,8 +38,8 @@ weights (`policy_versions` records the version of every token). Their KV cache: 
 last one pending) with the new weights before it decodes again, re-armed with the same key and
 step count, so it continues exactly as a fresh prefill of that prefix would. That re-prefill
 computes each prefix whole, whatever max_prefill_length is (a bucket up to the KV cache length,
-in half-octave steps), longest first, one call per bucket of up to `recompute_tokens` padded
-tokens, the padding rows carrying shorter prefixes; "keep" decodes on
+in half-octave steps), longest first, `recompute_tokens` padded tokens a call (`refill_plan`);
+"keep" decodes on
 the KV the old weights computed (a token is sampled by the new weights but conditioned on
 old-weight keys and values). in_flight="finish" stops admitting, waits for the running requests
 to end, then syncs. Either way `policy_version` goes up.
@@ -135,6 +135,28 @@ class _Sync:
     future: concurrent.futures.Future
 
 
+def refill_bucket(n: int, max_target_length: int) -> int:
+    """The padding bucket of a whole-prefix re-prefill of n tokens: one of REFILL_BUCKETS, or the
+    KV cache length itself past the last one under it (a kept prefix is always shorter)."""
+    return next((b for b in REFILL_BUCKETS if n <= b <= max_target_length), max_target_length)
+
+
+def refill_plan(lengths: list[int], max_target_length: int, tokens: int) -> list[tuple]:
+    """The prefill calls that re-prefill prefixes of `lengths` whole: [(bucket, indices into
+    lengths, rows)], longest first. A call's bucket is its longest prefix's; its rows are
+    tokens // bucket (one at least), or the power of two covering the prefixes left when fewer:
+    one row count per bucket, so few programs to compile. The rows take the longest prefixes left,
+    shorter ones padded to the call's bucket (rows the call computes anyway)."""
+    todo = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    plan = []
+    while todo:
+        bucket = refill_bucket(lengths[todo[0]], max_target_length)
+        size = min(max(1, tokens // bucket), _next_pow2(len(todo)))
+        plan.append((bucket, todo[:size], size))
+        todo = todo[size:]
+    return plan
+
+
 @functools.lru_cache(maxsize=4096)
 def _row_key_data(seed: int, row: int) -> np.ndarray:
     """Raw data of fold_in(key(seed), row): the driver's key for its row `row`."""
@@ -174,7 +196,7 @@ class RolloutServer:
 
     def __init__(self, engine: Engine, *, steps_per_sync: int = 8, max_prefill_batch: int = 64,
                  reuse_prefix: bool = True, partial_rollout_kv: str = "recompute",
-                 recompute_tokens: int = 32768):
+                 recompute_tokens: int = 16384):
         if int(steps_per_sync) < 1:
             raise ValueError(f"steps_per_sync must be >= 1, got {steps_per_sync}")
         if int(max_prefill_batch) < 1:
@@ -555,7 +577,7 @@ class RolloutServer:
         far, the last one pending) with the engine's current weights, its slot re-armed with the
         same key, budget and step count, so it continues as a fresh prefill of that prefix would.
         Each prefix is prefilled whole, however long (not in admission's max_prefill_length
-        chunks), in as few calls as `_refill_calls` plans."""
+        chunks), in the calls `refill_plan` lays out."""
         slots, self._stale = sorted(self._stale & set(self._running)), set()
         if not slots:
             return {"recomputed_requests": 0, "recomputed_tokens": 0}
@@ -569,33 +591,16 @@ class RolloutServer:
             req.fill = req.prompt + [int(t) for t in tokens[j, req.offset:self._generated[slot]]]
             reqs.append(req)
         n = sum(len(r.fill) for r in reqs)
-        for bucket, chunk, size in self._refill_calls(reqs):
+        plan = refill_plan([len(r.fill) for r in reqs], self.engine.max_target_length,
+                           self.recompute_tokens)
+        for bucket, rows, size in plan:
+            chunk = [reqs[i] for i in rows]
             self._insert_prefill(chunk, bucket, size, [r.fill for r in chunk])
             self._stats["recomputed_tokens"] += sum(len(r.fill) for r in chunk)
         self._state = self.engine.set_generated(self._state, np.asarray(slots),
                                                 self._generated[slots])
         self._stats["recomputed_requests"] += len(reqs)
         return {"recomputed_requests": len(reqs), "recomputed_tokens": n}
-
-    def _refill_bucket(self, n: int) -> int:
-        """The padding bucket of a whole-prefix re-prefill of n tokens: one of REFILL_BUCKETS, or
-        the KV cache length itself past the last one under it (a kept prefix is always shorter)."""
-        return next((b for b in REFILL_BUCKETS if n <= b <= self.engine.max_target_length),
-                    self.engine.max_target_length)
-
-    def _refill_calls(self, reqs: list[_Request]):
-        """The re-prefill's calls, (bucket, requests, rows), longest prefixes first: a call takes
-        the requests of the longest bucket left, up to recompute_tokens // bucket rows (at least
-        one), its rows padded to a power of two (or to that cap), and the padding rows carry the
-        next longest prefixes (padded to the call's bucket: computed anyway, they need no call)."""
-        todo = sorted(reqs, key=lambda r: -len(r.fill))
-        while todo:
-            bucket = self._refill_bucket(len(todo[0].fill))
-            cap = max(1, self.recompute_tokens // bucket)
-            same = sum(1 for r in todo[:cap] if self._refill_bucket(len(r.fill)) == bucket)
-            size = min(_next_pow2(same), cap)
-            chunk, todo = todo[:size], todo[size:]
-            yield bucket, chunk, size
 
     def _free_slots(self) -> list[int]:
         parked = {slot for slot, _ in self._parked.values()}

@@ -257,11 +257,11 @@ def test_a_session_request_aborted_with_stale_kv_is_not_parked(tiny_model, tiny_
 
 
 # ---------------------------------------------------------------- whole-prefix re-prefill
-# Kept prefixes (prompt + 8 tokens decoded before the sync) far past max_prefill_length=16, in
-# several refill buckets: 110, 100, 98 (bucket 128 = the KV cache length; a 4th row carries 50),
-# 40 (bucket 48) and 20 (bucket 24).
+# Kept prefixes (prompt + 8 tokens decoded before the sync) far past max_prefill_length=16, of
+# mixed lengths: 110, 100, 98, 50, 40, 20. With 256 tokens a call: 2 rows of bucket 128
+# (110, 100), 2 of 128 (98, 50), 2 of 48 (40, 20).
 _LONG_PROMPTS = (102, 92, 90, 42, 32, 12)
-_LONG_CALLS = 3  # one prefill call per bucket (the admission path took 1 prefill + 7 appends)
+_LONG_CALLS = 3  # prefill calls, no appends (the admission path took 1 prefill + 7 appends)
 
 
 @pytest.fixture(scope="module")
@@ -308,10 +308,12 @@ def _hold_long_requests(srv, engine, monkeypatch, at_loop_2):
 def test_long_held_prefixes_are_refilled_whole_in_one_call_per_bucket_and_continue_as_fresh_prefills(
         tiny_model, long_engine, kv_weights, monkeypatch, via):
     """Held requests of mixed lengths past max_prefill_length, rebuilt after a recompute sync (or
-    a sleep, new weights and a wake): one prefill call per refill bucket, no appends, and every
-    request continues exactly as a fresh request of its prefix under the new weights would."""
+    a sleep, new weights and a wake): each prefix prefilled whole, 3 prefill calls of at most 256
+    padded tokens and no appends, and every request continues exactly as a fresh request of its
+    prefix under the new weights would."""
     try:
-        with rollout.RolloutServer(long_engine, steps_per_sync=4, partial_rollout_kv="recompute") as srv:
+        with rollout.RolloutServer(long_engine, steps_per_sync=4, partial_rollout_kv="recompute",
+                                   recompute_tokens=256) as srv:
             held = {}
             if via == "sync":
                 at_loop_2 = lambda: held.setdefault("f", srv.submit_update(kv_weights))  # noqa: E731
@@ -349,30 +351,27 @@ def test_long_held_prefixes_are_refilled_whole_in_one_call_per_bucket_and_contin
                                    atol=1e-5)
 
 
-def test_refill_calls_take_the_longest_bucket_first_and_pad_rows_with_the_next_longest(long_engine):
-    """The call plan of `_refill_calls`: rows capped by recompute_tokens // bucket, padded to a
-    power of two, padding rows carrying shorter prefixes; a bucket past the last one under the KV
-    cache length is the KV cache length."""
-    from rollout._server import _Request
+def test_refill_plan_takes_the_longest_prefixes_first_in_rows_of_recompute_tokens():
+    """`refill_plan`: a call's bucket is its longest prefix's (a refill bucket, or the KV cache
+    length past the last bucket under it), tokens // bucket rows or the power of two covering
+    what is left, the longest prefixes first; at least one row, whatever the budget."""
+    from rollout._server import REFILL_BUCKETS, refill_bucket, refill_plan
 
-    def plan(lengths, recompute_tokens):
-        srv = rollout.RolloutServer(long_engine, recompute_tokens=recompute_tokens)
-        try:
-            reqs = [_Request(f"r{i}", [1] * n, SAMPLED, 1, None, None, None) for i, n in enumerate(lengths)]
-            for r in reqs:
-                r.fill = r.prompt
-            return [(bucket, [len(r.fill) for r in chunk], size)
-                    for bucket, chunk, size in srv._refill_calls(reqs)]
-        finally:
-            srv.close()
-
-    assert rollout._server.REFILL_BUCKETS[:6] == (16, 24, 32, 48, 64, 96)
-    assert plan([110, 20, 100, 98, 50, 40], 4096) == [(128, [110, 100, 98, 50], 4), (48, [40], 1),
-                                                      (24, [20], 1)]
-    # 256 tokens a call: 2 rows of 128, then 2 of 96 (the 97-token prefix is past 96: bucket 128)
-    assert plan([110, 100, 97, 90, 80, 10], 256) == [(128, [110, 100], 2), (128, [97], 1),
-                                                     (96, [90, 80], 2), (16, [10], 1)]
-    assert plan([127], 1) == [(128, [127], 1)]  # at least one row, whatever the cap
+    assert REFILL_BUCKETS[:8] == (16, 24, 32, 48, 64, 96, 128, 192)
+    assert [refill_bucket(n, 4112) for n in (1, 17, 25, 97, 3000, 3073, 4096, 4097, 4111)] == \
+        [16, 24, 32, 128, 3072, 4096, 4096, 4112, 4112]
+    lengths = [20, 110, 40, 100, 98, 50]
+    assert refill_plan(lengths, 128, 4096) == [(128, [1, 3, 4, 5, 2, 0], 8)]
+    assert refill_plan(lengths, 128, 256) == [(128, [1, 3], 2), (128, [4, 5], 2), (48, [2, 0], 2)]
+    assert refill_plan([127, 3], 128, 1) == [(128, [0], 1), (16, [1], 1)]
+    # 128 held requests of a long-tailed length (bench_recompute's), 16,384 tokens a call
+    rng = np.random.default_rng(0)
+    tail = [int(min(3000, max(5, round(x)))) for x in rng.lognormal(np.log(600), 0.6, 128)]
+    plan = refill_plan(tail, 4112, 16384)
+    assert sorted(i for _, rows, _ in plan for i in rows) == list(range(128))
+    assert all(size * bucket <= 16384 and len(rows) <= size for bucket, rows, size in plan)
+    assert all(lengths_ <= bucket for bucket, rows, _ in plan for lengths_ in (tail[i] for i in rows))
+    assert len(plan) == 8 and sum(size * bucket for bucket, _, size in plan) == 118528
 
 
 def test_recompute_tokens_is_validated(tiny_engine):
