@@ -1,7 +1,7 @@
 """What a `partial_rollout_kv="recompute"` weight sync costs: re-prefilling the KV of held requests.
 
     python scripts/bench_recompute.py                   # Qwen2.5-1.5B shape, 128 held requests, bf16
-    python scripts/bench_recompute.py --max-tokens 65536 --repeats 5
+    python scripts/bench_recompute.py --max-tokens 32768 --paths whole --repeats 5
     python scripts/bench_recompute.py --dry-run         # tiny model on CPU in seconds (tests call it)
 
 A random-init model with Qwen2.5 shapes; the engine is sized like the async trainer's (`--prefill`
@@ -9,25 +9,31 @@ A random-init model with Qwen2.5 shapes; the engine is sized like the async trai
 `--max-target` = prefill + max_response_length). `--held` requests are submitted with kept
 prefixes of long-tailed lengths (lognormal: median `--median`, log-std `--sigma`, capped at
 `--cap`; each prompt is its prefix less the tokens decoded before the hold), decoded for one loop
-of `--steps-per-sync` steps and held (`suspend`). Then `--repeats` times: a weight sync
-(`update_params`, which marks every held request's KV stale) and the recompute of their KV,
-timed from idle device to `block_until_ready` of the decode state (host work included). The
-first repeat compiles; `seconds` is the fastest of the others (the first when there is one).
+of `--steps-per-sync` steps and held (`suspend`). Then, for each of `--paths`, `--repeats`
+times: a weight sync (`update_params`, which marks every held request's KV stale) and the
+recompute of their KV, timed from idle device to `block_until_ready` of the decode state (host
+work included). The first repeat compiles (`first_s`); `seconds` is the fastest of the others
+(the first when it is the only one). Paths: "whole" is the server's recompute (each prefix
+prefilled whole, `refill_plan`'s calls); "admission" sends the same prefixes through the
+admission path, as the recompute did before (a max_prefill_length prefill, then append chunks of
+at most max_prefill_length tokens). `speedup` = admission seconds / whole seconds.
 
-The recompute is called on the server's own (private) `_recompute` while the server is suspended
-(its scheduler thread waits and touches nothing), so every repeat rebuilds the same prefixes; in
-training it runs on the scheduler thread when the server resumes or wakes.
+The recompute runs on the server's private methods while the server is suspended (its scheduler
+thread waits and touches nothing), so every repeat rebuilds the same prefixes; in training it
+runs on the scheduler thread when the server resumes or wakes.
 
 Counted by wrapping the engine's `prefill_batch` and `append_rows`: `calls` (prefill + append),
-`padded_tokens` (rows x bucket of every call, the padding included: what the device computes),
-`tokens` (the prefixes' real tokens, the server's recomputed_tokens), the calls' (kind, rows, bucket) shapes, and the server's
-`prefill_calls` / `append_calls` deltas. `tokens_per_s` = tokens / seconds. Prints one JSON object.
+`padded_tokens` (rows x bucket of every call, the padding included: what the device computes)
+and the calls' shapes ("kind rows x bucket": how many programs compile); `tokens` are the
+prefixes' real tokens; `prefill_calls` / `append_calls` are the server's counters' deltas.
+`tokens_per_s` = tokens / seconds; `peak_bytes` the devices' peak memory in use over the whole
+run where the backend reports it (GPU), else null. Prints one JSON object, a path's figures
+under "paths" (each repeat's under its "repeats").
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import inspect
 import json
 import math
 import sys
@@ -40,6 +46,7 @@ import numpy as np
 
 import rollout
 from jaxrl_llm.models import QWEN25_SHAPES, ModelConfig, init_model
+from rollout._server import _gather_rows
 
 
 def parse_args(argv=None):
@@ -55,8 +62,11 @@ def parse_args(argv=None):
     p.add_argument("--steps-per-sync", type=int, default=4, help="decode steps before the hold")
     p.add_argument("--repeats", type=int, default=3, help="syncs + recomputes (the first compiles)")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="RolloutServer(recompute_tokens=...): padded tokens per recompute call "
-                        "(default: the server's)")
+                   help="RolloutServer(recompute_tokens=...): padded tokens per whole-prefix "
+                        "recompute call (default: the server's)")
+    p.add_argument("--paths", nargs="+", default=list(RECOMPUTES), choices=list(RECOMPUTES),
+                   help="whole: the server's recompute (whole prefixes); admission: the same "
+                        "prefixes through the admission path (the recompute before it)")
     p.add_argument("--layout", default="per_layer_fused",
                    choices=["per_layer", "per_layer_fused", "stacked", "auto"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -137,6 +147,56 @@ def hold_requests(srv, engine, args, vocab) -> list:
     return futures
 
 
+def admission_recompute(srv) -> dict:
+    """The recompute as it was before the whole-prefix path, for comparison: the same kept
+    prefixes through the admission path (`_fill`: a max_prefill_length prefill, then appends of
+    at most max_prefill_length tokens, grouped by bucket, at most max_prefill_batch rows a call)."""
+    slots, srv._stale = sorted(srv._stale & set(srv._running)), set()
+    idx = np.full(max(4, 1 << (len(slots) - 1).bit_length()), srv._slots, np.int32)
+    idx[:len(slots)] = slots
+    tokens, _ = jax.device_get(_gather_rows(srv._out["tokens"], srv._out["log_probs"], jnp.asarray(idx)))
+    reqs = []
+    for j, slot in enumerate(slots):
+        req = srv._running[slot]
+        req.fill = req.prompt + [int(t) for t in tokens[j, req.offset:srv._generated[slot]]]
+        reqs.append(req)
+    srv._fill(reqs, [])
+    srv._state = srv.engine.set_generated(srv._state, np.asarray(slots), srv._generated[slots])
+    return {"recomputed_requests": len(reqs), "recomputed_tokens": sum(len(r.fill) for r in reqs)}
+
+
+RECOMPUTES = {"whole": lambda srv: srv._recompute(), "admission": admission_recompute}
+
+
+def measure(srv, engine, counter, recompute, repeats: int) -> dict:
+    """`repeats` x (a sync, then `recompute(srv)` timed); the figures of the last, the time of the
+    fastest after the first (which compiles)."""
+    runs = []
+    for _ in range(repeats):
+        srv.update_params(engine.params)  # a sync: every held request's KV is stale
+        before = srv.stats
+        jax.block_until_ready(srv._state)
+        counter.reset()
+        counter.on = True
+        t0 = time.perf_counter()
+        out = recompute(srv)  # the server is suspended: its thread waits (see the docstring)
+        jax.block_until_ready(srv._state)
+        seconds = time.perf_counter() - t0
+        counter.on = False
+        after = srv.stats
+        runs.append({"seconds": seconds, "calls": counter.calls, "padded_tokens": counter.padded,
+                     "tokens": out["recomputed_tokens"], "recomputed_requests": out["recomputed_requests"],
+                     "prefill_calls": after.get("prefill_calls", 0) - before.get("prefill_calls", 0),
+                     "append_calls": after.get("append_calls", 0) - before.get("append_calls", 0),
+                     "shapes": dict(sorted(counter.shapes.items()))})
+    seconds = min(r["seconds"] for r in runs[1:] or runs)
+    last = runs[-1]
+    return {**{k: v for k, v in last.items() if k != "seconds"}, "seconds": seconds,
+            "tokens_per_s": last["tokens"] / seconds,
+            "padding_fraction": 1 - last["tokens"] / last["padded_tokens"],
+            "first_s": runs[0]["seconds"], "repeats": runs}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     dtype = jnp.dtype(args.dtype)
@@ -149,48 +209,25 @@ def main(argv=None) -> dict:
     devices = list(engine.mesh.devices.flat)
     kwargs = dict(steps_per_sync=args.steps_per_sync, partial_rollout_kv="recompute")
     if args.max_tokens is not None:
-        if "recompute_tokens" not in inspect.signature(rollout.RolloutServer).parameters:
-            raise SystemExit("--max-tokens: this RolloutServer has no recompute_tokens argument")
         kwargs["recompute_tokens"] = args.max_tokens
     counter = CallCounter(engine)
     lengths = prefix_lengths(args)
     record = {"model": args.model, "platform": devices[0].platform, "layer_layout": engine.layer_layout,
               "dtype": args.dtype, "slots": args.slots, "held": args.held,
               "max_prefill_length": args.prefill, "max_target_length": args.max_target,
-              "recompute_tokens": args.max_tokens, "prefix_tokens": sum(lengths),
-              "prefix_max": max(lengths), "prefix_median": int(np.median(lengths)), "repeats": []}
+              "prefix_tokens": sum(lengths), "prefix_max": max(lengths),
+              "prefix_median": int(np.median(lengths)), "paths": {}}
     with rollout.RolloutServer(engine, **kwargs) as srv:
         futures = hold_requests(srv, engine, args, config.vocab_size)
-        record["recompute_tokens"] = getattr(srv, "recompute_tokens", args.max_tokens)
-        for _ in range(args.repeats):
-            srv.update_params(engine.params)  # a sync: every held request's KV is stale
-            before = srv.stats
-            jax.block_until_ready(srv._state)
-            counter.reset()
-            counter.on = True
-            t0 = time.perf_counter()
-            out = srv._recompute()  # the server is suspended: its thread waits (see the docstring)
-            jax.block_until_ready(srv._state)
-            seconds = time.perf_counter() - t0
-            counter.on = False
-            after = srv.stats
-            record["repeats"].append({
-                "seconds": seconds, "calls": counter.calls, "padded_tokens": counter.padded,
-                "tokens": out["recomputed_tokens"], "recomputed_requests": out["recomputed_requests"],
-                "recomputed_tokens": out["recomputed_tokens"],
-                "prefill_calls": after.get("prefill_calls", 0) - before.get("prefill_calls", 0),
-                "append_calls": after.get("append_calls", 0) - before.get("append_calls", 0),
-                "shapes": dict(sorted(counter.shapes.items()))})
+        record["recompute_tokens"] = srv.recompute_tokens
+        for path in args.paths:
+            record["paths"][path] = measure(srv, engine, counter, RECOMPUTES[path], args.repeats)
     for f in futures:
         f.result()  # aborted by close()
-    last = record["repeats"][-1]
-    timed = record["repeats"][1:] or record["repeats"]
-    seconds = min(r["seconds"] for r in timed)
-    record.update({k: last[k] for k in ("calls", "padded_tokens", "tokens", "prefill_calls",
-                                        "append_calls", "recomputed_requests", "shapes")})
-    record.update(seconds=seconds, tokens_per_s=last["tokens"] / seconds,
-                  padding_fraction=1 - last["tokens"] / last["padded_tokens"],
-                  compile_s=record["repeats"][0]["seconds"], peak_bytes=peak_bytes(devices))
+    paths = record["paths"]
+    if {"whole", "admission"} <= set(paths):
+        record["speedup"] = paths["admission"]["seconds"] / paths["whole"]["seconds"]
+    record["peak_bytes"] = peak_bytes(devices)
     print(json.dumps(record))
     return record
 
