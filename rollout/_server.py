@@ -38,11 +38,10 @@ weights (`policy_versions` records the version of every token). Their KV cache: 
 last one pending) with the new weights before it decodes again, re-armed with the same key and
 step count, so it continues exactly as a fresh prefill of that prefix would. That re-prefill
 computes each prefix whole, whatever max_prefill_length is (a bucket up to the KV cache length,
-in half-octave steps), longest first, `recompute_tokens` padded tokens a call (`refill_plan`);
-"keep" decodes on
-the KV the old weights computed (a token is sampled by the new weights but conditioned on
-old-weight keys and values). in_flight="finish" stops admitting, waits for the running requests
-to end, then syncs. Either way `policy_version` goes up.
+in half-octave steps), longest first, `recompute_tokens` padded tokens a call (`refill_plan`).
+"keep" decodes on the KV the old weights computed (a token is sampled by the new weights but
+conditioned on old-weight keys and values). in_flight="finish" stops admitting, waits for the
+running requests to end, then syncs. Either way `policy_version` goes up.
 
 Colocated training: `suspend()` stops admission and decoding between decode loops (held requests
 keep everything; syncs apply at once, as "hold"); `resume()` continues. `sleep()` also frees the
