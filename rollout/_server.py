@@ -190,7 +190,9 @@ class RolloutServer:
     it decodes again, and drops parked sessions' KV; "keep" leaves the KV of the old weights.
     recompute_tokens: padded tokens (rows x bucket) per prefill call of that re-prefill (and of
     `wake`), at least one row a call: it bounds the call's activation memory (the prefill's
-    attention scores grow as tokens x bucket). Use as a context manager or call `close()`.
+    attention scores grow as tokens x bucket); a kept prefix longer than it (and than
+    max_prefill_length) is prefilled up to it and the rest appended in max_prefill_length
+    chunks, as admission does. Use as a context manager or call `close()`.
     """
 
     def __init__(self, engine: Engine, *, steps_per_sync: int = 8, max_prefill_batch: int = 64,
@@ -575,8 +577,9 @@ class RolloutServer:
         """Re-prefills the stale running slots: each request's kept prefix (prompt + tokens so
         far, the last one pending) with the engine's current weights, its slot re-armed with the
         same key, budget and step count, so it continues as a fresh prefill of that prefix would.
-        Each prefix is prefilled whole, however long (not in admission's max_prefill_length
-        chunks), in the calls `refill_plan` lays out."""
+        Each prefix is prefilled whole (not in admission's max_prefill_length chunks), in the
+        calls `refill_plan` lays out; one longer than max(recompute_tokens, max_prefill_length)
+        is prefilled up to the largest refill bucket within that, the rest appended in chunks."""
         slots, self._stale = sorted(self._stale & set(self._running)), set()
         if not slots:
             return {"recomputed_requests": 0, "recomputed_tokens": 0}
@@ -590,12 +593,20 @@ class RolloutServer:
             req.fill = req.prompt + [int(t) for t in tokens[j, req.offset:self._generated[slot]]]
             reqs.append(req)
         n = sum(len(r.fill) for r in reqs)
-        plan = refill_plan([len(r.fill) for r in reqs], self.engine.max_target_length,
-                           self.recompute_tokens)
+        # one row holds at most `limit` tokens (the call's memory); a longer prefix is prefilled
+        # up to the largest refill bucket under it, the rest appended as admission does
+        limit = max(self.recompute_tokens, self.engine.max_prefill_length)
+        head = max(b for b in REFILL_BUCKETS if b <= limit)
+        heads = [r.fill if refill_bucket(len(r.fill), self.engine.max_target_length) <= limit
+                 else r.fill[:head] for r in reqs]
+        plan = refill_plan([len(h) for h in heads], self.engine.max_target_length, self.recompute_tokens)
         for bucket, rows, size in plan:
-            chunk = [reqs[i] for i in rows]
-            self._insert_prefill(chunk, bucket, size, [r.fill for r in chunk])
-            self._stats["recomputed_tokens"] += sum(len(r.fill) for r in chunk)
+            self._insert_prefill([reqs[i] for i in rows], bucket, size, [heads[i] for i in rows])
+        todo = [r for r in reqs if r.cached < len(r.fill) - 1]
+        while todo:
+            self._append(todo, stat=None)
+            todo = [r for r in todo if r.cached < len(r.fill) - 1]
+        self._stats["recomputed_tokens"] += n
         self._state = self.engine.set_generated(self._state, np.asarray(slots),
                                                 self._generated[slots])
         self._stats["recomputed_requests"] += len(reqs)
@@ -703,9 +714,9 @@ class RolloutServer:
                                     **self._row_args(chunk, size))
         self._stats["prefill_calls"] += 1
 
-    def _append(self, reqs: list[_Request]) -> None:
+    def _append(self, reqs: list[_Request], stat: str | None = "prefill_tokens") -> None:
         """Appends each request's next tokens (from its pending one, at most max_prefill_length)
-        to the KV its slot holds, and re-arms the slot."""
+        to the KV its slot holds, and re-arms the slot; counts them in stats[stat] (None: not)."""
         e = self.engine
         nxt = {id(r): r.fill[r.cached:r.cached + e.max_prefill_length] for r in reqs}
         for bucket, chunk in self._chunks(reqs, lambda r: len(nxt[id(r)])):
@@ -716,7 +727,8 @@ class RolloutServer:
                 tokens[j, :len(nxt[id(r)])] = nxt[id(r)]
                 lengths[j] = len(nxt[id(r)])
                 r.cached += int(lengths[j]) - 1
-                self._stats["prefill_tokens"] += int(lengths[j])
+                if stat is not None:
+                    self._stats[stat] += int(lengths[j])
             self._state = e.append_rows(self._state, tokens=tokens, true_lengths=lengths,
                                         **self._row_args(chunk, size))
             self._stats["append_calls"] += 1

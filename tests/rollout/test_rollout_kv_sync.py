@@ -259,9 +259,12 @@ def test_a_session_request_aborted_with_stale_kv_is_not_parked(tiny_model, tiny_
 # ---------------------------------------------------------------- whole-prefix re-prefill
 # Kept prefixes (prompt + 8 tokens decoded before the sync) far past max_prefill_length=16, of
 # mixed lengths: 110, 100, 98, 50, 40, 20. With 256 tokens a call: 2 rows of bucket 128
-# (110, 100), 2 of 128 (98, 50), 2 of 48 (40, 20).
+# (110, 100), 2 of 128 (98, 50), 2 of 48 (40, 20): 3 prefill calls and no appends (the
+# admission path took 1 prefill + 7 appends). With 32 tokens a call, no row longer than 32: the
+# first 32 tokens of the five longest and the 20 whole (6 one-row prefill calls), the rest
+# appended in 16-token chunks (6 rounds for the 110).
 _LONG_PROMPTS = (102, 92, 90, 42, 32, 12)
-_LONG_CALLS = 3  # prefill calls, no appends (the admission path took 1 prefill + 7 appends)
+_LONG_CALLS = {256: {"prefill_calls": 3, "append_calls": 0}, 32: {"prefill_calls": 6, "append_calls": 6}}
 
 
 @pytest.fixture(scope="module")
@@ -304,16 +307,16 @@ def _hold_long_requests(srv, engine, monkeypatch, at_loop_2):
     return prompts, futures, snap
 
 
-@pytest.mark.parametrize("via", ["sync", "sleep_wake"])
-def test_long_held_prefixes_are_refilled_whole_in_one_call_per_bucket_and_continue_as_fresh_prefills(
-        tiny_model, long_engine, kv_weights, monkeypatch, via):
+@pytest.mark.parametrize("via,budget", [("sync", 256), ("sleep_wake", 256), ("sync", 32)])
+def test_long_held_prefixes_are_refilled_whole_in_few_calls_and_continue_as_fresh_prefills(
+        tiny_model, long_engine, kv_weights, monkeypatch, via, budget):
     """Held requests of mixed lengths past max_prefill_length, rebuilt after a recompute sync (or
-    a sleep, new weights and a wake): each prefix prefilled whole, 3 prefill calls of at most 256
-    padded tokens and no appends, and every request continues exactly as a fresh request of its
-    prefix under the new weights would."""
+    a sleep, new weights and a wake): each prefix prefilled whole in prefill calls of at most
+    `budget` padded tokens (a longer one up to the budget, the rest appended), and every request
+    continues exactly as a fresh request of its prefix under the new weights would."""
     try:
         with rollout.RolloutServer(long_engine, steps_per_sync=4, partial_rollout_kv="recompute",
-                                   recompute_tokens=256) as srv:
+                                   recompute_tokens=budget) as srv:
             held = {}
             if via == "sync":
                 at_loop_2 = lambda: held.setdefault("f", srv.submit_update(kv_weights))  # noqa: E731
@@ -332,7 +335,7 @@ def test_long_held_prefixes_are_refilled_whole_in_one_call_per_bucket_and_contin
             outs = [f.result() for f in futures]
             stats = srv.stats
             calls = {k: stats.get(k, 0) - snap["stats"].get(k, 0) for k in ("prefill_calls", "append_calls")}
-            assert calls == {"prefill_calls": _LONG_CALLS, "append_calls": 0}
+            assert calls == _LONG_CALLS[budget]
             assert stats["recomputed_requests"] == len(prompts)
             assert stats["recomputed_tokens"] == sum(len(p) + 8 for p in prompts)
             fresh = [srv.generate(f"f{i}", p + o.token_ids[:8], sampling=SAMPLED, max_new_tokens=4,
