@@ -36,10 +36,12 @@ running requests stay in their slots with their tokens and log-probs and continu
 weights (`policy_versions` records the version of every token). Their KV cache: partial_rollout_kv
 "recompute" (default, verl V1) re-prefills each one's kept prefix (prompt + tokens so far, the
 last one pending) with the new weights before it decodes again, re-armed with the same key and
-step count, so it continues exactly as a fresh prefill of that prefix would; "keep" decodes on
-the KV the old weights computed (a token is sampled by the new weights but conditioned on
-old-weight keys and values). in_flight="finish" stops admitting, waits for the running requests
-to end, then syncs. Either way `policy_version` goes up.
+step count, so it continues exactly as a fresh prefill of that prefix would. That re-prefill
+computes each prefix whole, whatever max_prefill_length is (a bucket up to the KV cache length,
+in half-octave steps), longest first, `recompute_tokens` padded tokens a call (`refill_plan`).
+"keep" decodes on the KV the old weights computed (a token is sampled by the new weights but
+conditioned on old-weight keys and values). in_flight="finish" stops admitting, waits for the
+running requests to end, then syncs. Either way `policy_version` goes up.
 
 Colocated training: `suspend()` stops admission and decoding between decode loops (held requests
 keep everything; syncs apply at once, as "hold"); `resume()` continues. `sleep()` also frees the
@@ -68,10 +70,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._engine import Engine, _next_pow2
+from ._engine import PREFILL_BUCKETS, Engine, _next_pow2
 from ._sampling import SamplingParams
 
 PARTIAL_ROLLOUT_KV = ("recompute", "keep")
+# a held request's whole-prefix re-prefill pads to one of these (half-octave steps: at most a
+# third of a row is padding, against a half with the power-of-two prefill buckets alone)
+REFILL_BUCKETS = tuple(sorted(set(PREFILL_BUCKETS) | {3 * b // 2 for b in PREFILL_BUCKETS}))
 
 
 @dataclasses.dataclass
@@ -129,6 +134,28 @@ class _Sync:
     future: concurrent.futures.Future
 
 
+def refill_bucket(n: int, max_target_length: int) -> int:
+    """The padding bucket of a whole-prefix re-prefill of n tokens: one of REFILL_BUCKETS, or the
+    KV cache length itself past the last one under it (a kept prefix is always shorter)."""
+    return next((b for b in REFILL_BUCKETS if n <= b <= max_target_length), max_target_length)
+
+
+def refill_plan(lengths: list[int], max_target_length: int, tokens: int) -> list[tuple]:
+    """The prefill calls that re-prefill prefixes of `lengths` whole: [(bucket, indices into
+    lengths, rows)], longest first. A call's bucket is its longest prefix's; its rows are
+    tokens // bucket (one at least), or the power of two covering the prefixes left when fewer:
+    one row count per bucket, so few programs to compile. The rows take the longest prefixes left,
+    shorter ones padded to the call's bucket (rows the call computes anyway)."""
+    todo = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    plan = []
+    while todo:
+        bucket = refill_bucket(lengths[todo[0]], max_target_length)
+        size = min(max(1, tokens // bucket), _next_pow2(len(todo)))
+        plan.append((bucket, todo[:size], size))
+        todo = todo[size:]
+    return plan
+
+
 @functools.lru_cache(maxsize=4096)
 def _row_key_data(seed: int, row: int) -> np.ndarray:
     """Raw data of fold_in(key(seed), row): the driver's key for its row `row`."""
@@ -161,15 +188,24 @@ class RolloutServer:
     partial_rollout_kv: what a weight sync does to the KV of held (running) requests:
     "recompute" (default, as verl) re-prefills each one's kept prefix with the new weights before
     it decodes again, and drops parked sessions' KV; "keep" leaves the KV of the old weights.
-    Use as a context manager or call `close()`.
+    recompute_tokens: padded tokens (rows x bucket) per prefill call of that re-prefill (and of
+    `wake`), at least one row a call: it bounds the call's activation memory (the prefill's
+    attention scores grow as tokens x bucket); a kept prefix longer than it (and than
+    max_prefill_length) is prefilled up to it and the rest appended in max_prefill_length
+    chunks, as admission does. Use as a context manager or call `close()`.
     """
 
     def __init__(self, engine: Engine, *, steps_per_sync: int = 8, max_prefill_batch: int = 64,
-                 reuse_prefix: bool = True, partial_rollout_kv: str = "recompute"):
+                 reuse_prefix: bool = True, partial_rollout_kv: str = "recompute",
+                 recompute_tokens: int = 16384):
         if int(steps_per_sync) < 1:
             raise ValueError(f"steps_per_sync must be >= 1, got {steps_per_sync}")
         if int(max_prefill_batch) < 1:
             raise ValueError(f"max_prefill_batch must be >= 1, got {max_prefill_batch}")
+        if isinstance(recompute_tokens, bool) or not isinstance(recompute_tokens, (int, np.integer)) \
+                or recompute_tokens < 1:
+            raise ValueError(f"recompute_tokens must be an int >= 1, got {recompute_tokens!r}")
+        self.recompute_tokens = int(recompute_tokens)
         if partial_rollout_kv not in PARTIAL_ROLLOUT_KV:
             raise ValueError(f"partial_rollout_kv must be one of {PARTIAL_ROLLOUT_KV}, got "
                              f"{partial_rollout_kv!r}")
@@ -540,7 +576,10 @@ class RolloutServer:
     def _recompute(self) -> dict:
         """Re-prefills the stale running slots: each request's kept prefix (prompt + tokens so
         far, the last one pending) with the engine's current weights, its slot re-armed with the
-        same key, budget and step count, so it continues as a fresh prefill of that prefix would."""
+        same key, budget and step count, so it continues as a fresh prefill of that prefix would.
+        Each prefix is prefilled whole (not in admission's max_prefill_length chunks), in the
+        calls `refill_plan` lays out; one longer than max(recompute_tokens, max_prefill_length)
+        is prefilled up to the largest refill bucket within that, the rest appended in chunks."""
         slots, self._stale = sorted(self._stale & set(self._running)), set()
         if not slots:
             return {"recomputed_requests": 0, "recomputed_tokens": 0}
@@ -554,7 +593,20 @@ class RolloutServer:
             req.fill = req.prompt + [int(t) for t in tokens[j, req.offset:self._generated[slot]]]
             reqs.append(req)
         n = sum(len(r.fill) for r in reqs)
-        self._fill(reqs, [], stat="recomputed_tokens")
+        # one row holds at most `limit` tokens (the call's memory); a longer prefix is prefilled
+        # up to the largest refill bucket under it, the rest appended as admission does
+        limit = max(self.recompute_tokens, self.engine.max_prefill_length)
+        head = max(b for b in REFILL_BUCKETS if b <= limit)
+        heads = [r.fill if refill_bucket(len(r.fill), self.engine.max_target_length) <= limit
+                 else r.fill[:head] for r in reqs]
+        plan = refill_plan([len(h) for h in heads], self.engine.max_target_length, self.recompute_tokens)
+        for bucket, rows, size in plan:
+            self._insert_prefill([reqs[i] for i in rows], bucket, size, [heads[i] for i in rows])
+        todo = [r for r in reqs if r.cached < len(r.fill) - 1]
+        while todo:
+            self._append(todo, stat=None)
+            todo = [r for r in todo if r.cached < len(r.fill) - 1]
+        self._stats["recomputed_tokens"] += n
         self._state = self.engine.set_generated(self._state, np.asarray(slots),
                                                 self._generated[slots])
         self._stats["recomputed_requests"] += len(reqs)
@@ -609,16 +661,16 @@ class RolloutServer:
             self._state = self.engine.set_generated(
                 self._state, np.asarray([r.slot for r in resumed]), [r.offset for r in resumed])
 
-    def _fill(self, full: list[_Request], extend: list[_Request], stat: str = "prefill_tokens") -> None:
+    def _fill(self, full: list[_Request], extend: list[_Request]) -> None:
         """Puts each request's `fill` tokens (all but the last, which is pending) into its slot's
         KV: `full` from scratch, `extend` after the `cached` tokens its slot holds; re-arms them."""
         for r in full:
             r.cached = 0
-        self._prefill(full, stat)
+        self._prefill(full)
         todo = list(extend)  # re-armed even with 1 new token
         todo += [r for r in full if r.cached < len(r.fill) - 1]
         while todo:
-            self._append(todo, stat)
+            self._append(todo)
             todo = [r for r in todo if r.cached < len(r.fill) - 1]
 
     def _row_args(self, reqs, size) -> dict:
@@ -639,27 +691,32 @@ class RolloutServer:
             for lo in range(0, len(group), self.max_prefill_batch):
                 yield bucket, group[lo:lo + self.max_prefill_batch]
 
-    def _prefill(self, reqs: list[_Request], stat: str) -> None:
+    def _prefill(self, reqs: list[_Request]) -> None:
         """Full prefill of each request's first max_prefill_length tokens, inserted into its slot."""
-        e = self.engine
-        first = {id(r): r.fill[:e.max_prefill_length] for r in reqs}
+        first = {id(r): r.fill[:self.engine.max_prefill_length] for r in reqs}
         for bucket, chunk in self._chunks(reqs, lambda r: len(first[id(r)])):
             size = _next_pow2(max(len(chunk), 4))  # few shapes to compile
-            tokens = np.full((size, bucket), e.pad_token_id, np.int32)
-            lengths = np.ones(size, np.int32)
-            for j, r in enumerate(chunk):
-                tokens[j, :len(first[id(r)])] = first[id(r)]
-                lengths[j] = len(first[id(r)])
-                r.cached = int(lengths[j]) - 1
-                self._stats[stat] += int(lengths[j])
-            prefix = e.prefill_batch(e.params, tokens, lengths)
-            self._state = e.insert_rows(self._state, prefix, src=np.arange(size),
-                                        **self._row_args(chunk, size))
-            self._stats["prefill_calls"] += 1
+            self._insert_prefill(chunk, bucket, size, [first[id(r)] for r in chunk])
+            self._stats["prefill_tokens"] += sum(len(first[id(r)]) for r in chunk)
 
-    def _append(self, reqs: list[_Request], stat: str) -> None:
+    def _insert_prefill(self, chunk: list[_Request], bucket: int, size: int, seqs: list) -> None:
+        """One prefill call of `seqs` (chunk[j]'s tokens from index 0, at most `bucket`), `size`
+        rows, inserted into the requests' slots and re-armed (each caches all but its last)."""
+        e = self.engine
+        tokens = np.full((size, bucket), e.pad_token_id, np.int32)
+        lengths = np.ones(size, np.int32)
+        for j, (r, seq) in enumerate(zip(chunk, seqs)):
+            tokens[j, :len(seq)] = seq
+            lengths[j] = len(seq)
+            r.cached = len(seq) - 1
+        prefix = e.prefill_batch(e.params, tokens, lengths)
+        self._state = e.insert_rows(self._state, prefix, src=np.arange(size),
+                                    **self._row_args(chunk, size))
+        self._stats["prefill_calls"] += 1
+
+    def _append(self, reqs: list[_Request], stat: str | None = "prefill_tokens") -> None:
         """Appends each request's next tokens (from its pending one, at most max_prefill_length)
-        to the KV its slot holds, and re-arms the slot."""
+        to the KV its slot holds, and re-arms the slot; counts them in stats[stat] (None: not)."""
         e = self.engine
         nxt = {id(r): r.fill[r.cached:r.cached + e.max_prefill_length] for r in reqs}
         for bucket, chunk in self._chunks(reqs, lambda r: len(nxt[id(r)])):
@@ -670,7 +727,8 @@ class RolloutServer:
                 tokens[j, :len(nxt[id(r)])] = nxt[id(r)]
                 lengths[j] = len(nxt[id(r)])
                 r.cached += int(lengths[j]) - 1
-                self._stats[stat] += int(lengths[j])
+                if stat is not None:
+                    self._stats[stat] += int(lengths[j])
             self._state = e.append_rows(self._state, tokens=tokens, true_lengths=lengths,
                                         **self._row_args(chunk, size))
             self._stats["append_calls"] += 1

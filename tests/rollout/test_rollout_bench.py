@@ -50,3 +50,24 @@ def test_bench_sleep_dry_run_frees_the_kv_cache_and_weight_copy_and_wake_takes_t
     assert used["awake"] >= used["suspended"] - 1024  # the small per-slot arrays may differ
     assert record["wake"]["recomputed_requests"] == 3
     assert record["held_tokens"] == [12, 12, 12]
+
+
+def test_bench_recompute_dry_run_refills_held_prefixes_in_fewer_calls_than_the_admission_path(
+        capsys, load_script):
+    """scripts/bench_recompute.py --dry-run (CPU): 8 held requests with prefixes up to 131 tokens
+    on a max_prefill_length=16 engine. The server's recompute ("whole") uses prefill calls alone,
+    fewer than the 16-token chunk rounds the longest prefix takes through the admission path (the
+    recompute before it, "admission"), which needs appends; both rebuild every prefix token,
+    every repeat with the same calls."""
+    record = load_script("bench_recompute").main(["--dry-run"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(record))
+    whole, admission = record["paths"]["whole"], record["paths"]["admission"]
+    assert record["prefix_max"] > 8 * 16 and record["held"] == 8
+    for path in (whole, admission):
+        assert path["recomputed_requests"] == 8 and path["tokens"] == record["prefix_tokens"]
+        assert path["calls"] == path["prefill_calls"] + path["append_calls"] == sum(path["shapes"].values())
+        assert path["tokens"] <= path["padded_tokens"] and path["seconds"] > 0 and path["tokens_per_s"] > 0
+        assert len({(r["calls"], r["padded_tokens"]) for r in path["repeats"]}) == 1
+    assert whole["append_calls"] == 0 and whole["calls"] < record["prefix_max"] // 16
+    assert admission["append_calls"] >= record["prefix_max"] // 16 > whole["calls"]
+    assert record["speedup"] == admission["seconds"] / whole["seconds"]

@@ -254,3 +254,130 @@ def test_a_session_request_aborted_with_stale_kv_is_not_parked(tiny_model, tiny_
         second = srv.generate("t2", nxt, sampling=GREEDY, max_new_tokens=3, session_id="s")
     assert second.num_cached_tokens == 0
     assert second.token_ids == greedy_reference(kv_weights, nxt, 3, (stop_id,))
+
+
+# ---------------------------------------------------------------- whole-prefix re-prefill
+# Kept prefixes (prompt + 8 tokens decoded before the sync) far past max_prefill_length=16, of
+# mixed lengths: 110, 100, 98, 50, 40, 20. With 256 tokens a call: 2 rows of bucket 128
+# (110, 100), 2 of 128 (98, 50), 2 of 48 (40, 20): 3 prefill calls and no appends (the
+# admission path took 1 prefill + 7 appends). With 32 tokens a call, no row longer than 32: the
+# first 32 tokens of the five longest and the 20 whole (6 one-row prefill calls), the rest
+# appended in 16-token chunks (6 rounds for the 110).
+_LONG_PROMPTS = (102, 92, 90, 42, 32, 12)
+_LONG_CALLS = {256: {"prefill_calls": 3, "append_calls": 0}, 32: {"prefill_calls": 6, "append_calls": 6}}
+
+
+@pytest.fixture(scope="module")
+def long_engine(tiny_model):
+    """tiny_model with a 128-token KV cache and max_prefill_length=16 (the async trainer's engine:
+    prompt-sized prefill buckets, long responses); no stop tokens, so requests run to budget."""
+    return rollout.Engine.from_model(tiny_model, max_concurrent_decodes=8, max_prefill_length=16,
+                                     max_target_length=128, temperature=1.0, layer_layout="per_layer")
+
+
+def _full_forward_log_probs(model, prompt, response, pad_to=128):
+    """log_softmax of the logits of one full causal forward (no KV cache), response tokens only."""
+    graphdef, state = nnx.split(model)
+    ids = np.zeros((1, pad_to), np.int32)
+    ids[0, :len(prompt) + len(response)] = list(prompt) + list(response)
+    logits = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))(state, jnp.asarray(ids))[0]
+    lp = jax.nn.log_softmax(logits[len(prompt) - 1:len(prompt) + len(response) - 1], axis=-1)
+    return np.asarray(jnp.take_along_axis(lp, jnp.asarray(response)[:, None], axis=-1)[:, 0])
+
+
+def _hold_long_requests(srv, engine, monkeypatch, at_loop_2):
+    """Admits the _LONG_PROMPTS requests in one round (the server suspended while they queue),
+    runs at_loop_2() on the scheduler thread before decode loop 2 and waits for it; returns
+    (prompts, futures, {"stats": the server's stats after admission})."""
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(1, 96, n)] for n in _LONG_PROMPTS]
+    snap, queued = {}, threading.Event()
+
+    def hook():
+        snap["stats"] = srv.stats
+        at_loop_2()
+        queued.set()
+
+    hook_decode(monkeypatch, engine, {2: hook})
+    srv.suspend()
+    futures = [srv.submit(f"r{i}", p, sampling=SAMPLED, max_new_tokens=12, seed=5, row=i)
+               for i, p in enumerate(prompts)]
+    srv.resume()
+    queued.wait()
+    return prompts, futures, snap
+
+
+@pytest.mark.parametrize("via,budget", [("sync", 256), ("sleep_wake", 256), ("sync", 32)])
+def test_long_held_prefixes_are_refilled_whole_in_few_calls_and_continue_as_fresh_prefills(
+        tiny_model, long_engine, kv_weights, monkeypatch, via, budget):
+    """Held requests of mixed lengths past max_prefill_length, rebuilt after a recompute sync (or
+    a sleep, new weights and a wake): each prefix prefilled whole in prefill calls of at most
+    `budget` padded tokens (a longer one up to the budget, the rest appended), and every request
+    continues exactly as a fresh request of its prefix under the new weights would."""
+    try:
+        with rollout.RolloutServer(long_engine, steps_per_sync=4, partial_rollout_kv="recompute",
+                                   recompute_tokens=budget) as srv:
+            held = {}
+            if via == "sync":
+                at_loop_2 = lambda: held.setdefault("f", srv.submit_update(kv_weights))  # noqa: E731
+            else:
+                at_loop_2 = lambda: held.setdefault("f", srv.submit_suspend())  # noqa: E731
+            prompts, futures, snap = _hold_long_requests(srv, long_engine, monkeypatch, at_loop_2)
+            if via == "sync":
+                assert held["f"].result()["held_requests"] == len(prompts)
+            else:
+                held["f"].result()
+                srv.sleep()
+                srv.update_params(kv_weights)
+                woke = srv.wake()
+                assert woke == {"recomputed_requests": len(prompts),
+                                "recomputed_tokens": sum(len(p) + 8 for p in prompts)}
+            outs = [f.result() for f in futures]
+            stats = srv.stats
+            calls = {k: stats.get(k, 0) - snap["stats"].get(k, 0) for k in ("prefill_calls", "append_calls")}
+            assert calls == _LONG_CALLS[budget]
+            assert stats["recomputed_requests"] == len(prompts)
+            assert stats["recomputed_tokens"] == sum(len(p) + 8 for p in prompts)
+            fresh = [srv.generate(f"f{i}", p + o.token_ids[:8], sampling=SAMPLED, max_new_tokens=4,
+                                  seed=5, row=i, step_offset=8)
+                     for i, (p, o) in enumerate(zip(prompts, outs))]
+    finally:
+        long_engine.update_params(tiny_model)
+    for p, out, new in zip(prompts, outs, fresh):
+        before, after = out.token_ids[:8], out.token_ids[8:]
+        assert len(after) == 4
+        if via == "sync":
+            assert out.policy_versions == [0] * 8 + [1] * 4
+        assert after == new.token_ids
+        np.testing.assert_allclose(out.log_probs[8:], new.log_probs, atol=1e-5)
+        np.testing.assert_allclose(out.log_probs[8:], _full_forward_log_probs(kv_weights, p + before, after),
+                                   atol=1e-5)
+
+
+def test_refill_plan_takes_the_longest_prefixes_first_in_rows_of_recompute_tokens():
+    """`refill_plan`: a call's bucket is its longest prefix's (a refill bucket, or the KV cache
+    length past the last bucket under it), tokens // bucket rows or the power of two covering
+    what is left, the longest prefixes first; at least one row, whatever the budget."""
+    from rollout._server import REFILL_BUCKETS, refill_bucket, refill_plan
+
+    assert REFILL_BUCKETS[:8] == (16, 24, 32, 48, 64, 96, 128, 192)
+    assert [refill_bucket(n, 4112) for n in (1, 17, 25, 97, 3000, 3073, 4096, 4097, 4111)] == \
+        [16, 24, 32, 128, 3072, 4096, 4096, 4112, 4112]
+    lengths = [20, 110, 40, 100, 98, 50]
+    assert refill_plan(lengths, 128, 4096) == [(128, [1, 3, 4, 5, 2, 0], 8)]
+    assert refill_plan(lengths, 128, 256) == [(128, [1, 3], 2), (128, [4, 5], 2), (48, [2, 0], 2)]
+    assert refill_plan([127, 3], 128, 1) == [(128, [0], 1), (16, [1], 1)]
+    # 128 held requests of a long-tailed length (bench_recompute's), 16,384 tokens a call
+    rng = np.random.default_rng(0)
+    tail = [int(min(3000, max(5, round(x)))) for x in rng.lognormal(np.log(600), 0.6, 128)]
+    plan = refill_plan(tail, 4112, 16384)
+    assert sorted(i for _, rows, _ in plan for i in rows) == list(range(128))
+    assert all(size * bucket <= 16384 and len(rows) <= size for bucket, rows, size in plan)
+    assert all(lengths_ <= bucket for bucket, rows, _ in plan for lengths_ in (tail[i] for i in rows))
+    assert len(plan) == 8 and sum(size * bucket for bucket, _, size in plan) == 118528
+
+
+def test_recompute_tokens_is_validated(tiny_engine):
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="recompute_tokens"):
+            rollout.RolloutServer(tiny_engine, recompute_tokens=bad)
