@@ -97,12 +97,7 @@ class HostWorker:
         c = self.config
         multi_turn = c.rollout.multi_turn.enable
         rollouter = c.rollout_source in ("buffer", "colocated_buffer")
-        hosts = jax.process_count()
-        if rollouter and c.data.train_batch_size % hosts:
-            # every host's rollouter hands out the same share of a step's groups
-            raise ConfigError(f"data.train_batch_size={c.data.train_batch_size} must be a multiple of the "
-                              f"{hosts} processes in trainer.v1.trainer_mode={c.trainer.v1.trainer_mode!r} "
-                              "(each host's rollouter gives a step train_batch_size / processes groups)")
+        _check_rollouter_split(c, jax.process_count())
         self._sft_ran = self._sft is not None
         if self._sft is not None:
             self._model = self._sft.model()
@@ -265,10 +260,7 @@ class HostWorker:
         the group bookkeeping (`samples`, `group_index`, `group_min_version` /
         `group_max_version`), the server's `policy_version`, `wait_s` and the rollouter's
         counters (`producer`)."""
-        r, hosts = self._async(), jax.process_count()
-        if k % hosts:
-            raise ConfigError(f"async_take({k}): {k} groups do not split over the {hosts} processes' "
-                              "rollouters; make data.train_batch_size a multiple of the process count")
+        r, hosts = self._async(), jax.process_count()  # k: a step's groups (start_rl checked k % hosts)
         t0 = time.perf_counter()
         taken = r.take_batch(k // hosts, max_staleness=max_staleness)  # + verl's off-policy metrics
         groups, metrics, producer = taken.groups, taken.metrics, r.stats()
@@ -569,6 +561,15 @@ def _meshes(c: RunConfig, devices=None):
     train, replicas = _split_separate(c, devices)
     me = jax.process_index()
     return train, replicas[me if me < len(replicas) else 0]
+
+
+def _check_rollouter_split(c: RunConfig, hosts: int) -> None:
+    """The async modes on several hosts: every host's rollouter hands a step the same share of
+    its `data.train_batch_size` groups."""
+    if c.rollout_source in ("buffer", "colocated_buffer") and c.data.train_batch_size % hosts:
+        raise ConfigError(f"data.train_batch_size={c.data.train_batch_size} must be a multiple of the "
+                          f"{hosts} processes in trainer.v1.trainer_mode={c.trainer.v1.trainer_mode!r}: "
+                          "each host's rollouter gives a step train_batch_size / processes groups")
 
 
 def _uses_server(c: RunConfig) -> bool:
