@@ -1,7 +1,8 @@
 """Agent loops and the asynchronous (rollouter) mode on several processes: 2 processes x 4 CPU
 devices, each host with its own rollout replica (engine + `RolloutServer` on its 4 devices,
 weights resharded onto it from the training mesh that spans both hosts), against 1 process of 8
-devices with one server on the training mesh. Same seeds: a row samples by (seed, row), so which
+devices with one server on the training mesh; the agent run also with the Ray backend (one
+controller, 2 HostWorker actors). Same seeds: a row samples by (seed, row), so which
 host runs it does not change its tokens.
 
 What is compared: every metric a step logs (rollout lengths, rewards, the rollout log-probs'
@@ -70,6 +71,13 @@ def test_agent_loop_on_two_processes_matches_one_process(tmp_path):
     got = _two_processes(TOOLS, tmp_path / "run", tmp_path / "logs", **_AGENT)
     assert want[1]["actor/grad_norm"] > 0 and want[1]["num_turns/min"] >= 1
     _assert_same_steps(got, want)
+    # the Ray backend: one controller, 2 HostWorker actors of 4 devices, the same worker code
+    ray_dir, logs = tmp_path / "ray", tmp_path / "logs-ray"
+    logs.mkdir()
+    cli = [sys.executable, "-m", "jaxrl_llm.train", f"--config={TOOLS}", "--num_hosts=2"] + [
+        f"--config.{k}={v}" for k, v in _overrides(ray_dir, **_AGENT, **{"trainer.backend": "ray"}).items()]
+    _run_all([cli], _env(4), logs)
+    _assert_same_steps(_metrics(ray_dir), want)
 
 
 # colocate_async with num_warmup_batches=0: each sync interval starts exactly the groups one step
