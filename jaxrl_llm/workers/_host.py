@@ -307,8 +307,10 @@ class HostWorker:
             released = int(self.server.sleep().get("kv_bytes", 0))
         else:
             self.server.suspend()
-        return {"held_groups": int(r.stats()["running"]), "suspended": True,
-                "kv_bytes_released": released}
+        held = int(r.stats()["running"])
+        if jax.process_count() > 1:  # every host's rollouter holds its own; kv_bytes: this replica's
+            held = sum(_allgather_objects(held))
+        return {"held_groups": held, "suspended": True, "kv_bytes_released": released}
 
     def async_release(self) -> None:
         """Ends an `async_hold` without a weight sync (a step without an actor update): a server
