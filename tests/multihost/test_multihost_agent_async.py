@@ -66,16 +66,39 @@ def _assert_same_steps(got: list[dict], want: list[dict]) -> None:
 _AGENT = {"trainer.total_training_steps": 2, "trainer.save_freq": 0, "trainer.test_freq": 0}
 
 
+def _multi_turn_data(folder: Path) -> dict:
+    """The quickstart's multiplication prompts with a simulated user (`answer_check`: a wrong
+    answer gets "try again" and another turn), so the untrained model's trajectories have
+    several turns (sessions on one server); overrides that use them."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pairs = [(10 + (7 * k) % 90, 10 + (13 * k) % 90) for k in range(32)]
+    rows = [{"data_source": "arithmetic", "agent_name": "tool_agent",
+             "prompt": [{"role": "user", "content": f"{a}*{b}="}], "ability": "arithmetic",
+             "reward_model": {"style": "rule", "ground_truth": str(a * b)},
+             "extra_info": {"index": i, "interaction_kwargs": {"name": "answer_check"}}}
+            for i, (a, b) in enumerate(pairs)]
+    pq.write_table(pa.Table.from_pylist(rows), folder / "train.parquet")
+    (folder / "interaction.json").write_text(json.dumps({"interaction": [
+        {"name": "answer_check", "class_name": "answer_check", "config": {"max_attempts": 3}}]}))
+    return {"data.train_files": folder / "train.parquet",
+            "rollout.multi_turn.interaction_config_path": folder / "interaction.json"}
+
+
 def test_agent_loop_on_two_processes_matches_one_process(tmp_path):
-    want = _one_process(TOOLS, tmp_path / "reference", **_AGENT)
-    got = _two_processes(TOOLS, tmp_path / "run", tmp_path / "logs", **_AGENT)
-    assert want[1]["actor/grad_norm"] > 0 and want[1]["num_turns/min"] >= 1
+    o = {**_AGENT, **_multi_turn_data(tmp_path)}
+    want = _one_process(TOOLS, tmp_path / "reference", **o)
+    got = _two_processes(TOOLS, tmp_path / "run", tmp_path / "logs", **o)
+    assert want[1]["actor/grad_norm"] > 0 and want[1]["num_turns/max"] > 1  # trajectories of several turns
     _assert_same_steps(got, want)
     # the Ray backend: one controller, 2 HostWorker actors of 4 devices, the same worker code
     ray_dir, logs = tmp_path / "ray", tmp_path / "logs-ray"
     logs.mkdir()
     cli = [sys.executable, "-m", "jaxrl_llm.train", f"--config={TOOLS}", "--num_hosts=2"] + [
-        f"--config.{k}={v}" for k, v in _overrides(ray_dir, **_AGENT, **{"trainer.backend": "ray"}).items()]
+        f"--config.{k}={v}" for k, v in _overrides(ray_dir, **o, **{"trainer.backend": "ray"}).items()]
     _run_all([cli], _env(4), logs)
     _assert_same_steps(_metrics(ray_dir), want)
 
