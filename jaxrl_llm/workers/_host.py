@@ -233,6 +233,7 @@ class HostWorker:
                                              if fg.max_num_gen_batches > 0 else None),
                         filter_budget_source="algorithm.filter_groups.max_num_gen_batches="
                                              f"{fg.max_num_gen_batches}: (this - 1) x data.train_batch_size"
+                                             + (f" / {hosts} processes, per host" if hosts > 1 else "")
                         ) if fg.enable else {}
             self._rollouter = agent.Rollouter(
                 self._agent_runner(),
