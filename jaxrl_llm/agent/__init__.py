@@ -26,6 +26,8 @@ from jaxrl_llm.agent._rollouter import (
     TakenBatch,
     TrajectoryGroup,
     TrajectoryQueue,
+    merge_windows,
+    take_metrics,
 )
 from jaxrl_llm.agent._runner import AgentRunner, agent_metrics, load_agent_resources
 
@@ -52,7 +54,9 @@ __all__ = [
     "get_agent_loop",
     "get_tool_parser",
     "load_agent_resources",
+    "merge_windows",
     "off_policy_metrics",
     "register_agent_loop",
+    "take_metrics",
     "truncate_text",
 ]

@@ -160,6 +160,9 @@ class TakenBatch:
 
     groups: list[TrajectoryGroup]
     metrics: dict[str, float]
+    # the counts `metrics` came from (evictions, drops, generated lengths since the last take),
+    # to combine several hosts' takes (`_rollouter.merge_windows`)
+    window: dict = dataclasses.field(default_factory=dict)
 
 
 STRATEGIES = ("drop", "wait")

@@ -319,20 +319,9 @@ class Rollouter:
         self.queue.remove(chosen)
         self._open -= len(chosen)
         self._consumed_since_sync += len(chosen)
-        w = self._window
-        metrics = {**R.off_policy_metrics(chosen, version),
-                   **R.length_bias(chosen, w["gen_tokens"], w["gen_trajectories"]),
-                   "training/off_policy/dropped_samples": float(w["dropped"]),
-                   **({"training/off_policy/dropped_samples_staleness/mean":
-                       w["dropped_staleness"] / w["dropped"],
-                       "training/off_policy/dropped_samples_staleness/max":
-                       float(w["dropped_staleness_max"])} if w["dropped"] else {}),
-                   "training/replay/failed_groups": float(w["failed"]),
-                   "training/replay/filtered_groups": float(w["filtered"]),
-                   "training/replay/refilled_groups": float(w["refilled"])}
-        self._window = dict(_WINDOW)
+        w, self._window = self._window, dict(_WINDOW)
         self._first_failure = ""
-        return TakenBatch(list(chosen), metrics)
+        return TakenBatch(list(chosen), take_metrics(chosen, version, w), w)
 
     def _check_budgets(self, k: int) -> None:
         p, w = self.config_prefix, self._window
@@ -520,6 +509,32 @@ class Rollouter:
             self._refill_slots(1)
         else:
             self._pump()
+
+
+def take_metrics(chosen, version: int, window: dict) -> dict[str, float]:
+    """A take's metrics: verl's off-policy metrics of the `chosen` groups at `version`, and the
+    step's `window` (evictions, drops and generated lengths since the last take). Several hosts'
+    takes combine into the one-host values with all their groups and `merge_windows`."""
+    w = window
+    return {**R.off_policy_metrics(chosen, version),
+            **R.length_bias(chosen, w["gen_tokens"], w["gen_trajectories"]),
+            "training/off_policy/dropped_samples": float(w["dropped"]),
+            **({"training/off_policy/dropped_samples_staleness/mean":
+                w["dropped_staleness"] / w["dropped"],
+                "training/off_policy/dropped_samples_staleness/max":
+                float(w["dropped_staleness_max"])} if w["dropped"] else {}),
+            "training/replay/failed_groups": float(w["failed"]),
+            "training/replay/filtered_groups": float(w["filtered"]),
+            "training/replay/refilled_groups": float(w["refilled"])}
+
+
+def merge_windows(windows) -> dict:
+    """Several rollouters' step windows as one: counts and sums add, the maximum is the max."""
+    out = dict(_WINDOW)
+    for w in windows:
+        for key, v in w.items():
+            out[key] = max(out.get(key, 0), int(v)) if key.endswith("_max") else out.get(key, 0) + int(v)
+    return out
 
 
 async def _as_coro(fn, *args):

@@ -85,13 +85,18 @@ class AgentRunner:
         return asyncio.run(self.arun(samples, sampling=sampling, seed=seed))
 
     async def arun(self, samples: Sequence[AgentSample], *, sampling, seed: int) -> dict[str, Any]:
+        return self.collate(samples, await self.arun_results(samples, sampling=sampling, seed=seed))
+
+    async def arun_results(self, samples: Sequence[AgentSample], *, sampling, seed: int) -> list:
+        """The per-trajectory results that `collate` takes (agent name, `AgentLoopOutput`,
+        finished_s, `RowScore` or None, scored_s), in the order of `samples`: a host's share
+        of a batch that several hosts run (collated once all shares are together)."""
         ctx = AgentContext(server=self.server, tokenizer=self.tokenizer, multi_turn=self.multi_turn,
                            max_prompt_length=self.max_prompt_length,
                            max_response_length=self.max_response_length, sampling=sampling,
                            seed=int(seed), tools=self.tools, interactions=self.interactions)
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(self._one(ctx, s, t0) for s in samples))
-        return self.collate(samples, results)
+        return list(await asyncio.gather(*(self._one(ctx, s, t0) for s in samples)))
 
     async def _one(self, ctx: AgentContext, sample: AgentSample, t0: float):
         name = sample.agent_name or self.multi_turn.default_agent_loop

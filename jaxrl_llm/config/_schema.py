@@ -402,7 +402,7 @@ class RunConfig:
         `sync`; `colocated_buffer` (colocate_async: the rollouter on the training devices);
         `one_step_off` (separate_async one batch ahead with a bound of one version, batch driver,
         no agent loop or partial rollout: also on several hosts); `buffer` (any other
-        separate_async: the rollouter and its trajectory queue, one host)."""
+        separate_async: the rollouter and its trajectory queue, one per host on several hosts)."""
         v1 = self.trainer.v1
         if v1.trainer_mode == "sync":
             return "sync"

@@ -8,8 +8,10 @@ numpy and plain Python only; global `jax.Array`s never leave this object. Batche
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import pickle
 import time
 
 import jax
@@ -23,7 +25,7 @@ import sharding
 from jaxrl_llm import agent, models, rewards
 from jaxrl_llm.data import Batch, RolloutResult
 from jaxrl_llm.checkpoint import Checkpointer, checkpoint_root
-from jaxrl_llm.config import RunConfig
+from jaxrl_llm.config import ConfigError, RunConfig
 
 from ._common import build_model, model_config_for
 from ._roles import ActorWorker, CriticWorker, ReferenceWorker, RewardModelWorker, SFTWorker
@@ -41,10 +43,17 @@ class HostWorker:
         self.config = c = config
         self.vocab_size, self.pad_token_id, self.stop_token_ids = vocab_size, pad_token_id, stop_token_ids
         self.mesh, self.rollout_mesh = _meshes(c)
-        # separate placement on several hosts: one rollout replica per host (its own devices),
-        # stacked into one mesh for the weight transfer; None on one host or colocated
+        # several hosts: one rollout replica per host, stacked into one mesh that the weights
+        # move onto (each host keeping its own). Separate placement: the host's rollout devices;
+        # colocated with the request-level server (agent loops, the async modes): the host's
+        # own devices (the training mesh spans the hosts, a server's engine cannot). None on one
+        # host and for a colocated batch rollout (its engine runs on the training mesh, SPMD).
         replicas = _rollout_replicas(c) if jax.process_count() > 1 else None
+        if replicas:
+            self.rollout_mesh = replicas[jax.process_index()]
         self.replica_mesh = sharding.replica_mesh(replicas) if replicas else None
+        # colocated replicas share devices with the training mesh: resharded, not transferred
+        self._shared_replicas = bool(replicas) and c.placement.mode == "colocated"
         self._deferred = None  # this host's share of a rollout generated in the background
         self._model = build_model(c.model, vocab_size=vocab_size, mesh=self.mesh)
         self._sft = None
@@ -87,14 +96,8 @@ class HostWorker:
         """Builds actor (from the SFT result if any), reference, critic and the rollout engine."""
         c = self.config
         multi_turn = c.rollout.multi_turn.enable
-        if multi_turn and jax.process_count() > 1:
-            raise ValueError("rollout.multi_turn runs on one host only for now (its server schedules "
-                             f"requests as they come); this run has {jax.process_count()} processes")
         rollouter = c.rollout_source in ("buffer", "colocated_buffer")
-        if rollouter and jax.process_count() > 1:
-            raise ValueError(f"trainer.v1.trainer_mode={c.trainer.v1.trainer_mode!r} runs its rollouter on one "
-                             "host only for now (it drives the request-level server); this run has "
-                             f"{jax.process_count()} processes")
+        _check_rollouter_split(c, jax.process_count())
         self._sft_ran = self._sft is not None
         if self._sft is not None:
             self._model = self._sft.model()
@@ -186,9 +189,18 @@ class HostWorker:
         """Agent rollouts of `samples` (`agent.AgentSample` fields) on the request-level server,
         each trajectory scored as it finishes (`scores`, `reward_extra`, `metrics` set)."""
         t0 = time.perf_counter()
-        out = self._agent_runner().run([agent.AgentSample(**s) for s in samples],
-                                       sampling=sampling, seed=seed)
-        return _agent_result(out, time_s=time.perf_counter() - t0)
+        runner = self._agent_runner()
+        samples = [agent.AgentSample(**s) for s in samples]
+        if self.replica_mesh is None:
+            out = runner.run(samples, sampling=sampling, seed=seed)
+            return _agent_result(out, time_s=time.perf_counter() - t0)
+        # a replica per host: this host runs its block of rows (as `generate` splits prompts; a
+        # row samples by (seed, row), wherever it runs), then every host collates all rows
+        per = -(-len(samples) // jax.process_count())
+        lo = jax.process_index() * per
+        mine = asyncio.run(runner.arun_results(samples[lo:lo + per], sampling=sampling, seed=seed))
+        results = [r for share in _allgather_objects(mine) for r in share]
+        return _agent_result(runner.collate(samples, results), time_s=time.perf_counter() - t0)
 
     def _agent_runner(self) -> "agent.AgentRunner":
         if self._agents is None:
@@ -214,17 +226,19 @@ class HostWorker:
         if self._rollouter is None:
             c, v1 = self.config, self.config.trainer.v1
             lag = v1.sampler.max_off_policy_threshold  # the largest lag K in versions; -1 = none
+            hosts = jax.process_count()  # each host's rollouter: its share of a step's groups
             fg = c.algorithm.filter_groups  # DAPO dynamic sampling: evict a group whose rewards all agree
             dapo = dict(group_filter=agent.dapo_group_filter(fg.metric),
-                        max_filtered_groups=((fg.max_num_gen_batches - 1) * c.data.train_batch_size
+                        max_filtered_groups=((fg.max_num_gen_batches - 1) * c.data.train_batch_size // hosts
                                              if fg.max_num_gen_batches > 0 else None),
                         filter_budget_source="algorithm.filter_groups.max_num_gen_batches="
                                              f"{fg.max_num_gen_batches}: (this - 1) x data.train_batch_size"
+                                             + (f" / {hosts} processes, per host" if hosts > 1 else "")
                         ) if fg.enable else {}
             self._rollouter = agent.Rollouter(
                 self._agent_runner(),
                 sampling=rollout.SamplingParams.from_config(c.rollout),
-                groups_per_sync=c.data.train_batch_size,  # a trainer.v1 step is one sync interval
+                groups_per_sync=c.data.train_batch_size // hosts,  # a step is one sync interval
                 staleness_threshold=v1.colocate_async.num_warmup_batches,
                 # colocate_async holds the unfinished requests over every update and sync
                 partial_rollout=c.async_training.partial_rollout or c.rollout_source == "colocated_buffer",
@@ -239,19 +253,29 @@ class HostWorker:
         return self._rollouter
 
     def async_feed(self, groups: list[dict]) -> None:
-        """Prompts for the rollouter (`agent.PromptGroup` fields), generated in the background."""
-        self._async().feed([agent.PromptGroup(**g) for g in groups])
+        """Prompts for the rollouter (`agent.PromptGroup` fields), generated in the background.
+        With several hosts each host's rollouter gets the groups of index = its process index
+        modulo the process count (a row samples by (seed, row) wherever it runs)."""
+        hosts, me = jax.process_count(), jax.process_index()
+        self._async().feed([agent.PromptGroup(**g) for g in groups if g["index"] % hosts == me])
 
     def async_take(self, k: int, *, max_staleness: int | None) -> RolloutResult:
         """Blocks until `k` groups are finished and returns them (rows by prompt index) with
         the group bookkeeping (`samples`, `group_index`, `group_min_version` /
         `group_max_version`), the server's `policy_version`, `wait_s` and the rollouter's
         counters (`producer`)."""
-        r = self._async()
+        r, hosts = self._async(), jax.process_count()  # k: a step's groups (start_rl checked k % hosts)
         t0 = time.perf_counter()
-        taken = r.take_batch(k, max_staleness=max_staleness)  # + verl's off-policy metrics
-        groups = sorted(taken.groups, key=lambda g: g.prompt.index)
+        taken = r.take_batch(k // hosts, max_staleness=max_staleness)  # + verl's off-policy metrics
+        groups, metrics, producer = taken.groups, taken.metrics, r.stats()
         wait = time.perf_counter() - t0
+        if hosts > 1:  # every host's share, and the take's metrics over all of them
+            shares = _allgather_objects((groups, taken.window, producer, wait))
+            groups = [g for share in shares for g in share[0]]
+            metrics = agent.take_metrics(groups, int(r.version), agent.merge_windows(s[1] for s in shares))
+            producer = _merge_producer_stats([s[2] for s in shares])
+            wait = max(s[3] for s in shares)
+        groups = sorted(groups, key=lambda g: g.prompt.index)
         samples = [agent.AgentSample(**g.prompt.sample, row=g.prompt.first_row + j)
                    for g in groups for j in range(g.prompt.n)]
         out = self._agent_runner().collate(samples, [res for g in groups for res in g.results])
@@ -260,8 +284,8 @@ class HostWorker:
             group_index=np.asarray([g.prompt.index for g in groups], np.int32),
             group_min_version=np.asarray([g.min_version for g in groups], np.int32),
             group_max_version=np.asarray([g.max_version for g in groups], np.int32),
-            policy_version=int(r.version), wait_s=wait, producer=r.stats(), time_s=wait,
-            extra_metrics=taken.metrics)
+            policy_version=int(r.version), wait_s=wait, producer=producer, time_s=wait,
+            extra_metrics=metrics)
 
     def async_sync(self) -> dict:
         """A weight sync under the rollouter: pause it (without partial rollout: until its
@@ -287,8 +311,10 @@ class HostWorker:
             released = int(self.server.sleep().get("kv_bytes", 0))
         else:
             self.server.suspend()
-        return {"held_groups": int(r.stats()["running"]), "suspended": True,
-                "kv_bytes_released": released}
+        held = int(r.stats()["running"])
+        if jax.process_count() > 1:  # every host's rollouter holds its own; kv_bytes: this replica's
+            held = sum(_allgather_objects(held))
+        return {"held_groups": held, "suspended": True, "kv_bytes_released": released}
 
     def async_release(self) -> None:
         """Ends an `async_hold` without a weight sync (a step without an actor update): a server
@@ -306,13 +332,26 @@ class HostWorker:
             self.server.resume()
 
     def async_state(self) -> dict:
-        """The rollouter's checkpoint state plus the policy version (see `agent.Rollouter.state`)."""
-        return {**self._async().state(), "policy_version": int(self.server.policy_version)}
+        """The rollouter's checkpoint state plus the policy version (see `agent.Rollouter.state`).
+        Several hosts: every host's state merged (`queued` / `pending` / counters of all of them,
+        what the trainer reads) plus each host's own under `hosts` (what a resume restores)."""
+        state = {**self._async().state(), "policy_version": int(self.server.policy_version)}
+        if jax.process_count() == 1:
+            return state
+        return _merge_async_states(_allgather_objects(state))
 
     def async_restore(self, state: dict) -> None:
-        """After `restore_checkpoint`: the saved policy version, queue and unfinished prompts."""
-        self.server.update_params(self.actor.params, version=int(state["policy_version"]))
-        self._async().restore(state)
+        """After `restore_checkpoint`: the saved policy version (to every host's replica), queue
+        and unfinished prompts. A state saved with another number of hosts is split again by
+        group index (as `async_feed` splits)."""
+        self.sync_weights(version=int(state["policy_version"]))
+        hosts, me = jax.process_count(), jax.process_index()
+        saved = state.get("hosts")
+        if saved is not None and len(saved) == hosts:
+            mine = saved[me]
+        else:
+            mine = _split_async_state(state, me, hosts)
+        self._async().restore(mine)
 
     def compute_old_log_prob(self, batch: Batch) -> dict[str, np.ndarray]:
         """{"old_log_probs", "entropys"} [B, t]."""
@@ -375,7 +414,10 @@ class HostWorker:
         _, abstract = nnx.split(models.abstract_model(self._model_config_for_rollout()), nnx.Param)
         local = nnx.to_pure_dict(sharding.state_shardings(abstract, self.rollout_mesh, sharding.ROLLOUT_RULES))
         targets = jax.tree.map(lambda s: jax.sharding.NamedSharding(self.replica_mesh, s.spec), local)
-        moved = sharding.transfer(pure, targets, dtype=self._rollout_dtype())
+        if self._shared_replicas:  # colocated: the same devices, one resharding program
+            moved = sharding.reshard(pure, targets, dtype=self._rollout_dtype())
+        else:
+            moved = sharding.transfer(pure, targets, dtype=self._rollout_dtype())
         return jax.tree.map(sharding.local_replica, moved, local)
 
     # -- checkpoints ---------------------------------------------------------------------------------
@@ -527,9 +569,55 @@ def _meshes(c: RunConfig, devices=None):
     return train, replicas[me if me < len(replicas) else 0]
 
 
+def _check_rollouter_split(c: RunConfig, hosts: int) -> None:
+    """The async modes on several hosts: every host's rollouter hands a step the same share of
+    its `data.train_batch_size` groups."""
+    if c.rollout_source in ("buffer", "colocated_buffer") and c.data.train_batch_size % hosts:
+        raise ConfigError(f"data.train_batch_size={c.data.train_batch_size} must be a multiple of the "
+                          f"{hosts} processes in trainer.v1.trainer_mode={c.trainer.v1.trainer_mode!r}: "
+                          "each host's rollouter gives a step train_batch_size / processes groups")
+
+
+def _uses_server(c: RunConfig) -> bool:
+    """The run drives the request-level `RolloutServer` (agent loops or a rollouter)."""
+    return c.rollout.multi_turn.enable or c.rollout_source in ("buffer", "colocated_buffer")
+
+
 def _rollout_replicas(c: RunConfig, devices=None) -> list | None:
-    """Separate placement: the rollout mesh of every host, in process order (None: colocated)."""
-    return None if c.placement.mode == "colocated" else _split_separate(c, devices)[1]
+    """The rollout replica mesh of every host, in process order. Separate placement: each
+    host's rollout devices; colocated with the request-level server: each host's own devices
+    (`_colocated_replicas`); a colocated batch rollout has none (its engine is SPMD on the
+    training mesh)."""
+    if c.placement.mode != "colocated":
+        return _split_separate(c, devices)[1]
+    return _colocated_replicas(c, devices) if _uses_server(c) else None
+
+
+def _colocated_replicas(c: RunConfig, devices=None) -> list:
+    """Colocated, several hosts: every host's devices as that host's replica mesh. Its shape:
+    `placement.rollout_mesh` with `data` divided among the hosts, or (1x1x1: the training
+    mesh's shape) `tensor` as the training mesh's, `data` the rest of the host."""
+    m, r = c.mesh, c.placement.rollout_mesh
+    devices = list(jax.devices() if devices is None else devices)
+    hosts: dict[int, list] = {}
+    for d in devices:
+        hosts.setdefault(d.process_index, []).append(d)
+    local, n = min(len(v) for v in hosts.values()), len(hosts)
+    if (r.data, r.fsdp, r.tensor) == (1, 1, 1):
+        t = m.tensor if m.tensor > 0 else 1
+        if local % t:
+            raise ValueError(f"mesh.tensor={m.tensor} does not divide the {local} devices of a host: "
+                             "a colocated rollout replica per host keeps tensor inside one host")
+        shape = sharding.MeshConfig(local // t, 1, t)
+    else:
+        if r.data % n or (r.data // n) * r.fsdp * r.tensor != local:
+            raise ValueError(
+                f"placement.rollout_mesh (colocated) = data {r.data} x fsdp {r.fsdp} x tensor {r.tensor} "
+                f"on {n} hosts of {local} devices: each host holds one replica of data/{n} x fsdp x "
+                f"tensor = {local} devices; set data to {n} x {local // max(r.fsdp * r.tensor, 1)} "
+                "(or leave rollout_mesh 1x1x1)")
+        shape = sharding.MeshConfig(r.data // n, r.fsdp, r.tensor)
+    return [sharding.make_mesh(shape, devices=hosts[p][:local]) for p in sorted(hosts)]
 
 
 def _split_separate(c: RunConfig, devices=None):
@@ -569,6 +657,51 @@ def _gather_shares(out, num_prompts: int, n: int) -> RolloutResult:
     stop = full.pop("stop")
     return RolloutResult(**full, finish_reasons=tuple("stop" if s else "length" for s in stop),
                          prompt_index=np.repeat(np.arange(num_prompts, dtype=np.int32), n))
+
+
+def _allgather_objects(obj) -> list:
+    """`obj` (picklable) of every process, in process order: an all-gather of the pickled
+    bytes (every process calls it, with its own `obj`)."""
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int64))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [pickle.loads(rows[i, :int(n)].tobytes()) for i, n in enumerate(sizes)]
+
+
+def _merge_producer_stats(stats: list[dict]) -> dict[str, float]:
+    """Every host's rollouter counters as one: counts add up; `idle_s` is the hosts' mean (the
+    idle ratio is that of the average replica)."""
+    out = {k: float(sum(s[k] for s in stats)) for k in stats[0]}
+    out["idle_s"] = float(np.mean([s["idle_s"] for s in stats]))
+    return out
+
+
+def _merge_async_states(states: list[dict]) -> dict:
+    """Every host's `async_state` as one: all finished groups and unfinished prompts (by
+    index), the counts added (`*_max` the maximum), and each host's own state under `hosts`."""
+    counters: dict[str, int] = {}
+    for st in states:
+        for k, v in st.get("counters", {}).items():
+            counters[k] = counters.get(k, 0) + int(v)
+    return {"queued": [g for st in states for g in st["queued"]],
+            "pending": sorted((p for st in states for p in st["pending"]), key=lambda p: p["index"]),
+            "consumed_since_sync": sum(int(st.get("consumed_since_sync", 0)) for st in states),
+            "counters": counters, "window": agent.merge_windows(st.get("window", {}) for st in states),
+            "policy_version": int(states[0]["policy_version"]), "hosts": states}
+
+
+def _split_async_state(state: dict, me: int, hosts: int) -> dict:
+    """Host `me`'s part of a (merged or one-host) `async_state` for a run of `hosts` processes:
+    the groups and prompts of index = me modulo hosts; the counters stay with host 0 (so the
+    sums are the saved ones), the interval's consumed count is split evenly."""
+    mine = lambda index: index % hosts == me  # noqa: E731
+    return {"queued": [g for g in state.get("queued", []) if mine(g["prompt"]["index"])],
+            "pending": [p for p in state.get("pending", []) if mine(p["index"])],
+            "consumed_since_sync": int(state.get("consumed_since_sync", 0)) // hosts,
+            "counters": state.get("counters", {}) if me == 0 else {},
+            "window": state.get("window", {}) if me == 0 else {}}
 
 
 def _agent_result(out: dict, extra_metrics: dict | None = None, **fields) -> RolloutResult:

@@ -2,6 +2,7 @@
 environment resolves, and the driver's multi-host-safe host reads."""
 from __future__ import annotations
 
+import os
 import types
 
 import jax
@@ -66,3 +67,64 @@ def test_host_read_of_sharded_and_replicated_arrays():
     np.testing.assert_array_equal(sharding.to_host(sharded), x)
     np.testing.assert_array_equal(sharding.to_host(jnp.int32(3)), 3)
     np.testing.assert_array_equal(sharding.to_host(x), x)
+
+
+# -- agent loops and the async modes on several hosts (the pieces that need no second process) --
+
+def _run_config(tmp_path, **extra):
+    from jaxrl_llm.config import load_config
+
+    o = {"trainer.default_local_dir": str(tmp_path / "run"), **extra}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return load_config(f"{root}/configs/quickstart.py:tiny,local", [f"{k}={v}" for k, v in o.items()])
+
+
+def test_async_mode_needs_a_batch_that_splits_over_the_processes(tmp_path):
+    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.workers import _host
+
+    run = _run_config(tmp_path, **{"trainer.v1.trainer_mode": "colocate_async"})  # train_batch_size 8
+    _host._check_rollouter_split(run, 2)
+    with pytest.raises(ConfigError, match=r"data.train_batch_size=8 must be a multiple of the 3 processes in "
+                                          r"trainer.v1.trainer_mode='colocate_async'"):
+        _host._check_rollouter_split(run, 3)
+    _host._check_rollouter_split(_run_config(tmp_path), 3)  # the synchronous trainer splits rows, not groups
+
+
+def test_colocated_replica_shape_is_checked_per_host(tmp_path):
+    from jaxrl_llm.workers import _host
+
+    devices = [types.SimpleNamespace(process_index=i // 4) for i in range(8)]
+    run = _run_config(tmp_path, **{"rollout.multi_turn.enable": True, "placement.rollout_mesh.data": 3})
+    with pytest.raises(ValueError, match=r"each host holds one replica of data/2 x fsdp x tensor = 4 devices"):
+        _host._colocated_replicas(run, devices)
+    # the batch rollout of a colocated run keeps its SPMD engine on the training mesh: no replicas
+    assert _host._rollout_replicas(_run_config(tmp_path), devices) is None
+
+
+def _group(index):
+    return {"prompt": {"index": index, "sample": {}, "seed": 1, "first_row": 0, "n": 2},
+            "results": [], "started_version": 3}
+
+
+def test_async_state_merges_per_host_and_splits_for_another_host_count():
+    from jaxrl_llm.workers import _host
+
+    def host_state(me):
+        return {"queued": [_group(me)], "pending": [{"index": i} for i in (me + 2, me + 4)],
+                "consumed_since_sync": 2, "counters": {"groups_started": 3, "groups_failed": me},
+                "window": {"gen_tokens": 10, "dropped_staleness_max": 1 + me}, "policy_version": 3}
+
+    hosts = [host_state(0), host_state(1)]
+    merged = _host._merge_async_states(hosts)
+    assert [p["index"] for p in merged["pending"]] == [2, 3, 4, 5]  # by index, as one host keeps them
+    assert len(merged["queued"]) == 2 and merged["consumed_since_sync"] == 4
+    assert merged["counters"] == {"groups_started": 6, "groups_failed": 1}
+    assert merged["window"]["gen_tokens"] == 20 and merged["window"]["dropped_staleness_max"] == 2
+    assert merged["hosts"] == hosts and merged["policy_version"] == 3
+    # resumed on one process: everything; on 2 processes by another split rule: index mod 2
+    one = _host._split_async_state(merged, 0, 1)
+    assert [p["index"] for p in one["pending"]] == [2, 3, 4, 5] and one["counters"] == merged["counters"]
+    second = _host._split_async_state(merged, 1, 2)
+    assert [p["index"] for p in second["pending"]] == [3, 5] and second["counters"] == {}
+    assert [g["prompt"]["index"] for g in second["queued"]] == [1]

@@ -1,0 +1,135 @@
+"""Agent loops and the asynchronous (rollouter) mode on several processes: 2 processes x 4 CPU
+devices, each host with its own rollout replica (engine + `RolloutServer` on its 4 devices,
+weights resharded onto it from the training mesh that spans both hosts), against 1 process of 8
+devices with one server on the training mesh; the agent run also with the Ray backend (one
+controller, 2 HostWorker actors). Same seeds: a row samples by (seed, row), so which
+host runs it does not change its tokens.
+
+What is compared: every metric a step logs (rollout lengths, rewards, the rollout log-probs'
+difference to the trainer's, losses, grad norms, entropies, turn / tool counts, staleness and
+policy versions), at rel 1e-4 (the same key set), except the wall-clock ones (`_VOLATILE`,
+`_AGENT_TIMING`, and timing_s/ perf/ as test_multihost_grpo.py). There is no per-row dump, so
+tokens are compared through these: response lengths, scores, turn counts, log-prob differences
+and grad norms at step 2 (trained on rows generated with step 1's weights, moved to every
+replica by the sync) differ if any token or weight differs (a seed off by one on one host fails
+the agent test). The async test also checks each host's checkpointed rollouter state holds
+its share of batch 2 and that a 2-process resume from step 1 repeats step 2.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import portpicker
+
+from jaxrl_llm.config import load_config
+from test_multihost_grpo import ROOT, _assert_same_metrics, _env, _metrics, _overrides, _run_all
+
+TOOLS = f"{ROOT}/configs/quickstart_tools.py:tiny,local"
+# wall-clock metrics: the agent loops' seconds, the trainer's and the rollouter's idle
+# ratios, the sync's seconds (the only metrics that differed between the runs)
+_VOLATILE = ("fully_async/rollouter/idle_ratio", "fully_async/trainer/idle_ratio", "rollout/sync_time_s",
+             "rollout/sync_wait_s", "rollout/sync_pause_wait_s")
+_AGENT_TIMING = ("/generate_s/mean", "/tool_calls_s/mean", "/interaction_s/mean", "/total_s/mean")
+
+
+def _comparable(m: dict) -> dict:
+    return {k: v for k, v in m.items()
+            if not k.startswith(_VOLATILE) and not (k.startswith("agent/") and k.endswith(_AGENT_TIMING))}
+
+
+def _two_processes(config: str, run_dir: Path, log_dir: Path, **extra) -> list[dict]:
+    log_dir.mkdir(exist_ok=True)
+    port = portpicker.pick_unused_port()
+    cli = [sys.executable, "-m", "jaxrl_llm.train", f"--config={config}"] + [
+        f"--config.{k}={v}" for k, v in _overrides(run_dir, **extra).items()]
+    _run_all([cli + [f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}"]
+              for i in range(2)], _env(4), log_dir)
+    return _metrics(run_dir)
+
+
+def _one_process(config: str, run_dir: Path, **extra) -> list[dict]:
+    import jax
+
+    from jaxrl_llm.trainer import RLTrainer
+
+    assert jax.device_count() == 8 and jax.process_count() == 1
+    RLTrainer(load_config(config, _overrides(run_dir, **extra))).fit()
+    return _metrics(run_dir)
+
+
+def _assert_same_steps(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want), "only process 0 writes metrics, one line a step"
+    for g, w in zip(got, want):
+        _assert_same_metrics(_comparable(g), _comparable(w))
+
+
+# the agent quickstart (tool_agent loop, calculator tool), 2 steps; a step's 8 prompts x n=2
+# rows: rows 0-7 run on host 0's server, 8-15 on host 1's, then every host collates all 16
+_AGENT = {"trainer.total_training_steps": 2, "trainer.save_freq": 0, "trainer.test_freq": 0}
+
+
+def _multi_turn_data(folder: Path) -> dict:
+    """The quickstart's multiplication prompts with a simulated user (`answer_check`: a wrong
+    answer gets "try again" and another turn), so the untrained model's trajectories have
+    several turns (sessions on one server); overrides that use them."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pairs = [(10 + (7 * k) % 90, 10 + (13 * k) % 90) for k in range(32)]
+    rows = [{"data_source": "arithmetic", "agent_name": "tool_agent",
+             "prompt": [{"role": "user", "content": f"{a}*{b}="}], "ability": "arithmetic",
+             "reward_model": {"style": "rule", "ground_truth": str(a * b)},
+             "extra_info": {"index": i, "interaction_kwargs": {"name": "answer_check"}}}
+            for i, (a, b) in enumerate(pairs)]
+    pq.write_table(pa.Table.from_pylist(rows), folder / "train.parquet")
+    (folder / "interaction.json").write_text(json.dumps({"interaction": [
+        {"name": "answer_check", "class_name": "answer_check", "config": {"max_attempts": 3}}]}))
+    return {"data.train_files": folder / "train.parquet",
+            "rollout.multi_turn.interaction_config_path": folder / "interaction.json"}
+
+
+def test_agent_loop_on_two_processes_matches_one_process(tmp_path):
+    o = {**_AGENT, **_multi_turn_data(tmp_path)}
+    want = _one_process(TOOLS, tmp_path / "reference", **o)
+    got = _two_processes(TOOLS, tmp_path / "run", tmp_path / "logs", **o)
+    assert want[1]["actor/grad_norm"] > 0 and want[1]["num_turns/max"] > 1  # trajectories of several turns
+    _assert_same_steps(got, want)
+    # the Ray backend: one controller, 2 HostWorker actors of 4 devices, the same worker code
+    ray_dir, logs = tmp_path / "ray", tmp_path / "logs-ray"
+    logs.mkdir()
+    cli = [sys.executable, "-m", "jaxrl_llm.train", f"--config={TOOLS}", "--num_hosts=2"] + [
+        f"--config.{k}={v}" for k, v in _overrides(ray_dir, **o, **{"trainer.backend": "ray"}).items()]
+    _run_all([cli], _env(4), logs)
+    _assert_same_steps(_metrics(ray_dir), want)
+
+
+# colocate_async with num_warmup_batches=0: each sync interval starts exactly the groups one step
+# takes (batch b at step b), so which groups train at which step does not depend on timing; each
+# host's rollouter runs the groups of index = its process index mod 2 and takes 4 of the 8
+_ASYNC = {"trainer.v1.trainer_mode": "colocate_async", "trainer.v1.colocate_async.num_warmup_batches": 0.0,
+          "trainer.total_training_steps": 2, "trainer.save_freq": 1, "trainer.max_to_keep": 2,
+          "trainer.test_freq": 0}
+QUICKSTART = f"{ROOT}/configs/quickstart.py:tiny,local"
+
+
+def test_colocate_async_on_two_processes_matches_one_process_and_resumes(tmp_path):
+    """Also a resume on 2 processes from step 1's checkpoint (each host's queue and unfinished
+    prompts: batch 2's groups, started after step 1's sync) gives step 2 as both runs had it."""
+    import json
+
+    want = _one_process(QUICKSTART, tmp_path / "reference", **_ASYNC)
+    got = _two_processes(QUICKSTART, tmp_path / "run", tmp_path / "logs", **_ASYNC)
+    assert len(want) == 2 and want[1]["rollout/policy_version"] == want[0]["rollout/policy_version"] + 1
+    _assert_same_steps(got, want)
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "1" / "meta" / "metadata").read_text())
+    hosts = meta["fully_async"]["hosts"]  # each host's rollouter state, its share of batch 2
+    assert [sorted(p["index"] % 2 for p in h["pending"]) for h in hosts] == [[0] * 4, [1] * 4]
+    resumed = _two_processes(QUICKSTART, tmp_path / "run", tmp_path / "logs-resume",
+                             **{**_ASYNC, "trainer.resume_mode": str(tmp_path / "run" / "checkpoints" / "1")})
+    assert "resumed from" in (tmp_path / "logs-resume" / "proc0.log").read_text()
+    # the resume sets the rows after step 1 aside and logs step 2 again
+    assert [m["training/global_step"] for m in resumed] == [1, 2]
+    _assert_same_steps(resumed[1:], want[1:])
