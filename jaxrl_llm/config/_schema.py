@@ -332,7 +332,7 @@ class SamplerConfig:
 
     max_off_policy_threshold: int  # model versions (weight syncs) a trained token may lag the trainer's policy; -1 (None in a config file or on the command line) = no bound (the largest lag K; the replay buffer counts it as verl's span of K + 1 versions, both ends included)
     max_off_policy_strategy: str  # drop (regenerate a group that is too old) | wait (train no such group: wait for in-flight groups to finish within the bound)
-    max_failed_groups: int  # groups whose agent loop raised or whose reward failed (error / timeout) the rollouter may evict and replace with a new prompt per step (the groups finished between two takes); one more fails the step naming this field; 0 = no eviction: a failed agent loop fails the step, failed rewards are left to reward.max_error_fraction. Rollouter modes only (colocate_async, separate_async with the rollouter)
+    max_failed_groups: int  # groups whose agent loop raised or whose reward failed (error / timeout) the rollouter may evict and replace with a new prompt per step (the groups finished between two takes); one more fails the step naming this field; 0 = no eviction: a failed agent loop fails the step, failed rewards are left to reward.max_error_fraction. Rollouter modes only (colocate_async, separate_async with the rollouter). On several processes each host's rollouter allows ceil(this / processes)
     max_failed_fraction: float  # with max_failed_groups > 0: at most floor(this x data.train_batch_size) such groups per step as well, in [0, 1]
 
 

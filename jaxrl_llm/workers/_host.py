@@ -247,7 +247,8 @@ class HostWorker:
                 max_off_policy_threshold=None if lag < 0 else lag + 1,
                 max_off_policy_strategy=v1.sampler.max_off_policy_strategy,
                 # failed agent loops / rewards: evicted and replaced by a fed prompt, within a budget
-                max_failed_groups=v1.sampler.max_failed_groups,
+                # (each host's share: ceil; a share of 0 would turn eviction off)
+                max_failed_groups=-(-v1.sampler.max_failed_groups // hosts),
                 max_failed_fraction=v1.sampler.max_failed_fraction,
                 config_prefix="trainer.v1.sampler.", **dapo)
         return self._rollouter
