@@ -38,6 +38,7 @@ def base_config() -> ConfigDict:
     c.rollout = dict(
         n=8, temperature=1.0, top_k=-1, top_p=1.0, max_concurrent_decodes=256,
         steps_per_sync=16, dtype="", use_rollout_log_probs=False, partial_rollout_kv="recompute", free_cache_engine=True,
+        replicas_per_host=1, max_inflight_per_replica=0,
         val=dict(temperature=0.0, top_k=-1, top_p=1.0, n=1),
         multi_turn=dict(
             enable=False, default_agent_loop="single_turn_agent", max_assistant_turns=0,

@@ -280,6 +280,17 @@ def validate(c: RunConfig) -> None:
     _positive(c.rollout.n, "rollout.n")
     _positive(c.rollout.max_concurrent_decodes, "rollout.max_concurrent_decodes")
     _positive(c.rollout.steps_per_sync, "rollout.steps_per_sync")
+    _positive(c.rollout.replicas_per_host, "rollout.replicas_per_host")
+    _positive(c.rollout.max_inflight_per_replica, "rollout.max_inflight_per_replica", allow_zero=True)
+    k = c.rollout.replicas_per_host
+    if k > 1 and c.rollout.max_concurrent_decodes % k:
+        raise ConfigError(f"rollout.max_concurrent_decodes={c.rollout.max_concurrent_decodes} must be a multiple "
+                          f"of rollout.replicas_per_host={k}: a host's decode slots are split evenly among its replicas")
+    if k > 1 and not (c.rollout.multi_turn.enable or c.rollout_source in ("buffer", "colocated_buffer")):
+        raise ConfigError(f"rollout.replicas_per_host={k} needs the request-level server that the router "
+                          "balances over: set rollout.multi_turn.enable=True (agent loops, e.g. "
+                          "single_turn_agent) or an async trainer.v1.trainer_mode (colocate_async, "
+                          "separate_async with the rollouter); the batch rollout runs one engine per host")
     _positive(c.trainer.total_training_steps, "trainer.total_training_steps")
     _positive(c.actor.ppo_epochs, "actor.ppo_epochs")
     _positive(c.actor.optim.lr, "actor.optim.lr")

@@ -162,6 +162,8 @@ class RolloutConfig:
     use_rollout_log_probs: bool  # reuse the engine's log-probs as old_log_probs
     free_cache_engine: bool  # colocate_async: the engine sleeps while the actor trains (its KV cache, and its own weight copy where the layouts differ, are released; held requests are re-prefilled at wake), verl's name; False: it is only suspended
     partial_rollout_kv: str  # recompute | keep: at a weight sync, re-prefill held requests' KV with the new weights (verl) or decode on the old KV
+    replicas_per_host: int  # rollout replicas (an engine + request-level server each) on every host, behind one load balancer (rollout.ReplicaRouter): the host's rollout devices split along the rollout mesh's data axis, its max_concurrent_decodes split evenly among them; > 1 needs the request-level server (rollout.multi_turn or an async trainer.v1.trainer_mode)
+    max_inflight_per_replica: int  # the router's bound on requests in flight per replica (more wait in its queue); 0 = the replica's decode slots
     val: SamplingConfig
     multi_turn: MultiTurnConfig
 

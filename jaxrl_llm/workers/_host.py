@@ -48,9 +48,16 @@ class HostWorker:
         # colocated with the request-level server (agent loops, the async modes): the host's
         # own devices (the training mesh spans the hosts, a server's engine cannot). None on one
         # host and for a colocated batch rollout (its engine runs on the training mesh, SPMD).
-        replicas = _rollout_replicas(c) if jax.process_count() > 1 else None
-        if replicas:
-            self.rollout_mesh = replicas[jax.process_index()]
+        # rollout.replicas_per_host = k > 1: every host's replica split into k along its data
+        # axis, each an engine + server behind one router (`rollout.ReplicaRouter`), on one host too
+        k = c.rollout.replicas_per_host
+        replicas = _rollout_replicas(c) if jax.process_count() > 1 or k > 1 else None
+        if replicas and k > 1:
+            replicas = [part for mesh in replicas for part in _split_replica(mesh, k)]
+        me = jax.process_index()
+        # this host's replica meshes (one engine each); the first is `rollout_mesh`
+        self.rollout_meshes = replicas[me * k:(me + 1) * k] if replicas else [self.rollout_mesh]
+        self.rollout_mesh = self.rollout_meshes[0]
         self.replica_mesh = sharding.replica_mesh(replicas) if replicas else None
         # colocated replicas share devices with the training mesh: resharded, not transferred
         self._shared_replicas = bool(replicas) and c.placement.mode == "colocated"
@@ -58,7 +65,9 @@ class HostWorker:
         self._model = build_model(c.model, vocab_size=vocab_size, mesh=self.mesh)
         self._sft = None
         self.actor = self.ref = self.critic = self.engine = self.driver = self.reward_model = None
-        self.server = self._agents = None  # the request-level server and agent loops (multi-turn)
+        self.engines: list = []  # one per replica of this host; `engine` is the first
+        # the request-level server (a `ReplicaRouter` over several replicas) and agent loops
+        self.server = self._agents = None
         self._rollouter = None  # the asynchronous modes' background producer
         self.checkpointer = Checkpointer(
             checkpoint_root(c.trainer.default_local_dir), max_to_keep=c.trainer.max_to_keep,
@@ -127,24 +136,31 @@ class HostWorker:
         prefill = rollout.prefill_bucket(c.data.max_prompt_length + (c.data.max_response_length if multi_turn else 0))
         source = ((self.actor.graphdef, self.actor.params) if not lora.enabled
                   else models.merged_model(self.actor.model()))
-        layout = "auto"
-        if self.replica_mesh is not None:  # this host's replica, moved there by sharding.transfer
-            graphdef, abstract = nnx.split(models.abstract_model(self._model_config_for_rollout()), nnx.Param)
-            nnx.replace_by_pure_dict(abstract, self._to_replica(
-                self.actor.rollout_params(self._rollout_dtype())))
+        layout, sources = "auto", [source]
+        if self.replica_mesh is not None:  # this host's replicas, the weights moved onto each
+            sources = []
+            for tree in self._to_replicas(self.actor.rollout_params(self._rollout_dtype())):
+                graphdef, abstract = nnx.split(models.abstract_model(self._model_config_for_rollout()), nnx.Param)
+                nnx.replace_by_pure_dict(abstract, tree)
+                sources.append((graphdef, abstract))
             # the layout auto picks on one host for weights on other devices (no sharing there)
-            source, layout = (graphdef, abstract), "per_layer"
-        self.engine = rollout.Engine.from_model(
-            source, mesh=self.rollout_mesh,
-            max_concurrent_decodes=c.rollout.max_concurrent_decodes,
+            layout = "per_layer"
+        slots = c.rollout.max_concurrent_decodes // len(self.rollout_meshes)  # the host's, split evenly
+        self.engines = [rollout.Engine.from_model(
+            src, mesh=mesh, max_concurrent_decodes=slots,
             max_prefill_length=prefill, max_target_length=prefill + c.data.max_response_length,
             dtype=c.rollout.dtype or c.model.dtype, temperature=c.rollout.temperature,
             top_k=c.rollout.top_k, top_p=c.rollout.top_p, seed=c.trainer.seed,
             stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id, layer_layout=layout)
+            for src, mesh in zip(sources, self.rollout_meshes)]
+        self.engine = self.engines[0]
         self.driver = rollout.RolloutDriver(self.engine, steps_per_sync=c.rollout.steps_per_sync)
         if multi_turn or rollouter:
-            self.server = rollout.RolloutServer(self.engine, steps_per_sync=c.rollout.steps_per_sync,
-                                                partial_rollout_kv=c.rollout.partial_rollout_kv)
+            servers = [rollout.RolloutServer(e, steps_per_sync=c.rollout.steps_per_sync,
+                                             partial_rollout_kv=c.rollout.partial_rollout_kv)
+                       for e in self.engines]
+            self.server = servers[0] if len(servers) == 1 else rollout.ReplicaRouter(
+                servers, max_inflight_per_replica=c.rollout.max_inflight_per_replica or None)
         return self.sync_weights()
 
     # -- the RL step's calls -------------------------------------------------------------------------
@@ -191,16 +207,29 @@ class HostWorker:
         t0 = time.perf_counter()
         runner = self._agent_runner()
         samples = [agent.AgentSample(**s) for s in samples]
-        if self.replica_mesh is None:
+        if jax.process_count() == 1:
             out = runner.run(samples, sampling=sampling, seed=seed)
-            return _agent_result(out, time_s=time.perf_counter() - t0)
+            return _agent_result(out, self._replica_metrics(), time_s=time.perf_counter() - t0)
         # a replica per host: this host runs its block of rows (as `generate` splits prompts; a
         # row samples by (seed, row), wherever it runs), then every host collates all rows
         per = -(-len(samples) // jax.process_count())
         lo = jax.process_index() * per
         mine = asyncio.run(runner.arun_results(samples[lo:lo + per], sampling=sampling, seed=seed))
         results = [r for share in _allgather_objects(mine) for r in share]
-        return _agent_result(runner.collate(samples, results), time_s=time.perf_counter() - t0)
+        return _agent_result(runner.collate(samples, results), self._replica_metrics(),
+                             time_s=time.perf_counter() - t0)
+
+    def _replica_metrics(self) -> dict[str, float]:
+        """The router's per-replica and balance metrics since the last call (`ReplicaRouter.metrics`;
+        none with one replica a host). Several hosts: every host's, replica i of host h numbered
+        h x replicas_per_host + i, the router's counts added, stickiness the hosts' mean and the
+        imbalances over all replicas (call it on every host: an all-gather)."""
+        if not isinstance(self.server, rollout.ReplicaRouter):
+            return {}
+        mine = self.server.metrics()
+        if jax.process_count() == 1:
+            return mine
+        return _merge_replica_metrics(_allgather_objects(mine), self.config.rollout.replicas_per_host)
 
     def _agent_runner(self) -> "agent.AgentRunner":
         if self._agents is None:
@@ -286,7 +315,7 @@ class HostWorker:
             group_min_version=np.asarray([g.min_version for g in groups], np.int32),
             group_max_version=np.asarray([g.max_version for g in groups], np.int32),
             policy_version=int(r.version), wait_s=wait, producer=producer, time_s=wait,
-            extra_metrics=metrics)
+            extra_metrics={**metrics, **self._replica_metrics()})
 
     def async_sync(self) -> dict:
         """A weight sync under the rollouter: pause it (without partial rollout: until its
@@ -392,9 +421,16 @@ class HostWorker:
         target = self.server if self.server is not None else self.engine
         # LoRA: the merged W + (α/r)·A·B of the current adapters, computed now on device
         params = self.actor.rollout_params(self.engine.config.param_dtype)
-        if self.replica_mesh is not None:  # to every host's replica first (a collective)
-            params = self._to_replica(params)
-        stats = target.update_params(params) if self.server is None else target.update_params(params, version=version)
+        if self.replica_mesh is not None:  # to every replica of every host first (a collective)
+            trees = self._to_replicas(params)
+            if isinstance(self.server, rollout.ReplicaRouter):  # each replica its own copy
+                stats = self.server.update_params(replica_params=trees, version=version)
+            else:
+                params = trees[0]
+        if self.server is None:
+            stats = target.update_params(params)
+        elif not isinstance(self.server, rollout.ReplicaRouter):
+            stats = target.update_params(params, version=version)
         stats = {k: v for k, v in stats.items() if isinstance(v, (int, float, bool))}
         stats.setdefault("time_s", time.perf_counter() - t0)
         return stats
@@ -407,19 +443,21 @@ class HostWorker:
         c = self.config
         return models.to_dtype(c.rollout.dtype or c.model.dtype)
 
-    def _to_replica(self, params) -> dict:
+    def _to_replicas(self, params) -> list[dict]:
         """The rollout weights (a pure dict or Param state on the training mesh, stacked layers)
-        on this host's replica, with the rollout's stacked shardings and dtype: one
-        `sharding.transfer` onto the replica mesh, of which this host keeps its replica."""
+        on each of this host's replicas, with the rollout's stacked shardings and dtype: one
+        `sharding.transfer` (or reshard, colocated) onto the mesh that stacks every replica of
+        every host, of which this host keeps its own replicas' shards (the same buffers)."""
         pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
         _, abstract = nnx.split(models.abstract_model(self._model_config_for_rollout()), nnx.Param)
-        local = nnx.to_pure_dict(sharding.state_shardings(abstract, self.rollout_mesh, sharding.ROLLOUT_RULES))
-        targets = jax.tree.map(lambda s: jax.sharding.NamedSharding(self.replica_mesh, s.spec), local)
+        locals_ = [nnx.to_pure_dict(sharding.state_shardings(abstract, mesh, sharding.ROLLOUT_RULES))
+                   for mesh in self.rollout_meshes]
+        targets = jax.tree.map(lambda s: jax.sharding.NamedSharding(self.replica_mesh, s.spec), locals_[0])
         if self._shared_replicas:  # colocated: the same devices, one resharding program
             moved = sharding.reshard(pure, targets, dtype=self._rollout_dtype())
         else:
             moved = sharding.transfer(pure, targets, dtype=self._rollout_dtype())
-        return jax.tree.map(sharding.local_replica, moved, local)
+        return [jax.tree.map(sharding.local_replica, moved, local) for local in locals_]
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _ckpt_state(self):
@@ -621,6 +659,20 @@ def _colocated_replicas(c: RunConfig, devices=None) -> list:
     return [sharding.make_mesh(shape, devices=hosts[p][:local]) for p in sorted(hosts)]
 
 
+def _split_replica(mesh, k: int) -> list:
+    """A host's rollout replica mesh cut into `k` replicas along its data axis (consecutive
+    devices, the same axis names): `rollout.replicas_per_host`."""
+    devices = mesh.devices
+    if devices.shape[0] % k:
+        raise ValueError(
+            f"rollout.replicas_per_host={k} must divide the data axis of a host's rollout mesh "
+            f"{dict(mesh.shape)}: the replicas split it (colocated with placement.rollout_mesh 1x1x1 "
+            "that axis is the host's devices / mesh.tensor; else placement.rollout_mesh.data)")
+    step = devices.shape[0] // k
+    return [jax.sharding.Mesh(devices[i * step:(i + 1) * step], mesh.axis_names, axis_types=mesh.axis_types)
+            for i in range(k)]
+
+
 def _split_separate(c: RunConfig, devices=None):
     """(training mesh over every host's first devices, [rollout replica mesh of each host]).
 
@@ -669,6 +721,24 @@ def _allgather_objects(obj) -> list:
     padded[:data.size] = data
     rows = np.asarray(multihost_utils.process_allgather(padded))
     return [pickle.loads(rows[i, :int(n)].tobytes()) for i, n in enumerate(sizes)]
+
+
+def _merge_replica_metrics(hosts: list[dict], k: int) -> dict[str, float]:
+    """Every host's `ReplicaRouter.metrics()` as one run's (see `HostWorker._replica_metrics`)."""
+    out: dict[str, float] = {}
+    for h, m in enumerate(hosts):
+        for key, v in m.items():
+            if key.startswith("rollout/replica/"):
+                i, _, name = key[len("rollout/replica/"):].partition("/")
+                out[f"rollout/replica/{h * k + int(i)}/{name}"] = v
+    for name in ("queue", "live_replicas", "dead_replicas", "retried_requests"):
+        out[f"rollout/router/{name}"] = float(sum(m[f"rollout/router/{name}"] for m in hosts))
+    out["rollout/router/stickiness"] = float(np.mean([m["rollout/router/stickiness"] for m in hosts]))
+    for name, per in (("requests", "requests"), ("tokens", "tokens_per_s")):
+        xs = [v for key, v in out.items() if key.endswith(f"/{per}") and out[key.rsplit("/", 1)[0] + "/alive"]]
+        mean = float(np.mean(xs)) if xs else 0.0
+        out[f"rollout/router/imbalance_{name}"] = max(xs) / mean if mean > 0 else 1.0
+    return out
 
 
 def _merge_producer_stats(stats: list[dict]) -> dict[str, float]:

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import portpicker
+import pytest
 
 from jaxrl_llm.config import load_config
 from test_multihost_grpo import ROOT, _assert_same_metrics, _env, _metrics, _overrides, _run_all
@@ -91,9 +92,16 @@ def _multi_turn_data(folder: Path) -> dict:
             "rollout.multi_turn.interaction_config_path": folder / "interaction.json"}
 
 
-def test_agent_loop_on_two_processes_matches_one_process(tmp_path):
-    o = {**_AGENT, **_multi_turn_data(tmp_path)}
-    want = _one_process(TOOLS, tmp_path / "reference", **o)
+@pytest.fixture(scope="module")
+def agent_reference(tmp_path_factory) -> tuple[dict, list[dict]]:
+    """(overrides, metrics) of the agent run in this process: 8 devices, one replica."""
+    folder = tmp_path_factory.mktemp("agent")
+    o = {**_AGENT, **_multi_turn_data(folder)}
+    return o, _one_process(TOOLS, folder / "reference", **o)
+
+
+def test_agent_loop_on_two_processes_matches_one_process(tmp_path, agent_reference):
+    o, want = agent_reference
     got = _two_processes(TOOLS, tmp_path / "run", tmp_path / "logs", **o)
     assert want[1]["actor/grad_norm"] > 0 and want[1]["num_turns/max"] > 1  # trajectories of several turns
     _assert_same_steps(got, want)
@@ -104,6 +112,32 @@ def test_agent_loop_on_two_processes_matches_one_process(tmp_path):
         f"--config.{k}={v}" for k, v in _overrides(ray_dir, **o, **{"trainer.backend": "ray"}).items()]
     _run_all([cli], _env(4), logs)
     _assert_same_steps(_metrics(ray_dir), want)
+
+
+def _routed(key: str) -> bool:
+    """The router's metrics, and the weight sync's stats, which add up over the replicas (each
+    gets its own copy; one replica on the training mesh shares its buffers: zero-copy)."""
+    return key.startswith(("rollout/replica/", "rollout/router/", "rollout/sync_"))
+
+
+def test_agent_loop_on_several_replicas_per_host_matches_one_replica(tmp_path, agent_reference):
+    """rollout.replicas_per_host=2: 2 replicas of 4 devices behind the router on one process, and
+    2 of 2 devices on each of 2 processes (4 in all), give the one-replica run's metrics (a row
+    samples by (seed, row) on whichever replica the router picks); the router's metrics come
+    with every step: each replica took requests, every later turn of a session went to its
+    replica (stickiness 1), nothing died."""
+    o, want = agent_reference
+    two = {**o, "rollout.replicas_per_host": 2}
+    one_proc = _one_process(TOOLS, tmp_path / "one", **two)
+    two_proc = _two_processes(TOOLS, tmp_path / "two", tmp_path / "logs", **two)
+    for got, replicas in ((one_proc, 2), (two_proc, 4)):
+        _assert_same_steps(*([{k: v for k, v in m.items() if not _routed(k)} for m in ms] for ms in (got, want)))
+        for m in got:
+            assert sorted({k.split("/")[2] for k in m if k.startswith("rollout/replica/")}) == \
+                [str(i) for i in range(replicas)]
+            assert all(m[f"rollout/replica/{i}/requests"] > 0 for i in range(replicas))
+            assert m["rollout/router/live_replicas"] == replicas and m["rollout/router/dead_replicas"] == 0
+            assert m["rollout/router/stickiness"] == 1.0 and m["rollout/router/imbalance_requests"] >= 1.0
 
 
 # colocate_async with num_warmup_batches=0: each sync interval starts exactly the groups one step
@@ -133,3 +167,17 @@ def test_colocate_async_on_two_processes_matches_one_process_and_resumes(tmp_pat
     # the resume sets the rows after step 1 aside and logs step 2 again
     assert [m["training/global_step"] for m in resumed] == [1, 2]
     _assert_same_steps(resumed[1:], want[1:])
+
+
+def test_colocate_async_with_two_replicas_matches_one(tmp_path):
+    """colocate_async through the router (hold: every replica asleep over the update; sync and
+    wake fanned out; each replica's held requests re-prefilled) on one process: the one-replica
+    run's metrics, and both replicas at the trainer's policy version."""
+    o = {**_ASYNC, "trainer.save_freq": 0}
+    want = _one_process(QUICKSTART, tmp_path / "one", **o)
+    got = _one_process(QUICKSTART, tmp_path / "two", **o, **{"rollout.replicas_per_host": 2})
+    _assert_same_steps(*([{k: v for k, v in m.items() if not _routed(k)} for m in ms] for ms in (got, want)))
+    for m in got:
+        assert m["colocate_async/kv_bytes_released"] > 0
+        assert m["rollout/replica/0/policy_version"] == m["rollout/replica/1/policy_version"] \
+            == m["rollout/policy_version"]

@@ -128,3 +128,20 @@ def test_async_state_merges_per_host_and_splits_for_another_host_count():
     second = _host._split_async_state(merged, 1, 2)
     assert [p["index"] for p in second["pending"]] == [3, 5] and second["counters"] == {}
     assert [g["prompt"]["index"] for g in second["queued"]] == [1]
+
+
+def test_replicas_per_host_split_the_data_axis_and_are_checked(tmp_path):
+    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.workers import _host
+
+    mesh = sharding.make_mesh(sharding.MeshConfig(4, 1, 2), devices=jax.devices()[:8])
+    parts = _host._split_replica(mesh, 2)
+    assert [p.devices.shape for p in parts] == [(2, 1, 2), (2, 1, 2)] and parts[0].axis_names == mesh.axis_names
+    assert [d.id for p in parts for d in p.devices.flat] == [d.id for d in mesh.devices.flat]
+    with pytest.raises(ValueError, match=r"rollout.replicas_per_host=3 must divide the data axis"):
+        _host._split_replica(mesh, 3)
+    with pytest.raises(ConfigError, match=r"rollout.replicas_per_host=2 needs the request-level server"):
+        _run_config(tmp_path, **{"rollout.replicas_per_host": 2})
+    with pytest.raises(ConfigError, match=r"max_concurrent_decodes=15 must be a multiple of rollout.replicas_per_host=2"):
+        _run_config(tmp_path, **{"rollout.replicas_per_host": 2, "rollout.multi_turn.enable": True,
+                                 "rollout.max_concurrent_decodes": 15})
