@@ -193,17 +193,19 @@ def run_mode(mode: str, args) -> dict:
     import jax
 
     from jaxrl_llm.metrics import read_jsonl
-    from jaxrl_llm.trainer import RLTrainer, _rl
+    from jaxrl_llm.trainer import RLTrainer
 
     vocab = QWEN25_SHAPES[args.model]["vocab_size"]
-    real = _rl.load_tokenizer
-    _rl.load_tokenizer = lambda config: PaddedCharTokenizer(vocab)  # the shape's LM head
+    # the shape's LM head, for the trainer and for the agent loops that decode the responses
+    # the reward reads (both load the tokenizer through `models.load_tokenizer`)
+    real = models.load_tokenizer
+    models.load_tokenizer = lambda *a, **k: PaddedCharTokenizer(vocab)
     try:
         with tempfile.TemporaryDirectory(prefix=f"bench_modes_{mode}_") as run_dir:
             RLTrainer(run_config(mode, args, run_dir)).fit()
             rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     finally:
-        _rl.load_tokenizer = real
+        models.load_tokenizer = real
     return summarize(mode, rows, warmup=args.warmup, devices=jax.device_count())
 
 
