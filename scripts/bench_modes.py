@@ -10,7 +10,8 @@ random-init model with Qwen2.5 shapes. The responses' lengths are the point: a r
 almost never writes its stop token, so the rows run through the `long_tail_agent` loop defined
 here, a single-turn loop whose request asks for `L` new tokens, `L` drawn per row from a
 lognormal (median `--median`, log-std `--sigma`, capped at `--cap`) seeded by the row, so both
-modes generate the same lengths for the same prompt and row. The reward is one a random model
+modes generate the same lengths for the same prompt and row (the bench's tokenizer gives the
+engine no stop token, so learning cannot shorten them). The reward is one a random model
 can learn (`scripts/bench_modes_reward.py`: ids past the character vocabulary decode as "a" for
 an even id and "b" for an odd one; the score is the share of a's, about 0.5 at the start), so
 reward against step and against wall time compare how the modes learn at equal samples.
@@ -178,11 +179,14 @@ def summarize(mode: str, rows: list[dict], *, warmup: int, devices: int) -> dict
 class PaddedCharTokenizer(models.CharTokenizer):
     """The character tokenizer with the model shape's vocabulary size (the trainer sizes the
     embedding and LM head by the tokenizer): ids past the characters decode as "a" (even) or
-    "b" (odd), which the bench's reward counts."""
+    "b" (odd), which the bench's reward counts; no stop ids."""
 
     def __init__(self, vocab_size: int):
         super().__init__()
         self.num_chars, self.vocab_size = self.vocab_size, max(vocab_size, self.vocab_size)
+        # no stop token: a model that learns from the reward could learn to stop early and
+        # shorten the long tail; every row runs to its lognormal budget in every step and mode
+        self.eos_token_ids = ()
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         text = super().decode([i for i in ids if i < self.num_chars], skip_special_tokens)
