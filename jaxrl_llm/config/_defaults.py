@@ -31,7 +31,8 @@ def base_config() -> ConfigDict:
         ppo_mini_batch_size=16, ppo_micro_batch_size_per_device=8,
         ppo_epochs=1, shuffle=False, policy_loss="vanilla", loss_agg_mode="token-mean",
         clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
-        entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.001, kl_loss_type="low_var_kl")
+        entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.001, kl_loss_type="low_var_kl",
+        skip_redundant_old_log_prob=True)
     c.critic = dict(
         optim=_optim(1e-5), ppo_mini_batch_size=16, ppo_micro_batch_size_per_device=8,
         ppo_epochs=1, cliprange_value=0.5, loss_agg_mode="token-mean", warmup_steps_before_actor=0)
@@ -54,7 +55,7 @@ def base_config() -> ConfigDict:
         rollout_correction=dict(
             rollout_is="", rollout_is_threshold=2.0, rollout_is_batch_normalize=False,
             rollout_rs="", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.0,
-            rollout_token_veto_threshold=0.0),
+            rollout_token_veto_threshold=0.0, bypass_mode=False),
         filter_groups=dict(enable=False, metric="acc", max_num_gen_batches=0))
     c.reward = dict(num_workers=2, timeout_s=10.0, max_error_fraction=0.5,
                     max_consecutive_timeouts=8, max_consecutive_worker_deaths=5,

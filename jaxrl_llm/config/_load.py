@@ -171,8 +171,13 @@ def resolve_aliases(cfg: ConfigDict | Mapping[str, Any]) -> dict:
     `separate_async.parameter_sync_step`; `placement.one_step_off_policy` ->
     `separate_async` with `num_warmup_batches=1`, `max_off_policy_threshold=1`. A V1 field left
     at its default takes the alias's value; one set to another value is a ConfigError naming
-    both. (A section missing here is reported by the build that follows.)"""
+    both. (A section missing here is reported by the build that follows.)
+
+    verl's `algorithm.rollout_correction.bypass_mode` is an alias of
+    `rollout.use_rollout_log_probs` (the field the trainer reads): either set makes both True,
+    so the loaded config says the same under both names."""
     d = cfg.to_dict() if isinstance(cfg, ConfigDict) else _plain_dict(cfg)
+    _resolve_bypass_mode(d)
     v1 = d.get("trainer", {}).get("v1")
     if not isinstance(v1, dict) or not all(isinstance(v1.get(k), dict) for k in
                                            ("colocate_async", "separate_async", "sampler")):
@@ -218,6 +223,15 @@ def resolve_aliases(cfg: ConfigDict | Mapping[str, Any]) -> dict:
         alias("placement.one_step_off_policy", True, "colocate_async.num_warmup_batches", 1.0)
         alias("placement.one_step_off_policy", True, "sampler.max_off_policy_threshold", 1)
     return d
+
+
+def _resolve_bypass_mode(d: dict) -> None:
+    """`algorithm.rollout_correction.bypass_mode` <-> `rollout.use_rollout_log_probs`: both
+    default False, so a True on either side is the setting and both become True."""
+    rc = d.get("algorithm", {}).get("rollout_correction")
+    r = d.get("rollout")
+    if isinstance(rc, dict) and isinstance(r, dict) and (rc.get("bypass_mode") or r.get("use_rollout_log_probs")):
+        rc["bypass_mode"] = r["use_rollout_log_probs"] = True
 
 
 def _plain_dict(x):
@@ -539,6 +553,11 @@ def _check_rollout_correction(c: RunConfig) -> None:
     if rc.rollout_rs and lower > rc.rollout_rs_threshold:
         raise ConfigError(f"{where}.rollout_rs_threshold_lower={lower} is above "
                           f"rollout_rs_threshold={rc.rollout_rs_threshold}: every token would be rejected")
+    if rc.bypass_mode != c.rollout.use_rollout_log_probs:
+        raise ConfigError(f"{where}.bypass_mode={rc.bypass_mode} is an alias of rollout.use_rollout_log_probs, "
+                          f"but that is {c.rollout.use_rollout_log_probs} (a RunConfig built without "
+                          "resolve_aliases?): load the config with to_run_config / load_config")
     if rc.enabled and c.rollout.use_rollout_log_probs:
         raise ConfigError(f"{where} compares the trainer's old log-probs with the engine's, but "
-                          "rollout.use_rollout_log_probs=True makes them the same: set it to False")
+                          f"rollout.use_rollout_log_probs=True makes them the same (as its alias {where}.bypass_mode "
+                          "does): set both to False")

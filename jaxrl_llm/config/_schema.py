@@ -105,6 +105,7 @@ class ActorConfig:
     use_kl_loss: bool
     kl_loss_coef: float
     kl_loss_type: str
+    skip_redundant_old_log_prob: bool  # skip the old-log-prob pass when nothing reads its result but one on-policy optimizer step (ppo_epochs 1, one mini-batch, no KL in reward, no rollout correction), which takes them from its own forward: same weights and metrics, less the engine/trainer mismatch diagnostics (rollout/logprob_abs_diff/*, rollout/probs_diff/*, actor/entropy_rollout); False = always run the pass (docs/algorithms.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +160,7 @@ class RolloutConfig:
     max_concurrent_decodes: int  # engine slots
     steps_per_sync: int  # decode steps on device between host checks
     dtype: str  # "" = same as the actor's compute dtype
-    use_rollout_log_probs: bool  # reuse the engine's log-probs as old_log_probs
+    use_rollout_log_probs: bool  # reuse the engine's log-probs as old_log_probs (no old-log-prob pass); alias algorithm.rollout_correction.bypass_mode
     free_cache_engine: bool  # colocate_async: the engine sleeps while the actor trains (its KV cache, and its own weight copy where the layouts differ, are released; held requests are re-prefilled at wake), verl's name; False: it is only suspended
     partial_rollout_kv: str  # recompute | keep: at a weight sync, re-prefill held requests' KV with the new weights (verl) or decode on the old KV
     replicas_per_host: int  # rollout replicas (an engine + request-level server each) on every host, behind one load balancer (rollout.ReplicaRouter): the host's rollout devices split along the rollout mesh's data axis, its max_concurrent_decodes split evenly among them; > 1 needs the request-level server (rollout.multi_turn or an async trainer.v1.trainer_mode)
@@ -188,6 +189,7 @@ class RolloutCorrectionConfig:
     rollout_rs_threshold: float
     rollout_rs_threshold_lower: float  # 0 = 1 / rollout_rs_threshold
     rollout_token_veto_threshold: float  # 0 = off
+    bypass_mode: bool  # alias: rollout.use_rollout_log_probs=True (verl's name): the engine's log-probs are pi_old and no old-log-prob pass runs; the engine/trainer mismatch then enters the PPO ratio
 
     @property
     def enabled(self) -> bool:

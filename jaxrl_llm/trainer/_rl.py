@@ -1,6 +1,7 @@
 """The controller: verl's PPO/GRPO loop over workers that live locally or in Ray actors.
 
-One step: prompts -> rollout (n per prompt) -> rewards -> old log-probs -> ref log-probs ->
+One step: prompts -> rollout (n per prompt) -> rewards -> old log-probs (a pass, the engine's, or
+the update's own: `_old_log_prob`) -> ref log-probs ->
 values -> KL in reward -> advantages -> critic/actor updates -> weight sync -> metrics ->
 checkpoint -> validation. The trainer mode's `RolloutSource` (`_sources`) supplies the prompts
 and their rollout and owns the weight-sync rule. The controller holds host numpy and Python state only (data iterator,
@@ -30,6 +31,7 @@ from . import _batch as B
 from ._sources import (ColocatedBufferSource, OneStepOffSource, RolloutBufferSource, RolloutSource, SourceContext,
                        StepTimer, SyncSource)
 from ._backend import Method, P, R, WorkerError, make_group
+from ._old_log_prob import old_log_prob_source, set_old_log_probs
 from ._sft_data import sft_batches, sft_dataset
 from ._startup import check_data_files, describe_run, prepare_builtin_data, write_config_json
 
@@ -317,26 +319,13 @@ class RLTrainer:
         _chaos.at_step(self.global_step + 1)
         t_step = time.perf_counter()
         examples, batch = self._train_batch(timing, metrics)
-        with self.timer.phase("old_log_prob"):
-            if c.rollout.use_rollout_log_probs:
-                batch.old_log_probs = batch.rollout_log_probs
-            else:
-                out = self.call0(HostWorker.compute_old_log_prob, batch)
-                batch.old_log_probs = out["old_log_probs"]
-                mask = batch.response_mask
-                metrics["actor/entropy_rollout"] = float((out["entropys"] * mask).sum() / max(mask.sum(), 1))
-                diff = np.abs(out["old_log_probs"] - batch.rollout_log_probs) * mask
-                metrics["rollout/logprob_abs_diff/mean"] = float(diff.sum() / max(mask.sum(), 1))
-                real = diff[mask > 0]  # engine vs trainer log-prob of each generated token
-                if real.size:
-                    metrics["rollout/logprob_abs_diff/p99"] = float(np.percentile(real, 99))
-                    metrics["rollout/logprob_abs_diff/max"] = float(real.max())
-                    metrics["rollout/logprob_abs_diff/frac_gt_0.1"] = float((real > 0.1).mean())
-                    metrics["rollout/logprob_abs_diff/rms"] = float(np.sqrt(np.mean(real ** 2)))
-                    # verl's training/rollout_probs_diff_*: |p_engine - p_trainer| per token
-                    probs = np.abs(np.exp(out["old_log_probs"]) - np.exp(batch["rollout_log_probs"]))[mask > 0]
-                    metrics["rollout/probs_diff/mean"] = float(probs.mean())
-                    metrics["rollout/probs_diff/max"] = float(probs.max())
+        mini_rows = c.actor.ppo_mini_batch_size * c.rollout.n
+        olp = old_log_prob_source(c, rows=batch.rows, mini_rows=mini_rows)  # rollout | pass | update
+        computed = None
+        if olp == "pass":
+            with self.timer.phase("old_log_prob"):
+                computed = self.call0(HostWorker.compute_old_log_prob, batch)
+        metrics.update(set_old_log_probs(batch, olp, computed))
         if c.algorithm.rollout_correction.enabled:
             with self.timer.phase("rollout_correction"):
                 metrics.update(B.rollout_correction(batch, c.algorithm.rollout_correction))
@@ -364,12 +353,13 @@ class RLTrainer:
                                           seed=self._seed(2)))
         if self.global_step >= c.critic.warmup_steps_before_actor or not c.use_critic:
             with self.timer.phase("update_actor"):
-                metrics.update(self.call0(HostWorker.update_actor, batch, mini_rows=c.actor.ppo_mini_batch_size * c.rollout.n,
-                                          seed=self._seed(3), on_policy=not c.rollout.use_rollout_log_probs))
+                # on-policy unless pi_old is the engine's: the first mini-batch's ratio is then exactly 1
+                metrics.update(self.call0(HostWorker.update_actor, batch, mini_rows=mini_rows,
+                                          seed=self._seed(3), on_policy=olp != "rollout"))
             _chaos.kill_point("update", self.global_step + 1)
             metrics.update(self.source.after_update(self.global_step))  # the mode's weight sync
         timing["step"] = time.perf_counter() - t_step
-        metrics.update(self._step_metrics(batch, timing))
+        metrics.update(self._step_metrics(batch, timing, old_log_prob_pass=olp == "pass"))
         metrics.update(self.source.end_step(timing))
         metrics["training/epoch"] = float(self.loader.epoch)
         return metrics
@@ -469,7 +459,7 @@ class RLTrainer:
                                        rep([e.ground_truth for e in examples]),
                                        rep([e.extra_info for e in examples]))
 
-    def _step_metrics(self, batch, timing) -> dict:
+    def _step_metrics(self, batch, timing, *, old_log_prob_pass: bool) -> dict:
         c = self.config
         out = M.compute_data_metrics(batch, use_critic=c.use_critic)
         n_prompt = int(batch.attention_mask[:, :batch.prompts.shape[1]].sum())
@@ -480,7 +470,7 @@ class RLTrainer:
                                                 num_devices=info["num_devices"]))
         seq = batch.input_ids.shape[1]
         # forward + backward of the actor update, plus the old-log-prob forward (1/3 of 6N)
-        passes = c.actor.ppo_epochs + (0 if c.rollout.use_rollout_log_probs else 1 / 3)
+        passes = c.actor.ppo_epochs + (1 / 3 if old_log_prob_pass else 0)
         out["perf/mfu/actor"] = M.compute_mfu(
             num_params=info["num_params"], num_layers=info["num_layers"], hidden=info["hidden_size"],
             seq_len=seq, tokens=int(batch.attention_mask.sum() * passes),
