@@ -168,7 +168,8 @@ def summarize(mode: str, rows: list[dict], *, warmup: int, devices: int) -> dict
            "response_length_mean": float(np.mean([r["response_length/mean"] for r in timed])),
            "response_length_max": float(max(r["response_length/max"] for r in timed)),
            "score_mean": [round(float(r.get("critic/score/mean", 0.0)), 5) for r in rows],
-           "wall_s": [round(float(x), 3) for x in np.cumsum([r["timing_s/step"] for r in rows])]}
+           "wall_s": [round(float(x), 3) for x in np.cumsum([r["timing_s/step"] for r in rows])],
+           "response_length_per_step": [round(float(r["response_length/mean"]), 1) for r in rows]}
     if mode == "colocate_async":
         out["held_groups_mean"] = float(np.mean([r.get("colocate_async/held_groups", 0.0) for r in timed]))
         out["staleness_max"] = float(max(r.get("fully_async/staleness/max", 0.0) for r in timed))
@@ -197,20 +198,25 @@ def run_mode(mode: str, args) -> dict:
     import jax
 
     from jaxrl_llm.metrics import read_jsonl
-    from jaxrl_llm.trainer import RLTrainer
+    from jaxrl_llm.trainer import RLTrainer, _rl
 
     vocab = QWEN25_SHAPES[args.model]["vocab_size"]
-    # the shape's LM head, for the trainer and for the agent loops that decode the responses
-    # the reward reads (both load the tokenizer through `models.load_tokenizer`)
-    real = models.load_tokenizer
-    models.load_tokenizer = lambda *a, **k: PaddedCharTokenizer(vocab)
+    # the shape's LM head: the trainer's tokenizer (which sizes the model and gives the stop ids,
+    # `_rl.load_tokenizer`) and the agent loops' (which decode what the reward reads,
+    # `models.load_tokenizer`) are both the padded one
+    padded = lambda *a, **k: PaddedCharTokenizer(vocab)  # noqa: E731
+    real = _rl.load_tokenizer, models.load_tokenizer
+    _rl.load_tokenizer, models.load_tokenizer = padded, padded
     try:
         with tempfile.TemporaryDirectory(prefix=f"bench_modes_{mode}_") as run_dir:
-            RLTrainer(run_config(mode, args, run_dir)).fit()
+            trainer = RLTrainer(run_config(mode, args, run_dir))
+            trainer.fit()
             rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     finally:
-        models.load_tokenizer = real
-    return summarize(mode, rows, warmup=args.warmup, devices=jax.device_count())
+        _rl.load_tokenizer, models.load_tokenizer = real
+    return {**summarize(mode, rows, warmup=args.warmup, devices=jax.device_count()),
+            "vocab_size": trainer.tokenizer.vocab_size,
+            "stop_token_ids": list(trainer.tokenizer.eos_token_ids)}
 
 
 def main(argv=None) -> list[dict]:

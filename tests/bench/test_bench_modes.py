@@ -13,6 +13,8 @@ def test_dry_run_trains_both_modes_on_long_tailed_lengths(capsys, load_script, t
     for r in results:
         assert r["timed_steps"] == 1 and r["tokens_trained"] > 0
         assert 1 <= r["response_length_max"] <= 12  # the --cap of the dry run
+        # the model has the shape's vocabulary and no stop token (both tokenizers patched)
+        assert r["vocab_size"] == bench.QWEN25_SHAPES["tiny"]["vocab_size"] and r["stop_token_ids"] == []
         assert len(r["score_mean"]) == len(r["wall_s"]) == 2  # every step, the warm-up's included
         assert all(0.0 <= s <= 1.0 for s in r["score_mean"]) and r["wall_s"][1] > r["wall_s"][0] > 0
     assert (tmp_path / "modes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
