@@ -10,8 +10,10 @@ configs/quickstart_async.py, the quickstart model and task) with `placement.mode
 last device rolls out, the others train, so the modes differ only in scheduling):
 
 - `sync`: generate a batch, train on it, sync (the synchronous trainer on separate devices);
-- `one_step_off`: `placement.one_step_off_policy` (step k+1's rollout while step k trains);
-- `async_s{S}` / `async_s{S}_partial`: `async_training` with staleness_threshold S, without / with
+- `one_step_off`: `trainer.v1.trainer_mode=separate_async` one batch ahead with a bound of one
+  version (step k+1's rollout while step k trains; `placement.one_step_off_policy` is its alias);
+- `async_s{S}` / `async_s{S}_partial`: `separate_async` with `num_warmup_batches` S (the alias
+  `async_training.staleness_threshold`) and `max_off_policy_threshold` ceil(S), without / with
   partial rollout (one training step per loader batch, a sync after every step).
 
 Reported per mode (one JSON line each, then a summary line): `tokens_per_s_per_device` = (prompt +
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -37,15 +40,17 @@ REWARD, VAL = "critic/score/mean", "val-core/arithmetic/reward/mean@1"
 
 
 def mode_overrides(mode: str) -> dict:
-    """`--config.*` overrides of one mode (on top of a separate-placement config)."""
-    o = {"placement.mode": "separate", "async_training.enable": False,
-         "placement.one_step_off_policy": False, "async_training.staleness_threshold": 0.0,
-         "async_training.partial_rollout": False}
-    if mode == "one_step_off":
-        o["placement.one_step_off_policy"] = True
+    """`--config.*` overrides of one mode (on top of a separate-placement config), in the
+    `trainer.v1` names; every mode sets every field, so the base config's own mode is replaced."""
+    o = {"placement.mode": "separate", "trainer.v1.trainer_mode": "sync",
+         "trainer.v1.colocate_async.num_warmup_batches": 1.0,
+         "trainer.v1.sampler.max_off_policy_threshold": 1, "async_training.partial_rollout": False}
+    if mode == "one_step_off":  # separate_async one batch ahead, a bound of one version
+        o["trainer.v1.trainer_mode"] = "separate_async"
     elif mode.startswith("async_s"):
-        s = mode[len("async_s"):].removesuffix("_partial")
-        o.update({"async_training.enable": True, "async_training.staleness_threshold": float(s),
+        s = float(mode[len("async_s"):].removesuffix("_partial"))
+        o.update({"trainer.v1.trainer_mode": "separate_async", "trainer.v1.colocate_async.num_warmup_batches": s,
+                  "trainer.v1.sampler.max_off_policy_threshold": max(math.ceil(s), 1),
                   "async_training.partial_rollout": mode.endswith("_partial")})
     elif mode != "sync":
         raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")

@@ -18,12 +18,15 @@ def test_dry_run_commands_are_valid_configs(capsys, load_script, tmp_path):
         spec = r["command"][r["command"].index("-m") + 2].split("=", 1)[1]
         overrides = [a[len("--config."):] for a in r["command"] if a.startswith("--config.")]
         c = load_config(spec, overrides)
-        seen[r["mode"]] = (c.placement.one_step_off_policy, c.async_training.enable,
-                           c.async_training.staleness_threshold, c.async_training.partial_rollout)
+        v1 = c.trainer.v1
+        seen[r["mode"]] = (c.rollout_source, v1.colocate_async.num_warmup_batches,
+                           v1.sampler.max_off_policy_threshold, c.async_training.partial_rollout)
         assert c.placement.mode == "separate" and c.trainer.total_training_steps == 20
-    assert seen["sync"] == (False, False, 0.0, False)
-    assert seen["one_step_off"] == (True, False, 0.0, False)
-    assert seen["async_s1_partial"] == (False, True, 1.0, True)
+    # the base config (quickstart_async) is separate_async half a batch ahead: every mode replaces it
+    assert seen["sync"][0] == "sync"
+    assert seen["one_step_off"] == ("one_step_off", 1.0, 1, False)
+    assert seen["async_s0.5"] == ("buffer", 0.5, 1, False)
+    assert seen["async_s1_partial"] == ("buffer", 1.0, 1, True)
     with pytest.raises(ValueError, match="unknown mode"):
         bench.main(["--dry-run", "--modes", "async_fast"])
 
