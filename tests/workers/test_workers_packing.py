@@ -12,12 +12,15 @@ import numpy as np
 import pytest
 
 import sharding
+from jaxrl_llm import algos
+from jaxrl_llm.algos._aggregation import LOSS_AGG_MODES
 from jaxrl_llm.config import load_config
 from jaxrl_llm.models._decoder import causal_padding_mask
 from jaxrl_llm.workers._common import build_model
 from jaxrl_llm.workers._packing import (balanced_partition, pack_batch, pack_length_bucket, plan_packs,
                                         unpack_rows)
 from jaxrl_llm.workers._roles import ActorWorker, CriticWorker, ReferenceWorker
+from jaxrl_llm.workers._step import denominators
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.py")
 TOL = 1e-5
@@ -180,18 +183,53 @@ def test_packed_log_probs_entropy_and_ref_log_probs_equal_padded(setup):
     assert ref_pack.budget == (24, "actor.ppo_max_token_len_per_device")
 
 
-LOSSES = [("vanilla", "token-mean"), ("vanilla", "seq-mean-token-sum"), ("vanilla", "seq-mean-token-mean"),
-          ("vanilla", "seq-mean-token-sum-norm"), ("vanilla", "token-sum"), ("geo_mean", "token-mean"),
-          ("gspo", "seq-mean-token-mean")]
+POLICY_LOSS_CASES = [("vanilla", m) for m in LOSS_AGG_MODES] + [
+    (name, "token-mean") for name in ("gspo", "sapo", "gpg", "cispo", "geo_mean")]
 
 
-@pytest.mark.parametrize("policy_loss,mode", LOSSES)
+@pytest.mark.parametrize("policy_loss,mode", POLICY_LOSS_CASES)
+def test_packed_row_slots_aggregate_like_the_batch(policy_loss, mode):
+    """The losses see [dp * R, t] row slots per packed micro-batch (empty slots included): with
+    the mini-batch denominators the micro-batch losses and gradients add up to the batch's, for
+    every loss_agg_mode and policy loss (geo_mean divides by real rows: `row_valid`)."""
+    b = _rows(n=8)
+    rng = np.random.default_rng(5)
+    mask = b["response_mask"].astype(np.float32)
+    fields = {"lp": rng.normal(-2, 0.5, mask.shape), "old": rng.normal(-2, 0.5, mask.shape),
+              "adv": rng.normal(size=(8, 1)) * mask}
+    fields = {k: (v * mask).astype(np.float32) for k, v in fields.items()}
+    plan, packed = pack_batch({**b, **fields}, 8, 24, 2, field="f",
+                              row_keys=("lp", "old", "adv", "response_mask"))
+    assert plan.n_micro > 1 and (packed["row_valid"] == 0).any()  # empty slots are there
+    fn = algos.get_policy_loss(policy_loss)
+
+    def loss(lp, old, adv, m, denoms):
+        return fn(old, lp, adv, m, mode, global_token_count=denoms["tokens"],
+                  global_batch_size=denoms["seqs"], global_row_count=denoms["rows"])[0]
+
+    d_full = denominators(jnp.asarray(b["response_mask"]))
+    full, g_full = jax.value_and_grad(loss)(fields["lp"], fields["old"], fields["adv"],
+                                            b["response_mask"], d_full)
+    d_packed = denominators(jnp.asarray(packed["response_mask"]), jnp.asarray(packed["row_valid"]))
+    total, grads = 0.0, []
+    for i in range(plan.n_micro):
+        v, g = jax.value_and_grad(loss)(packed["lp"][i], packed["old"][i], packed["adv"][i],
+                                        packed["response_mask"][i], d_packed)
+        total, grads = total + v, grads + [g]
+    assert abs(float(full)) > 1e-3
+    np.testing.assert_allclose(float(total), float(full), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(unpack_rows(plan, np.stack(grads)), g_full, atol=1e-7)
+
+
+@pytest.mark.parametrize("policy_loss,mode", [("vanilla", "token-mean"), ("vanilla", "seq-mean-token-sum-norm"),
+                                              ("geo_mean", "token-mean")])
 def test_packed_actor_update_equals_padded(setup, policy_loss, mode):
     cfg, mesh, batch = setup
     kw = dict(policy_loss=policy_loss, loss_agg_mode=mode, entropy_coeff=0.01, use_kl_loss=True)
     padded, packed = _actor(cfg, mesh, packed=False, **kw), _actor(cfg, mesh, packed=True, **kw)
     b = dict(batch)
-    b["old_log_probs"] = padded.compute_log_prob(b)["old_log_probs"] + 0.05 * batch["response_mask"]
+    b["old_log_probs"] = (np.random.default_rng(4).normal(-3, 0.3, (8, 8)) * batch["response_mask"]
+                          ).astype(np.float32)
     b["ref_log_prob"] = b["old_log_probs"] - 0.1
     before = jax.device_get(padded.state.params)
     ma = padded.update(b, mini_rows=8, seed=0)
@@ -239,3 +277,24 @@ def test_packed_passes_compile_few_shapes_over_varied_batches(setup):
         actor.compute_log_prob(b)
         shapes.add(pack_batch(b, 8, 40, 2, field="f")[0].shapes())
     assert actor._log_prob._cache_size() == len(shapes) <= 3, shapes
+
+
+def test_token_budget_config_fields_are_checked_and_inherited(setup):
+    from jaxrl_llm.config import ConfigError
+    with pytest.raises(ConfigError, match="actor.ppo_max_token_len_per_device must be > 0"):
+        load_config(f"{QUICKSTART}:tiny,local", ["actor.use_dynamic_bsz=True",
+                                                 "actor.ppo_max_token_len_per_device=0"])
+    with pytest.raises(ConfigError, match="ref.log_prob_max_token_len_per_device must be >= 0"):
+        load_config(f"{QUICKSTART}:tiny,local", ["ref.log_prob_max_token_len_per_device=-1"])
+    c = load_config(f"{QUICKSTART}:tiny,local", ["actor.use_dynamic_bsz=True",
+                                                 "rollout.log_prob_max_token_len_per_device=64"])
+    assert (c.actor.ppo_max_token_len_per_device, c.ref.log_prob_max_token_len_per_device) == (16384, 0)
+    cfg, mesh, _ = setup
+    actor = _actor(cfg, mesh, packed=True, budget=32)
+    assert actor.update_budget == actor.log_prob_budget == (32, "actor.ppo_max_token_len_per_device")
+    own = ActorWorker(build_model(cfg.model, vocab_size=20, mesh=mesh), actor.cfg, mesh=mesh, total_steps=1,
+                      temperature=1.0, log_prob_max_tokens=64, ref_log_prob_max_tokens=48)
+    assert own.log_prob_budget == (64, "rollout.log_prob_max_token_len_per_device")
+    assert own.ref_log_prob_budget == (48, "ref.log_prob_max_token_len_per_device")
+    off = _actor(cfg, mesh, packed=False)
+    assert off.update_budget == off.log_prob_budget == off.ref_log_prob_budget == (0, "")
