@@ -87,7 +87,8 @@ def test_pack_lengths_fall_in_few_buckets():
 
 
 def test_a_row_longer_than_the_budget_names_the_field():
-    with pytest.raises(ValueError, match=r"row 2 has 90 tokens .*rollout.log_prob_max_token_len_per_device=64.*at least 90"):
+    with pytest.raises(ValueError, match=r"row 2 has 90 tokens .*"
+                                         r"rollout.log_prob_max_token_len_per_device=64.*at least 90"):
         plan_packs([10, 20, 90, 5], 64, 2, field="rollout.log_prob_max_token_len_per_device")
 
 
@@ -161,6 +162,11 @@ def _actor(cfg, mesh, *, packed, budget=24, **actor_kw):
     return ActorWorker(model, a, mesh=mesh, total_steps=4, temperature=0.7)
 
 
+def _has_empty_micro_batch(batch, budget):
+    _, packed = pack_batch(batch, 8, budget, 2, field="f")
+    return (packed["row_valid"].sum(axis=1) == 0).any()
+
+
 def _close(a, b, mask):
     a, b = np.asarray(a), np.asarray(b)
     assert np.abs(a - b)[np.asarray(mask) > 0].max() < TOL
@@ -168,7 +174,8 @@ def _close(a, b, mask):
 
 def test_packed_log_probs_entropy_and_ref_log_probs_equal_padded(setup):
     cfg, mesh, batch = setup
-    padded, packed = _actor(cfg, mesh, packed=False), _actor(cfg, mesh, packed=True)
+    padded, packed = _actor(cfg, mesh, packed=False), _actor(cfg, mesh, packed=True, budget=14)
+    assert _has_empty_micro_batch(batch, 14)  # the skipped (lax.cond) branch runs too
     real = batch["attention_mask"][:, -8:]
     a, b = padded.compute_log_prob(batch), packed.compute_log_prob(batch)
     _close(a["old_log_probs"], b["old_log_probs"], real)
@@ -180,7 +187,7 @@ def test_packed_log_probs_entropy_and_ref_log_probs_equal_padded(setup):
                                micro_per_device=2, budget=packed.ref_log_prob_budget)
     _close(ref_pad.compute_ref_log_prob(batch)["ref_log_prob"],
            ref_pack.compute_ref_log_prob(batch)["ref_log_prob"], real)
-    assert ref_pack.budget == (24, "actor.ppo_max_token_len_per_device")
+    assert ref_pack.budget == (14, "actor.ppo_max_token_len_per_device")
 
 
 POLICY_LOSS_CASES = [("vanilla", m) for m in LOSS_AGG_MODES] + [
@@ -221,12 +228,14 @@ def test_packed_row_slots_aggregate_like_the_batch(policy_loss, mode):
     np.testing.assert_allclose(unpack_rows(plan, np.stack(grads)), g_full, atol=1e-7)
 
 
-@pytest.mark.parametrize("policy_loss,mode", [("vanilla", "token-mean"), ("vanilla", "seq-mean-token-sum-norm"),
-                                              ("geo_mean", "token-mean")])
-def test_packed_actor_update_equals_padded(setup, policy_loss, mode):
+@pytest.mark.parametrize("policy_loss,mode,budget", [("vanilla", "token-mean", 24),
+                                                     ("vanilla", "seq-mean-token-sum-norm", 24),
+                                                     ("geo_mean", "token-mean", 14)])
+def test_packed_actor_update_equals_padded(setup, policy_loss, mode, budget):
     cfg, mesh, batch = setup
     kw = dict(policy_loss=policy_loss, loss_agg_mode=mode, entropy_coeff=0.01, use_kl_loss=True)
-    padded, packed = _actor(cfg, mesh, packed=False, **kw), _actor(cfg, mesh, packed=True, **kw)
+    padded = _actor(cfg, mesh, packed=False, **kw)
+    packed = _actor(cfg, mesh, packed=True, budget=budget, **kw)
     b = dict(batch)
     b["old_log_probs"] = (np.random.default_rng(4).normal(-3, 0.3, (8, 8)) * batch["response_mask"]
                           ).astype(np.float32)
