@@ -29,16 +29,19 @@ def base_config() -> ConfigDict:
     c.actor = dict(
         optim=_optim(1e-6), lora=dict(rank=0, alpha=16.0, dropout=0.0, target_modules=("all-linear",)),
         ppo_mini_batch_size=16, ppo_micro_batch_size_per_device=8,
+        use_dynamic_bsz=False, ppo_max_token_len_per_device=16384,
         ppo_epochs=1, shuffle=False, policy_loss="vanilla", loss_agg_mode="token-mean",
         clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
         entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.001, kl_loss_type="low_var_kl",
         skip_redundant_old_log_prob=True)
     c.critic = dict(
         optim=_optim(1e-5), ppo_mini_batch_size=16, ppo_micro_batch_size_per_device=8,
-        ppo_epochs=1, cliprange_value=0.5, loss_agg_mode="token-mean", warmup_steps_before_actor=0)
+        use_dynamic_bsz=False, ppo_max_token_len_per_device=32768, ppo_epochs=1, cliprange_value=0.5, loss_agg_mode="token-mean", warmup_steps_before_actor=0)
+    c.ref = dict(log_prob_max_token_len_per_device=0)
     c.rollout = dict(
         n=8, temperature=1.0, top_k=-1, top_p=1.0, max_concurrent_decodes=256,
-        steps_per_sync=16, dtype="", use_rollout_log_probs=False, partial_rollout_kv="recompute", free_cache_engine=True,
+        steps_per_sync=16, dtype="", use_rollout_log_probs=False,
+        log_prob_max_token_len_per_device=0, partial_rollout_kv="recompute", free_cache_engine=True,
         replicas_per_host=1, max_inflight_per_replica=0,
         val=dict(temperature=0.0, top_k=-1, top_p=1.0, n=1),
         multi_turn=dict(

@@ -364,10 +364,23 @@ def validate(c: RunConfig) -> None:
         raise ConfigError(f"reward.max_error_fraction must be in [0, 1] (1 = never stop), got "
                           f"{c.reward.max_error_fraction}")
     _positive(c.actor.ppo_micro_batch_size_per_device, "actor.ppo_micro_batch_size_per_device")
+    _check_token_budgets(c)
     if c.use_critic:
         _positive(c.critic.ppo_micro_batch_size_per_device, "critic.ppo_micro_batch_size_per_device")
     if c.sft.steps > 0:
         _positive(c.sft.batch_size, "sft.batch_size")
+
+
+def _check_token_budgets(c: RunConfig) -> None:
+    """use_dynamic_bsz's token budgets: > 0 where they are used (0 = the actor's for the passes)."""
+    if c.actor.use_dynamic_bsz:
+        _positive(c.actor.ppo_max_token_len_per_device, "actor.ppo_max_token_len_per_device")
+    _positive(c.rollout.log_prob_max_token_len_per_device, "rollout.log_prob_max_token_len_per_device",
+              allow_zero=True)
+    _positive(c.ref.log_prob_max_token_len_per_device, "ref.log_prob_max_token_len_per_device",
+              allow_zero=True)
+    if c.use_critic and c.critic.use_dynamic_bsz:
+        _positive(c.critic.ppo_max_token_len_per_device, "critic.ppo_max_token_len_per_device")
 
 
 def _check_data_sources(c: RunConfig) -> None:

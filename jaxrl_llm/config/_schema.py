@@ -93,6 +93,8 @@ class ActorConfig:
     lora: LoraConfig
     ppo_mini_batch_size: int  # prompts per optimizer step (times rollout.n sequences)
     ppo_micro_batch_size_per_device: int  # sequences per device per forward/backward
+    use_dynamic_bsz: bool  # verl's: micro-batches of packed rows (segment ids, no padding) up to a token budget instead of ppo_micro_batch_size_per_device rows: the update, the old- and reference-log-prob passes
+    ppo_max_token_len_per_device: int  # use_dynamic_bsz: tokens (prompt + response) per device per micro-batch of the update; every row must fit (verl's ppo_max_token_len_per_gpu)
     ppo_epochs: int
     shuffle: bool
     policy_loss: str
@@ -113,6 +115,8 @@ class CriticConfig:
     optim: OptimConfig
     ppo_mini_batch_size: int
     ppo_micro_batch_size_per_device: int
+    use_dynamic_bsz: bool  # packed token-budget micro-batches (as actor.use_dynamic_bsz) for the values pass and the critic update
+    ppo_max_token_len_per_device: int  # use_dynamic_bsz: tokens per device per micro-batch (verl's ppo_max_token_len_per_gpu)
     ppo_epochs: int
     cliprange_value: float
     loss_agg_mode: str
@@ -161,12 +165,20 @@ class RolloutConfig:
     steps_per_sync: int  # decode steps on device between host checks
     dtype: str  # "" = same as the actor's compute dtype
     use_rollout_log_probs: bool  # reuse the engine's log-probs as old_log_probs (no old-log-prob pass); alias algorithm.rollout_correction.bypass_mode
+    log_prob_max_token_len_per_device: int  # actor.use_dynamic_bsz: tokens per device per micro-batch of the old-log-prob pass; 0 = actor.ppo_max_token_len_per_device (verl's log_prob_max_token_len_per_gpu)
     free_cache_engine: bool  # colocate_async: the engine sleeps while the actor trains (its KV cache, and its own weight copy where the layouts differ, are released; held requests are re-prefilled at wake), verl's name; False: it is only suspended
     partial_rollout_kv: str  # recompute | keep: at a weight sync, re-prefill held requests' KV with the new weights (verl) or decode on the old KV
     replicas_per_host: int  # rollout replicas (an engine + request-level server each) on every host, behind one load balancer (rollout.ReplicaRouter): the host's rollout devices split along the rollout mesh's data axis, its max_concurrent_decodes split evenly among them; > 1 needs the request-level server (rollout.multi_turn or an async trainer.v1.trainer_mode)
     max_inflight_per_replica: int  # the router's bound on requests in flight per replica (more wait in its queue); 0 = the replica's decode slots
     val: SamplingConfig
     multi_turn: MultiTurnConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RefConfig:
+    """The reference policy's pass (verl's `actor_rollout_ref.ref`)."""
+
+    log_prob_max_token_len_per_device: int  # actor.use_dynamic_bsz: tokens per device per micro-batch of the reference-log-prob pass; 0 = actor.ppo_max_token_len_per_device (verl's log_prob_max_token_len_per_gpu)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,6 +399,7 @@ class RunConfig:
     model: ModelSection
     actor: ActorConfig
     critic: CriticConfig
+    ref: RefConfig
     rollout: RolloutConfig
     algorithm: AlgorithmConfig
     reward: RewardConfig

@@ -311,10 +311,15 @@ def default_positions(attention_mask):
 
 
 def causal_padding_mask(attention_mask):
-    """bool[b, t, t]: query i sees key j when j <= i and key j is a real token."""
+    """bool[b, t, t]: query i sees key j when j <= i, key j is a real token (id != 0) and, for a
+    real query, key j has its segment id (a packed row's mask holds segment ids 1, 2, ...; a 0/1
+    mask is one segment). A padding query sees the real keys up to it, as it did before packing
+    (its output is never read by a real token)."""
     t = attention_mask.shape[-1]
+    seg = attention_mask.astype(jnp.int32)
     causal = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))
-    return causal[None] & attention_mask.astype(jnp.bool_)[:, None, :]
+    same = (seg[:, :, None] == seg[:, None, :]) | (seg[:, :, None] == 0)
+    return causal[None] & same & (seg != 0)[:, None, :]
 
 
 LAYER_LAYOUTS = ("stacked", "per_layer", "per_layer_fused")

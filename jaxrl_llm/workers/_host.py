@@ -118,10 +118,13 @@ class HostWorker:
                             seed=c.trainer.seed, mesh=self.mesh)
         graphdef, params = nnx.split(self._model)
         self.actor = ActorWorker(self._model, c.actor, mesh=self.mesh, total_steps=total_steps,
-                                 temperature=c.rollout.temperature)
+                                 temperature=c.rollout.temperature,
+                                 log_prob_max_tokens=c.rollout.log_prob_max_token_len_per_device,
+                                 ref_log_prob_max_tokens=c.ref.log_prob_max_token_len_per_device)
         if c.use_reference and not lora.enabled:  # under LoRA the actor's base is the reference
             self.ref = ReferenceWorker(graphdef, params, mesh=self.mesh, temperature=c.rollout.temperature,
-                                       micro_per_device=c.actor.ppo_micro_batch_size_per_device)
+                                       micro_per_device=c.actor.ppo_micro_batch_size_per_device,
+                                       budget=self.actor.ref_log_prob_budget)
         if c.use_critic:
             critic_model = build_model(c.model, vocab_size=self.vocab_size, mesh=self.mesh, value_head=True)
             self.critic = CriticWorker(critic_model, c.critic, mesh=self.mesh, total_steps=total_steps)

@@ -4,6 +4,8 @@ comes from `jaxrl_llm.algos`.
 
 Batches arrive as `data.Batch`es (or dicts) with verl's field names; sequences are `input_ids [b, p + t]`
 (left-padded prompt, right-padded response), `responses [b, t]`, `response_mask [b, t]`.
+With a token budget (`actor.use_dynamic_bsz`, `critic.use_dynamic_bsz`) a pass runs on packed
+rows instead (`_packing`): the model sees `[dp, L]` packs, the losses the same `[rows, t]` fields.
 """
 from __future__ import annotations
 
@@ -18,9 +20,31 @@ from jaxrl_llm.config import ActorConfig, CriticConfig, OptimConfig
 from sharding import to_host
 
 from ._common import build_optimizer, data_parallel_size, init_train_state
-from ._step import make_forward, make_update_step, micro_batches, micro_size_for
+from ._packing import pack_batch, unpack_rows
+from ._step import (check_contiguous_mask, is_packed, make_forward, make_update_step, micro_batches,
+                    micro_size_for, packed_micro_batches)
 
 _SEQ_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def rows_from_packs(x, m):
+    """[dp, L] per pack position -> [dp * R, t] per row slot and response token, through
+    `token_index` (the pack position that predicts each token); 0 past a row's response."""
+    idx = m["token_index"]
+    rows = jnp.take_along_axis(x, idx.reshape(x.shape[0], -1), axis=1).reshape(idx.shape)
+    return jnp.where(m["token_valid"] > 0, rows, jnp.zeros((), x.dtype))
+
+
+def _packed_log_probs(model, m, temperature, return_entropy):
+    """Log-probs (and entropy) at every pack position of the pack's next token, gathered to rows."""
+    ids = m["input_ids"]
+    h = model.hidden_states(ids, attention_mask=m["attention_mask"], positions=m["position_ids"])
+    following = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
+    unembed, layout = model.unembed()
+    out = algos.token_log_probs_from_hidden(h, unembed.astype(h.dtype), following,
+                                            temperature=temperature, return_entropy=return_entropy,
+                                            unembed_layout=layout)
+    return jax.tree.map(lambda x: rows_from_packs(x, m), out)
 
 
 def response_hidden(model, m):
@@ -31,6 +55,9 @@ def response_hidden(model, m):
 
 
 def response_log_probs(model, m, temperature, return_entropy=False):
+    """Log-probs [b, t] of the response tokens (and entropies); packed micro-batches: [dp * R, t]."""
+    if is_packed(m):
+        return _packed_log_probs(model, m, temperature, return_entropy)
     h = response_hidden(model, m)
     unembed, layout = model.unembed()
     return algos.token_log_probs_from_hidden(h, unembed.astype(h.dtype), m["responses"],
@@ -48,11 +75,34 @@ def _iter_minibatches(batch: dict[str, np.ndarray], mini_rows: int, epochs: int,
             yield {k: v[idx] for k, v in batch.items()}
 
 
-def _forward_rows(worker, fn, batch, keys):
+def token_budget(enabled: bool, tokens: int, field: str, fallback: int = 0,
+                 fallback_field: str = "") -> tuple[int, str]:
+    """(tokens per device per micro-batch, its config field) of a pass; (0, "") = padded rows.
+    `tokens` 0 takes `fallback` (verl's interpolated defaults)."""
+    if not enabled:
+        return 0, ""
+    return (tokens, field) if tokens else (fallback, fallback_field)
+
+
+def _pack(mesh, arrays, t, budget):
+    """Packed global micro-batches of `arrays` (padded rows) under `budget` = (tokens, field)."""
+    check_contiguous_mask(arrays["attention_mask"])
+    row_keys = [k for k in arrays if k not in _SEQ_KEYS + ("responses",)]
+    plan, packed = pack_batch(arrays, t, budget[0], data_parallel_size(mesh), field=budget[1],
+                              row_keys=row_keys)
+    return plan, packed_micro_batches(mesh, packed)
+
+
+def _forward_rows(worker, fn, batch, keys, params=None, budget=(0, "")):
+    """fn over the batch in micro-batches -> [b, ...] host outputs. budget: `token_budget`."""
+    params = worker.params if params is None else params
     arrays = {k: batch[k] for k in keys}
     b = arrays[keys[0]].shape[0]
+    if budget[0]:
+        plan, mb = _pack(worker.mesh, arrays, batch["responses"].shape[-1], budget)
+        return jax.tree.map(lambda x: unpack_rows(plan, to_host(x)), fn(params, mb))
     micro = micro_size_for(b, worker.micro_per_device, data_parallel_size(worker.mesh))
-    out = fn(worker.params, micro_batches(worker.mesh, arrays, micro))
+    out = fn(params, micro_batches(worker.mesh, arrays, micro))
     return jax.tree.map(lambda x: to_host(x).reshape(b, *x.shape[2:]), out)
 
 
@@ -61,6 +111,8 @@ class _Trained:
 
     A model with LoRA adapters (`models.add_lora`) trains only them: `state` holds the adapters
     and their optimizer state, `frozen` the base weights (merged in, never updated or donated)."""
+
+    update_budget = (0, "")  # `token_budget` of the update: packed micro-batches when > 0
 
     def __init__(self, model, optim: OptimConfig, mesh, total_steps: int, loss_fn, mask_key: str):
         self.mesh = mesh
@@ -99,8 +151,12 @@ class _Trained:
                                                  shuffle, seed)):
             if first_flag is not None:
                 mb[first_flag] = np.full(len(mb[keys[0]]), 1 if i == 0 else 0, np.int32)
-            micro = micro_size_for(mini_rows, self.micro_per_device, data_parallel_size(self.mesh))
-            self.state, m = self._update(self.state, micro_batches(self.mesh, mb, micro), self.frozen)
+            if self.update_budget[0]:
+                _, micro_mb = _pack(self.mesh, mb, mb["responses"].shape[-1], self.update_budget)
+            else:
+                micro = micro_size_for(mini_rows, self.micro_per_device, data_parallel_size(self.mesh))
+                micro_mb = micro_batches(self.mesh, mb, micro)
+            self.state, m = self._update(self.state, micro_mb, self.frozen)
             metrics.append(m)
         stacked = jax.device_get(metrics)  # the one host sync of the update
         # skipped (non-finite) optimizer steps add up; everything else is a mean over them
@@ -111,9 +167,19 @@ class _Trained:
 class ActorWorker(_Trained):
     """The policy: log-probs of responses and the PPO-family update."""
 
-    def __init__(self, model, cfg: ActorConfig, *, mesh, total_steps: int, temperature: float):
+    def __init__(self, model, cfg: ActorConfig, *, mesh, total_steps: int, temperature: float,
+                 log_prob_max_tokens: int = 0, ref_log_prob_max_tokens: int = 0):
+        """log_prob_max_tokens / ref_log_prob_max_tokens: the token budgets of the old- and
+        reference-log-prob passes under `cfg.use_dynamic_bsz` (`rollout.` and
+        `ref.log_prob_max_token_len_per_device`); 0 = `cfg.ppo_max_token_len_per_device`."""
         self.cfg, self.temperature = cfg, temperature
         self.micro_per_device = cfg.ppo_micro_batch_size_per_device
+        own = (cfg.ppo_max_token_len_per_device, "actor.ppo_max_token_len_per_device")
+        self.update_budget = token_budget(cfg.use_dynamic_bsz, *own)
+        self.log_prob_budget = token_budget(cfg.use_dynamic_bsz, log_prob_max_tokens,
+                                            "rollout.log_prob_max_token_len_per_device", *own)
+        self.ref_log_prob_budget = token_budget(cfg.use_dynamic_bsz, ref_log_prob_max_tokens,
+                                                "ref.log_prob_max_token_len_per_device", *own)
         super().__init__(model, cfg.optim, mesh, total_steps, self._loss, "response_mask")
         self._log_prob = make_forward(
             self.graphdef, lambda mdl, m: response_log_probs(mdl, m, temperature, True), mesh)
@@ -158,7 +224,8 @@ class ActorWorker(_Trained):
         return loss, metrics
 
     def compute_log_prob(self, batch) -> dict[str, np.ndarray]:
-        lp, ent = _forward_rows(self, self._log_prob, batch, _SEQ_KEYS + ("responses",))
+        lp, ent = _forward_rows(self, self._log_prob, batch, _SEQ_KEYS + ("responses",),
+                                budget=self.log_prob_budget)
         return {"old_log_probs": lp.astype(np.float32), "entropys": ent.astype(np.float32)}
 
     def compute_ref_log_prob(self, batch) -> dict[str, np.ndarray]:
@@ -168,11 +235,9 @@ class ActorWorker(_Trained):
             raise RuntimeError("ActorWorker.compute_ref_log_prob needs LoRA adapters (actor.lora); "
                                "a full fine-tuning run has a ReferenceWorker")
         params = (self._adapters_off, *self.frozen)
-        arrays = {k: batch[k] for k in _SEQ_KEYS + ("responses",)}
-        b = arrays["input_ids"].shape[0]
-        micro = micro_size_for(b, self.micro_per_device, data_parallel_size(self.mesh))
-        lp = self._ref_log_prob(params, micro_batches(self.mesh, arrays, micro))
-        return {"ref_log_prob": to_host(lp).reshape(b, -1).astype(np.float32)}
+        lp = _forward_rows(self, self._ref_log_prob, batch, _SEQ_KEYS + ("responses",), params=params,
+                           budget=self.ref_log_prob_budget)
+        return {"ref_log_prob": lp.astype(np.float32)}
 
     def rollout_params(self, dtype=None):
         """The weights the rollout engine serves: the trained params themselves, or under LoRA the
@@ -200,18 +265,24 @@ class ActorWorker(_Trained):
 class ReferenceWorker:
     """Frozen copy of the initial policy: log-probs for the KL terms."""
 
-    def __init__(self, graphdef, params, *, mesh, temperature: float, micro_per_device: int):
+    def __init__(self, graphdef, params, *, mesh, temperature: float, micro_per_device: int,
+                 budget: tuple[int, str] = (0, "")):
+        """budget: `token_budget` of the pass (packed micro-batches), (0, "") = padded rows."""
         self.graphdef, self.mesh, self.micro_per_device = graphdef, mesh, micro_per_device
+        self.budget = budget
         self.params = jax.tree.map(jnp.copy, params)
         self._log_prob = make_forward(graphdef, lambda mdl, m: response_log_probs(mdl, m, temperature), mesh)
 
     def compute_ref_log_prob(self, batch) -> dict[str, np.ndarray]:
-        lp = _forward_rows(self, self._log_prob, batch, _SEQ_KEYS + ("responses",))
+        lp = _forward_rows(self, self._log_prob, batch, _SEQ_KEYS + ("responses",), budget=self.budget)
         return {"ref_log_prob": lp.astype(np.float32)}
 
 
 def response_values(model, m):
+    """Values [b, t] at the positions that predict each response token; packed: [dp * R, t]."""
     v = model(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"])
+    if is_packed(m):
+        return rows_from_packs(v, m)
     t = m["responses"].shape[-1]
     return v[:, -t - 1:-1]
 
@@ -222,6 +293,8 @@ class CriticWorker(_Trained):
     def __init__(self, model, cfg: CriticConfig, *, mesh, total_steps: int):
         self.cfg = cfg
         self.micro_per_device = cfg.ppo_micro_batch_size_per_device
+        self.update_budget = token_budget(cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_device,
+                                          "critic.ppo_max_token_len_per_device")
         super().__init__(model, cfg.optim, mesh, total_steps, self._loss, "response_mask")
         self._values = make_forward(self.graphdef, response_values, mesh)
 
@@ -235,7 +308,7 @@ class CriticWorker(_Trained):
         return vf_loss, {"vf_loss": vf_loss, "vf_clipfrac": clipfrac, "vpred_mean": vpred_mean}
 
     def compute_values(self, batch) -> dict[str, np.ndarray]:
-        v = _forward_rows(self, self._values, batch, _SEQ_KEYS + ("responses",))
+        v = _forward_rows(self, self._values, batch, _SEQ_KEYS + ("responses",), budget=self.update_budget)
         return {"values": v.astype(np.float32)}
 
     def update(self, batch, *, mini_rows: int, seed: int) -> dict[str, float]:

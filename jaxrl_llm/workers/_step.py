@@ -24,11 +24,24 @@ from ._common import TrainState, put_batch, shardings_of
 SUMMED_METRICS = frozenset({"pg_loss", "entropy", "kl_loss", "vf_loss", "nll"})
 
 
-def denominators(mask: jax.Array) -> dict[str, jax.Array]:
-    """Mini-batch normalisers from a [..., t] mask: tokens, non-empty rows and all rows."""
+def denominators(mask: jax.Array, row_valid: jax.Array | None = None) -> dict[str, jax.Array]:
+    """Mini-batch normalisers from a [..., t] mask: tokens, non-empty rows and all rows.
+    `row_valid` [...] (packed micro-batches): 1 on real rows, 0 on empty slots, which then do
+    not count as rows (the others are zero-masked anyway)."""
     m = mask.astype(jnp.float32)
-    return {"tokens": m.sum(), "seqs": (m.sum(-1) > 0).astype(jnp.float32).sum(),
-            "rows": jnp.float32(np.prod(m.shape[:-1]))}
+    rows = (jnp.float32(np.prod(m.shape[:-1])) if row_valid is None
+            else row_valid.astype(jnp.float32).sum())
+    return {"tokens": m.sum(), "seqs": (m.sum(-1) > 0).astype(jnp.float32).sum(), "rows": rows}
+
+
+def is_packed(mb) -> bool:
+    """Whether a micro-batch dict holds packed rows (`_packing.pack_batch`)."""
+    return "row_valid" in mb
+
+
+def _nonempty(micro) -> jax.Array:
+    """A packed micro-batch with any real row (the trailing ones may be empty padding)."""
+    return jnp.any(micro["row_valid"] > 0)
 
 
 def make_update_step(graphdef, tx: optax.GradientTransformation, schedule, loss_fn: Callable,
@@ -43,7 +56,8 @@ def make_update_step(graphdef, tx: optax.GradientTransformation, schedule, loss_
 
     def step(state: TrainState, mb: dict[str, jax.Array], frozen: tuple = ()):
         with sharding.use_rules(mesh, sharding.TRAIN_RULES):
-            denoms = denominators(mb[mask_key])
+            packed = is_packed(mb)
+            denoms = denominators(mb[mask_key], mb["row_valid"] if packed else None)
 
             def grad_one(params, micro):
                 def f(p):
@@ -51,7 +65,13 @@ def make_update_step(graphdef, tx: optax.GradientTransformation, schedule, loss_
                 return jax.value_and_grad(f, has_aux=True)(params)
 
             def body(acc, micro):
-                (loss, metrics), grads = grad_one(state.params, micro)
+                if packed:  # empty padding micro-batches are skipped, not computed
+                    nothing = lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(  # noqa: E731
+                        grad_one, state.params, micro))
+                    out = jax.lax.cond(_nonempty(micro), lambda: grad_one(state.params, micro), nothing)
+                else:
+                    out = grad_one(state.params, micro)
+                (loss, metrics), grads = out
                 return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -62,12 +82,21 @@ def make_update_step(graphdef, tx: optax.GradientTransformation, schedule, loss_
             loss = losses.sum()
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.global_norm(updates))
             new_state = skip_unless(finite, TrainState(params, opt_state, state.step + 1), state)
-            metrics = {k: v.sum() if k in SUMMED_METRICS else v.mean() for k, v in metrics.items()}
+            metrics = {k: v.sum() if k in SUMMED_METRICS else _mean(v, mb if packed else None)
+                       for k, v in metrics.items()}
             metrics.update(loss=loss, grad_norm=grad_norm, lr=schedule(state.step),
                            nonfinite_updates=1.0 - finite.astype(jnp.float32))
             return new_state, metrics
 
     return jax.jit(step, donate_argnums=(0,), out_shardings=(shardings_of(state), None))
+
+
+def _mean(v: jax.Array, packed_mb=None) -> jax.Array:
+    """Mean of a per-micro-batch metric; packed: over the micro-batches that ran (not the empty)."""
+    if packed_mb is None:
+        return v.mean()
+    ran = jax.vmap(_nonempty)(packed_mb).astype(v.dtype)
+    return (v * ran).sum() / jnp.maximum(ran.sum(), 1)
 
 
 def skip_unless(ok: jax.Array, new, old):
@@ -86,6 +115,12 @@ def micro_batches(mesh, arrays: dict[str, np.ndarray], micro_size: int) -> dict[
     n = b // micro_size
     shaped = {k: v.reshape(n, micro_size, *v.shape[1:]) for k, v in arrays.items()}
     return put_batch(mesh, shaped, batch_axis=1)
+
+
+def packed_micro_batches(mesh, packed: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """`_packing.pack_batch` output [n_micro, dp (x R), ...] -> global arrays, slot d of every
+    micro-batch on data-parallel device d."""
+    return put_batch(mesh, packed, batch_axis=1)
 
 
 def check_contiguous_mask(mask: np.ndarray) -> None:
@@ -116,11 +151,19 @@ def micro_size_for(rows: int, per_device: int, dp: int) -> int:
 
 def make_forward(graphdef, fn: Callable, mesh, n_out: int = 1):
     """jit(params, micro_batches) -> fn outputs stacked per micro-batch (lax.map, low memory).
-    `params`: one state, or a tuple of states merged together (adapters + frozen base)."""
+    `params`: one state, or a tuple of states merged together (adapters + frozen base).
+    Packed micro-batches (`_packing`): the empty trailing ones are skipped (zeros out)."""
 
     def run(params, mb):
         with sharding.use_rules(mesh, sharding.TRAIN_RULES):
             model = nnx.merge(graphdef, *(params if isinstance(params, tuple) else (params,)))
-            return jax.lax.map(lambda m: fn(model, m), mb)
+            if not is_packed(mb):
+                return jax.lax.map(lambda m: fn(model, m), mb)
+
+            def one(m):
+                nothing = lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda x: fn(model, x), m))  # noqa: E731
+                return jax.lax.cond(_nonempty(m), lambda: fn(model, m), nothing)
+
+            return jax.lax.map(one, mb)
 
     return jax.jit(run)

@@ -1,0 +1,309 @@
+"""Packed token-budget micro-batches (`actor.use_dynamic_bsz`, issue 31): the planner's budget,
+bucketing, balance and determinism, and on a tiny fp32 model the packed passes equal the padded
+ones: log-probs, entropy, values, one actor update per loss_agg_mode (params after the step) and
+one critic update."""
+import dataclasses
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sharding
+from jaxrl_llm import algos
+from jaxrl_llm.algos._aggregation import LOSS_AGG_MODES
+from jaxrl_llm.config import load_config
+from jaxrl_llm.models._decoder import causal_padding_mask
+from jaxrl_llm.workers._common import build_model
+from jaxrl_llm.workers._packing import (balanced_partition, pack_batch, pack_length_bucket, plan_packs,
+                                        unpack_rows)
+from jaxrl_llm.workers._roles import ActorWorker, CriticWorker, ReferenceWorker
+from jaxrl_llm.workers._step import denominators
+
+QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.py")
+TOL = 1e-5
+
+
+# -- the planner ---------------------------------------------------------------------------------
+
+def _max_load(weights, parts):
+    return max(sum(weights[i] for i in p) for p in parts)
+
+
+@pytest.mark.parametrize("n,k", [(10, 2), (9, 3), (8, 4)])
+def test_partition_is_within_one_row_of_optimal_on_random_lengths(n, k):
+    rng = np.random.default_rng(n * 10 + k)
+    gaps = []
+    for _ in range(5):
+        w = rng.lognormal(5.5, 1.0, n).astype(int) + 1
+        parts = balanced_partition(w, k)
+        assert sorted(i for p in parts for i in p) == list(range(n))
+        assign = np.array(list(itertools.product(range(k), repeat=n)))  # every assignment
+        loads = np.stack([(assign == s) @ w for s in range(k)], axis=1)
+        best = loads.max(axis=1).min()
+        gaps.append(_max_load(w, parts) - best)
+        assert gaps[-1] <= w.min(), (w, parts, best)
+    assert min(gaps) == 0  # usually exactly optimal
+
+
+def test_partition_of_many_rows_is_within_one_row_of_the_lower_bound():
+    w = np.random.default_rng(0).lognormal(5.7, 1.0, 1000).astype(int) + 1
+    parts = balanced_partition(w, 8)
+    assert _max_load(w, parts) - int(np.ceil(w.sum() / 8)) <= w.min()
+    # rows into shards in order (no balancing) is far off: the test can tell
+    naive = np.array_split(np.argsort(-w, kind="stable"), 8)
+    assert _max_load(w, naive) - int(np.ceil(w.sum() / 8)) > w.max()
+
+
+def test_plan_respects_the_budget_buckets_lengths_and_is_deterministic():
+    rng = np.random.default_rng(1)
+    lengths = np.minimum(rng.lognormal(5.7, 0.8, 256).astype(int) + 8, 2048)
+    budget, dp = 4096, 4
+    plan = plan_packs(lengths, budget, dp, field="actor.ppo_max_token_len_per_device")
+    again = plan_packs(lengths.copy(), budget, dp, field="actor.ppo_max_token_len_per_device")
+    assert all(np.array_equal(getattr(plan, f), getattr(again, f))
+               for f in ("micro", "shard", "slot", "offset"))
+    n, L, R = plan.shapes()
+    assert L in (128, 256, 512, 1024, 2048, 4096) and L <= budget
+    assert n & (n - 1) == 0 and R & (R - 1) == 0
+    ends = plan.offset + lengths
+    assert ends.max() <= L
+    assert len(set(plan.dest.tolist())) == len(lengths)  # one slot per row
+    for key in set(zip(plan.micro.tolist(), plan.shard.tolist())):  # rows of a pack do not overlap
+        rows = np.nonzero((plan.micro == key[0]) & (plan.shard == key[1]))[0]
+        spans = sorted(zip(plan.offset[rows], ends[rows]))
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+        assert sum(lengths[rows]) <= budget
+    tokens = [lengths[plan.shard == d].sum() for d in range(dp)]
+    assert max(tokens) - min(tokens) <= lengths.max()
+
+
+def test_pack_lengths_fall_in_few_buckets():
+    assert [pack_length_bucket(n, 16384) for n in (1, 128, 129, 5000, 9000, 16384)] == \
+        [128, 128, 256, 8192, 16384, 16384]
+    assert pack_length_bucket(30, 40) == 40 and pack_length_bucket(150, 200) == 200
+
+
+def test_a_row_longer_than_the_budget_names_the_field():
+    with pytest.raises(ValueError, match=r"row 2 has 90 tokens .*"
+                                         r"rollout.log_prob_max_token_len_per_device=64.*at least 90"):
+        plan_packs([10, 20, 90, 5], 64, 2, field="rollout.log_prob_max_token_len_per_device")
+
+
+# -- gather / scatter ----------------------------------------------------------------------------
+
+def _rows(n=12, P=6, t=8, vocab=20, seed=0):
+    """Left-padded prompts of 1..P tokens, right-padded responses of 0..t tokens (one empty), a
+    tool-token hole in one response_mask."""
+    rng = np.random.default_rng(seed)
+    p = rng.integers(1, P + 1, n)
+    r = rng.integers(1, t + 1, n)
+    r[3] = 0
+    j = np.arange(P + t)[None]
+    attention = ((j >= P - p[:, None]) & (j < P + r[:, None])).astype(np.int32)
+    ids = (rng.integers(1, vocab, (n, P + t)) * attention).astype(np.int32)
+    response_mask = attention[:, P:].copy()
+    response_mask[0, 1] = 0  # a tool token
+    return {"input_ids": ids, "attention_mask": attention,
+            "position_ids": np.maximum(np.cumsum(attention, 1) - 1, 0).astype(np.int32),
+            "responses": ids[:, P:].copy(), "response_mask": response_mask}
+
+
+def test_packed_tokens_and_row_fields_round_trip():
+    b = _rows()
+    t = b["responses"].shape[1]
+    plan, packed = pack_batch(b, t, 24, 2, field="f", row_keys=("response_mask",))
+    for r in range(len(b["input_ids"])):
+        real = b["attention_mask"][r] > 0
+        at = (plan.micro[r], plan.shard[r], slice(plan.offset[r], plan.offset[r] + real.sum()))
+        np.testing.assert_array_equal(packed["input_ids"][at], b["input_ids"][r][real])
+        np.testing.assert_array_equal(packed["position_ids"][at], np.arange(real.sum()))
+        assert (packed["attention_mask"][at] == plan.slot[r] + 1).all()
+        # the position before each response token is where it is predicted from
+        k = b["attention_mask"][r, -t:].sum()
+        flat = packed["input_ids"][plan.micro[r], plan.shard[r]]
+        idx = unpack_rows(plan, packed["token_index"])[r, :k]
+        np.testing.assert_array_equal(flat[idx + 1], b["responses"][r, :k])
+    np.testing.assert_array_equal(unpack_rows(plan, packed["response_mask"]), b["response_mask"])
+    assert packed["row_valid"].sum() == len(b["input_ids"])
+
+
+def test_segment_mask_keeps_01_masks_and_separates_segments():
+    m01 = jnp.array([[0, 0, 1, 1, 1, 0]])
+    t = 6
+    old = jnp.tril(jnp.ones((t, t), bool))[None] & m01.astype(bool)[:, None, :]
+    np.testing.assert_array_equal(causal_padding_mask(m01), old)
+    seg = causal_padding_mask(jnp.array([[1, 1, 2, 2, 2, 0]]))[0]
+    assert seg[1, 0] and not seg[2, 1] and seg[4, 2] and not seg[4, 1] and not seg[1, 2]
+
+
+# -- equality on a tiny model --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = load_config(f"{QUICKSTART}:tiny,local", ["model.dtype=float32", "model.train_attention=xla"])
+    mesh = sharding.make_mesh(sharding.MeshConfig(2, 1, 1), devices=jax.devices()[:2])
+    batch = _rows(n=8, P=6, t=8)
+    rng = np.random.default_rng(3)
+    batch["advantages"] = (rng.normal(size=(8, 1)) * batch["response_mask"]).astype(np.float32)
+    batch["returns"] = rng.normal(size=(8, 8)).astype(np.float32)
+    return cfg, mesh, batch
+
+
+def _actor(cfg, mesh, *, packed, budget=24, **actor_kw):
+    # Adam with eps 1: the first step moves each weight by lr * g / (|g| + 1), about lr * g, so
+    # equal params after the step mean equal gradients (not just equal signs)
+    optim = dataclasses.replace(cfg.actor.optim, lr=1.0, eps=1.0, clip_grad=0.0, weight_decay=0.0)
+    a = dataclasses.replace(cfg.actor, optim=optim, ppo_micro_batch_size_per_device=2,
+                            use_dynamic_bsz=packed, ppo_max_token_len_per_device=budget, **actor_kw)
+    model = build_model(cfg.model, vocab_size=20, mesh=mesh)
+    return ActorWorker(model, a, mesh=mesh, total_steps=4, temperature=0.7)
+
+
+def _has_empty_micro_batch(batch, budget):
+    _, packed = pack_batch(batch, 8, budget, 2, field="f")
+    return (packed["row_valid"].sum(axis=1) == 0).any()
+
+
+def _close(a, b, mask):
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.abs(a - b)[np.asarray(mask) > 0].max() < TOL
+
+
+def test_packed_log_probs_entropy_and_ref_log_probs_equal_padded(setup):
+    cfg, mesh, batch = setup
+    padded, packed = _actor(cfg, mesh, packed=False), _actor(cfg, mesh, packed=True, budget=14)
+    assert _has_empty_micro_batch(batch, 14)  # the skipped (lax.cond) branch runs too
+    real = batch["attention_mask"][:, -8:]
+    a, b = padded.compute_log_prob(batch), packed.compute_log_prob(batch)
+    _close(a["old_log_probs"], b["old_log_probs"], real)
+    _close(a["entropys"], b["entropys"], real)
+    assert np.abs(a["old_log_probs"] * real).max() > 0.1  # not trivially zero
+    ref_pad = ReferenceWorker(padded.graphdef, padded.state.params, mesh=mesh, temperature=0.7,
+                              micro_per_device=2)
+    ref_pack = ReferenceWorker(padded.graphdef, padded.state.params, mesh=mesh, temperature=0.7,
+                               micro_per_device=2, budget=packed.ref_log_prob_budget)
+    _close(ref_pad.compute_ref_log_prob(batch)["ref_log_prob"],
+           ref_pack.compute_ref_log_prob(batch)["ref_log_prob"], real)
+    assert ref_pack.budget == (14, "actor.ppo_max_token_len_per_device")
+
+
+POLICY_LOSS_CASES = [("vanilla", m) for m in LOSS_AGG_MODES] + [
+    (name, "token-mean") for name in ("gspo", "sapo", "gpg", "cispo", "geo_mean")]
+
+
+@pytest.mark.parametrize("policy_loss,mode", POLICY_LOSS_CASES)
+def test_packed_row_slots_aggregate_like_the_batch(policy_loss, mode):
+    """The losses see [dp * R, t] row slots per packed micro-batch (empty slots included): with
+    the mini-batch denominators the micro-batch losses and gradients add up to the batch's, for
+    every loss_agg_mode and policy loss (geo_mean divides by real rows: `row_valid`)."""
+    b = _rows(n=8)
+    rng = np.random.default_rng(5)
+    mask = b["response_mask"].astype(np.float32)
+    fields = {"lp": rng.normal(-2, 0.5, mask.shape), "old": rng.normal(-2, 0.5, mask.shape),
+              "adv": rng.normal(size=(8, 1)) * mask}
+    fields = {k: (v * mask).astype(np.float32) for k, v in fields.items()}
+    plan, packed = pack_batch({**b, **fields}, 8, 24, 2, field="f",
+                              row_keys=("lp", "old", "adv", "response_mask"))
+    assert plan.n_micro > 1 and (packed["row_valid"] == 0).any()  # empty slots are there
+    fn = algos.get_policy_loss(policy_loss)
+
+    def loss(lp, old, adv, m, denoms):
+        return fn(old, lp, adv, m, mode, global_token_count=denoms["tokens"],
+                  global_batch_size=denoms["seqs"], global_row_count=denoms["rows"])[0]
+
+    d_full = denominators(jnp.asarray(b["response_mask"]))
+    full, g_full = jax.value_and_grad(loss)(fields["lp"], fields["old"], fields["adv"],
+                                            b["response_mask"], d_full)
+    d_packed = denominators(jnp.asarray(packed["response_mask"]), jnp.asarray(packed["row_valid"]))
+    total, grads = 0.0, []
+    for i in range(plan.n_micro):
+        v, g = jax.value_and_grad(loss)(packed["lp"][i], packed["old"][i], packed["adv"][i],
+                                        packed["response_mask"][i], d_packed)
+        total, grads = total + v, grads + [g]
+    assert abs(float(full)) > 1e-3
+    np.testing.assert_allclose(float(total), float(full), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(unpack_rows(plan, np.stack(grads)), g_full, atol=1e-7)
+
+
+@pytest.mark.parametrize("policy_loss,mode,budget", [("vanilla", "token-mean", 24),
+                                                     ("vanilla", "seq-mean-token-sum-norm", 24),
+                                                     ("geo_mean", "token-mean", 14)])
+def test_packed_actor_update_equals_padded(setup, policy_loss, mode, budget):
+    cfg, mesh, batch = setup
+    kw = dict(policy_loss=policy_loss, loss_agg_mode=mode, entropy_coeff=0.01, use_kl_loss=True)
+    padded = _actor(cfg, mesh, packed=False, **kw)
+    packed = _actor(cfg, mesh, packed=True, budget=budget, **kw)
+    b = dict(batch)
+    b["old_log_probs"] = (np.random.default_rng(4).normal(-3, 0.3, (8, 8)) * batch["response_mask"]
+                          ).astype(np.float32)
+    b["ref_log_prob"] = b["old_log_probs"] - 0.1
+    before = jax.device_get(padded.state.params)
+    ma = padded.update(b, mini_rows=8, seed=0)
+    mb = packed.update(b, mini_rows=8, seed=0)
+    for k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
+        assert abs(ma[k] - mb[k]) < TOL, (k, ma[k], mb[k])
+    moved = jax.tree.leaves(jax.tree.map(lambda x, y: np.abs(x - y).max(), before,
+                                         jax.device_get(padded.state.params)))
+    assert max(moved) > 1e-3  # the step did something
+    diff = jax.tree.leaves(jax.tree.map(lambda x, y: np.abs(np.asarray(x) - np.asarray(y)).max(),
+                                        padded.state.params, packed.state.params))
+    assert max(diff) < TOL
+
+
+def _critic(cfg, mesh, *, packed):
+    optim = dataclasses.replace(cfg.critic.optim, lr=1.0, eps=1.0, clip_grad=0.0, weight_decay=0.0)
+    c = dataclasses.replace(cfg.critic, optim=optim, ppo_micro_batch_size_per_device=2,
+                            use_dynamic_bsz=packed, ppo_max_token_len_per_device=24,
+                            loss_agg_mode="seq-mean-token-mean")
+    model = build_model(cfg.model, vocab_size=20, mesh=mesh, value_head=True)
+    return CriticWorker(model, c, mesh=mesh, total_steps=4)
+
+
+def test_packed_critic_values_and_update_equal_padded(setup):
+    cfg, mesh, batch = setup
+    padded, packed = _critic(cfg, mesh, packed=False), _critic(cfg, mesh, packed=True)
+    real = batch["attention_mask"][:, -8:]
+    va, vb = padded.compute_values(batch)["values"], packed.compute_values(batch)["values"]
+    _close(va, vb, real)
+    b = dict(batch, values=va)
+    ma = padded.update(b, mini_rows=8, seed=0)
+    mb = packed.update(b, mini_rows=8, seed=0)
+    assert abs(ma["critic/vf_loss"] - mb["critic/vf_loss"]) < TOL
+    diff = jax.tree.leaves(jax.tree.map(lambda x, y: np.abs(np.asarray(x) - np.asarray(y)).max(),
+                                        padded.state.params, packed.state.params))
+    assert max(diff) < TOL
+
+
+def test_packed_passes_compile_few_shapes_over_varied_batches(setup):
+    cfg, mesh, _ = setup
+    actor = _actor(cfg, mesh, packed=True, budget=40)
+    shapes = set()
+    for seed in range(6):  # different lengths every batch
+        b = _rows(n=8, seed=seed)
+        actor.compute_log_prob(b)
+        shapes.add(pack_batch(b, 8, 40, 2, field="f")[0].shapes())
+    assert actor._log_prob._cache_size() == len(shapes) <= 3, shapes
+
+
+def test_token_budget_config_fields_are_checked_and_inherited(setup):
+    from jaxrl_llm.config import ConfigError
+    with pytest.raises(ConfigError, match="actor.ppo_max_token_len_per_device must be > 0"):
+        load_config(f"{QUICKSTART}:tiny,local", ["actor.use_dynamic_bsz=True",
+                                                 "actor.ppo_max_token_len_per_device=0"])
+    with pytest.raises(ConfigError, match="ref.log_prob_max_token_len_per_device must be >= 0"):
+        load_config(f"{QUICKSTART}:tiny,local", ["ref.log_prob_max_token_len_per_device=-1"])
+    c = load_config(f"{QUICKSTART}:tiny,local", ["actor.use_dynamic_bsz=True",
+                                                 "rollout.log_prob_max_token_len_per_device=64"])
+    assert (c.actor.ppo_max_token_len_per_device, c.ref.log_prob_max_token_len_per_device) == (16384, 0)
+    cfg, mesh, _ = setup
+    actor = _actor(cfg, mesh, packed=True, budget=32)
+    assert actor.update_budget == actor.log_prob_budget == (32, "actor.ppo_max_token_len_per_device")
+    own = ActorWorker(build_model(cfg.model, vocab_size=20, mesh=mesh), actor.cfg, mesh=mesh, total_steps=1,
+                      temperature=1.0, log_prob_max_tokens=64, ref_log_prob_max_tokens=48)
+    assert own.log_prob_budget == (64, "rollout.log_prob_max_token_len_per_device")
+    assert own.ref_log_prob_budget == (48, "ref.log_prob_max_token_len_per_device")
+    off = _actor(cfg, mesh, packed=False)
+    assert off.update_budget == off.log_prob_budget == off.ref_log_prob_budget == (0, "")
