@@ -598,6 +598,21 @@ def _runs_mask(offsets, lengths, t: int):
     return same & jnp.tril(jnp.ones((t, t), jnp.bool_))[None]
 
 
+@functools.lru_cache(maxsize=1)
+def _cudnn_packed_gqa_ok() -> bool:
+    """Whether this JAX scales cuDNN's packed kv offsets by the keys' own per-token stride. Older
+    JAX (jax-ml/jax#39521, e.g. 0.10.2) used the queries' stride, so with fewer kv heads than
+    query heads the keys of every segment but the first were read from the wrong tokens, silently;
+    there the packed path repeats k/v to the query heads. Probed on tiny concrete arrays."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    with jax.ensure_compile_time_eval():
+        q, k = jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 1, 8))  # 2 query heads, 1 kv head
+        offsets, lengths = jnp.asarray([[0, 2, -1]], jnp.int32), jnp.asarray([[2, 2]], jnp.int32)
+        _, _, _, kv_offsets = cudnn._fix_seqlen_offsets(lengths, lengths, offsets, offsets, q, k)
+        return int(kv_offsets.reshape(-1)[1]) == 2 * 1 * 8  # segment 2 starts 2 tokens x 1 head x 8 in
+
+
 def _packed_attention(impl, offsets, lengths, real, k, v):
     """The `mask` argument of `DecoderLayers.layer` for packed rows under cudnn/rolled: q ->
     causal attention within each run of equal segment ids; zero at padding. cudnn: cuDNN flash
@@ -609,6 +624,9 @@ def _packed_attention(impl, offsets, lengths, real, k, v):
         if impl == "cudnn":
             from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
+            if kq.shape[2] != q.shape[2] and not _cudnn_packed_gqa_ok():
+                g = q.shape[2] // kq.shape[2]  # query head j uses kv head j // g, as in `attend`
+                kq, vq = jnp.repeat(kq, g, axis=2), jnp.repeat(vq, g, axis=2)
             out = cudnn.dot_product_attention(
                 q, kq, vq, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
                 scale=1.0 / math.sqrt(q.shape[-1]), mask_type=cudnn.MaskType.PADDING_CAUSAL)
