@@ -598,12 +598,33 @@ def _runs_mask(offsets, lengths, t: int):
     return same & jnp.tril(jnp.ones((t, t), jnp.bool_))[None]
 
 
+@jax.custom_vjp
+def _zero_cotangent_at_padding(x, real):
+    """Identity on x [b, t, ...]; its gradient is zeroed at padding tokens (real bool[b, t]).
+    cuDNN's packed-layout backward returns NaN dq/dk/dv at tokens outside every run (seen on the
+    H200, JAX 0.11.2); a NaN there would reach the weight gradients through the projections."""
+    return x
+
+
+def _zero_cotangent_fwd(x, real):
+    return x, real
+
+
+def _zero_cotangent_bwd(real, g):
+    return jnp.where(real.reshape(real.shape + (1,) * (g.ndim - 2)), g, jnp.zeros_like(g)), None
+
+
+_zero_cotangent_at_padding.defvjp(_zero_cotangent_fwd, _zero_cotangent_bwd)
+
+
 @functools.lru_cache(maxsize=1)
 def _cudnn_packed_gqa_ok() -> bool:
     """Whether this JAX scales cuDNN's packed kv offsets by the keys' own per-token stride. Older
     JAX (jax-ml/jax#39521, e.g. 0.10.2) used the queries' stride, so with fewer kv heads than
     query heads the keys of every segment but the first were read from the wrong tokens, silently;
-    there the packed path repeats k/v to the query heads. Probed on tiny concrete arrays."""
+    there the packed path repeats k/v to the query heads (JAX 0.11.2 on the H200 has the fix: the
+    packed path without the repeat matched XLA's segment mask, forward and gradients). Probed on
+    tiny concrete arrays."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     with jax.ensure_compile_time_eval():
@@ -624,6 +645,7 @@ def _packed_attention(impl, offsets, lengths, real, k, v):
         if impl == "cudnn":
             from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
+            q, kq, vq = (_zero_cotangent_at_padding(x, real) for x in (q, kq, vq))
             if kq.shape[2] != q.shape[2] and not _cudnn_packed_gqa_ok():
                 g = q.shape[2] // kq.shape[2]  # query head j uses kv head j // g, as in `attend`
                 kq, vq = jnp.repeat(kq, g, axis=2), jnp.repeat(vq, g, axis=2)
