@@ -60,6 +60,9 @@ class ModelConfig:
         padding pattern); Pallas interpret mode off TPU;
       "auto": splash on TPU with head_dim a multiple of 128, cudnn on GPU with bf16/fp16 and
         head_dim <= 128 (a multiple of 8), else xla.
+      Packed rows (attention mask = segment ids 1, 2, ... per sequence, 0 padding; the forward's
+      `packed=True`): every choice masks across sequences; cudnn and rolled then use each row's
+      runs (cuDNN's packed layout; rolled: the same runs as an XLA mask) instead of the rotation.
     `decode_attention`, one new token per row over the KV cache (more tokens: always einsum):
       "einsum": `attend` (batched matmuls); "reduce": multiply + reduce over the cache in its
       stored layout; "cudnn": cuDNN with per-row key lengths (GPU, bf16/fp16); "pallas": a Pallas

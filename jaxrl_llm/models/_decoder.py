@@ -305,9 +305,29 @@ _REMAT = {
 }
 
 
+def segment_positions(segment_ids):
+    """Positions restarting at 0 in every segment: token i of row b gets the number of earlier
+    tokens of row b with its segment id; padding (id 0) gets 0. segment_ids int[b, t] (a packed
+    row's attention mask: 1, 2, 3, ... per packed sequence, 0 padding; a 0/1 mask is one segment).
+    Returns int32[b, t]. Exact for any order of ids (a stable sort per row, no Python loop)."""
+    seg = jnp.asarray(segment_ids).astype(jnp.int32)
+    t = seg.shape[-1]
+    order = jnp.argsort(seg, axis=-1, stable=True)  # each id's tokens together, in row order
+    ranked = jnp.take_along_axis(seg, order, axis=-1)
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), seg.shape)
+    first = jnp.concatenate([jnp.ones_like(ranked[..., :1], jnp.bool_), ranked[..., 1:] != ranked[..., :-1]], -1)
+    start = jax.lax.cummax(jnp.where(first, idx, 0), axis=seg.ndim - 1)  # rank of the id's first token
+    pos = jnp.put_along_axis(jnp.zeros_like(seg), order, idx - start, axis=-1, inplace=False)
+    return jnp.where(seg != 0, pos, 0)
+
+
 def default_positions(attention_mask):
-    """Positions for left-padded rows: cumsum(mask) - 1, clipped at 0. int32[b, t]."""
-    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+    """Positions when the caller gives none. int32[b, t]. Real tokens: `segment_positions` (for a
+    0/1 mask, cumsum(mask) - 1: left-padded rows count from their first real token); padding:
+    max(number of real tokens up to it - 1, 0), as before packing existed."""
+    real = (attention_mask != 0).astype(jnp.int32)
+    padding = jnp.maximum(jnp.cumsum(real, axis=-1) - 1, 0)
+    return jnp.where(real != 0, segment_positions(attention_mask), padding)
 
 
 def causal_padding_mask(attention_mask):
@@ -388,12 +408,21 @@ class Transformer(nnx.Module):
         (x, carry_extra), _ = jax.lax.scan(body, (x, carry_extra), (jnp.arange(n), params), unroll=unroll)
         return self.norm(x), carry_extra
 
-    def __call__(self, input_ids, *, attention_mask=None, positions=None):
+    def __call__(self, input_ids, *, attention_mask=None, positions=None, packed: bool = False):
         """Final hidden states [b, t, e] of a full causal forward (training / scoring).
 
+        attention_mask int[b, t]: 0 padding, else a segment id; a token sees the earlier-or-equal
+        tokens of its own segment. A 0/1 mask is one sequence per row. `packed=True` (the
+        caller's promise, static: the model cannot look at values under jit) says rows may hold
+        several sequences (ids 1, 2, 3, ..., each sequence one contiguous run, ids distinct within
+        a row); positions then should restart per sequence (`segment_positions`, the default
+        when None). xla and splash mask by segment id whatever `packed` says; cudnn and rolled
+        rotate rows when not packed and mask by each row's runs (cuDNN's packed layout) when packed.
+
         With `config.train_attention` cudnn/rolled, each row's real tokens must be one contiguous
-        run (any left and right padding); hidden states at padding positions are then zero.
-        With splash, hidden states at padding positions are unspecified (never read by real tokens).
+        run (any left and right padding) unless packed; hidden states at padding positions are
+        then zero. With xla and splash, hidden states at padding positions are unspecified (never
+        read by real tokens).
         """
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
@@ -414,6 +443,11 @@ class Transformer(nnx.Module):
                               remat=True, unroll=unroll)
             return h
         real = attention_mask.astype(jnp.bool_)
+        if packed:
+            attention = functools.partial(_packed_attention, impl, *_segment_runs(attention_mask), real)
+            h, _ = self._scan(self.embed(input_ids), positions, lambda i, e, k, v: (k, v, attention(k, v), e),
+                              (), remat=True, unroll=unroll)
+            return jnp.where(real[..., None], h, 0).astype(h.dtype)
         t = real.shape[1]
         start = jnp.argmax(real, axis=1).astype(jnp.int32)  # first real token (0 for empty rows)
         lengths = real.sum(axis=1, dtype=jnp.int32)
@@ -535,6 +569,93 @@ def _flash_attention(impl, lengths, k, v):
             q, k.astype(q.dtype), v.astype(q.dtype), is_causal=True, query_seq_lengths=lengths,
             key_value_seq_lengths=lengths, implementation="cudnn" if impl == "cudnn" else "xla")
         return out.astype(q.dtype)
+    return run
+
+
+def _segment_runs(segment_ids):
+    """Each row's runs of equal non-zero ids, in cuDNN's packed layout: (offsets int32[b, t + 1],
+    lengths int32[b, t]); run r of row b covers tokens [offsets[b, r], offsets[b, r] + lengths[b, r]),
+    unused entries are -1. A row holds at most t runs, so t is the static bound."""
+    seg = segment_ids.astype(jnp.int32)
+    b, t = seg.shape
+    edge = jnp.zeros((b, 1), jnp.int32)
+    prev = jnp.concatenate([edge, seg[:, :-1]], axis=1)
+    nxt = jnp.concatenate([seg[:, 1:], edge], axis=1)
+    first = jax.vmap(lambda r: jnp.nonzero(r, size=t, fill_value=-1)[0])((seg != 0) & (seg != prev))
+    last = jax.vmap(lambda r: jnp.nonzero(r, size=t, fill_value=-1)[0])((seg != 0) & (seg != nxt))
+    lengths = jnp.where(first >= 0, last - first + 1, -1).astype(jnp.int32)
+    offsets = jnp.concatenate([first.astype(jnp.int32), jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    return offsets, lengths
+
+
+def _runs_mask(offsets, lengths, t: int):
+    """bool[b, t, t] from `_segment_runs`: query i sees key j <= i of its own run (what cuDNN's
+    packed layout computes; the "rolled" path's XLA stand-in for it)."""
+    idx = jnp.arange(t, dtype=jnp.int32)
+    start = offsets[:, :-1, None]
+    inside = (start >= 0) & (idx >= start) & (idx < start + lengths[:, :, None])  # [b, runs, t]
+    same = jnp.einsum("bri,brj->bij", inside.astype(jnp.int32), inside.astype(jnp.int32)) > 0
+    return same & jnp.tril(jnp.ones((t, t), jnp.bool_))[None]
+
+
+@jax.custom_vjp
+def _zero_cotangent_at_padding(x, real):
+    """Identity on x [b, t, ...]; its gradient is zeroed at padding tokens (real bool[b, t]).
+    cuDNN's packed-layout backward returns NaN dq/dk/dv at tokens outside every run (seen on the
+    H200, JAX 0.11.2); a NaN there would reach the weight gradients through the projections."""
+    return x
+
+
+def _zero_cotangent_fwd(x, real):
+    return x, real
+
+
+def _zero_cotangent_bwd(real, g):
+    return jnp.where(real.reshape(real.shape + (1,) * (g.ndim - 2)), g, jnp.zeros_like(g)), None
+
+
+_zero_cotangent_at_padding.defvjp(_zero_cotangent_fwd, _zero_cotangent_bwd)
+
+
+@functools.lru_cache(maxsize=1)
+def _cudnn_packed_gqa_ok() -> bool:
+    """Whether this JAX scales cuDNN's packed kv offsets by the keys' own per-token stride. Older
+    JAX (jax-ml/jax#39521, e.g. 0.10.2) used the queries' stride, so with fewer kv heads than
+    query heads the keys of every segment but the first were read from the wrong tokens, silently;
+    there the packed path repeats k/v to the query heads (JAX 0.11.2 on the H200 has the fix: the
+    packed path without the repeat matched XLA's segment mask, forward and gradients). Probed on
+    tiny concrete arrays."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    with jax.ensure_compile_time_eval():
+        q, k = jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 1, 8))  # 2 query heads, 1 kv head
+        offsets, lengths = jnp.asarray([[0, 2, -1]], jnp.int32), jnp.asarray([[2, 2]], jnp.int32)
+        _, _, _, kv_offsets = cudnn._fix_seqlen_offsets(lengths, lengths, offsets, offsets, q, k)
+        return int(kv_offsets.reshape(-1)[1]) == 2 * 1 * 8  # segment 2 starts 2 tokens x 1 head x 8 in
+
+
+def _packed_attention(impl, offsets, lengths, real, k, v):
+    """The `mask` argument of `DecoderLayers.layer` for packed rows under cudnn/rolled: q ->
+    causal attention within each run of equal segment ids; zero at padding. cudnn: cuDNN flash
+    attention's packed layout (per-row run offsets and lengths; the private
+    `jax._src.cudnn.fused_attention_stablehlo` API, which `jax.nn.dot_product_attention` does not
+    expose); rolled: XLA attention with the same runs as a dense mask (its CPU stand-in)."""
+    def run(q):
+        kq, vq = k.astype(q.dtype), v.astype(q.dtype)
+        if impl == "cudnn":
+            from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+            q, kq, vq = (_zero_cotangent_at_padding(x, real) for x in (q, kq, vq))
+            if kq.shape[2] != q.shape[2] and not _cudnn_packed_gqa_ok():
+                g = q.shape[2] // kq.shape[2]  # query head j uses kv head j // g, as in `attend`
+                kq, vq = jnp.repeat(kq, g, axis=2), jnp.repeat(vq, g, axis=2)
+            out = cudnn.dot_product_attention(
+                q, kq, vq, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+                scale=1.0 / math.sqrt(q.shape[-1]), mask_type=cudnn.MaskType.PADDING_CAUSAL)
+        else:
+            mask = _runs_mask(offsets, lengths, q.shape[1])[:, None]
+            out = jax.nn.dot_product_attention(q, kq, vq, mask=mask, implementation="xla")
+        return jnp.where(real[:, :, None, None], out, 0).astype(q.dtype)
     return run
 
 
@@ -672,12 +793,15 @@ class CausalLM(nnx.Module):
         out = jnp.einsum(spec, hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
         return sharding.constrain(out, ("batch", "length", "vocab")) if out.ndim == 3 else out
 
-    def hidden_states(self, input_ids, *, attention_mask=None, positions=None):
-        return self.model(input_ids, attention_mask=attention_mask, positions=positions)
+    def hidden_states(self, input_ids, *, attention_mask=None, positions=None, packed: bool = False):
+        """Final hidden states [b, t, e]; arguments as `Transformer.__call__`."""
+        return self.model(input_ids, attention_mask=attention_mask, positions=positions, packed=packed)
 
-    def __call__(self, input_ids, *, attention_mask=None, positions=None):
-        """Logits (fp32) [b, t, vocab]."""
-        return self.logits(self.hidden_states(input_ids, attention_mask=attention_mask, positions=positions))
+    def __call__(self, input_ids, *, attention_mask=None, positions=None, packed: bool = False):
+        """Logits (fp32) [b, t, vocab]. attention_mask: 0 padding, else segment ids (several
+        sequences per row need `packed=True`; see `Transformer.__call__`)."""
+        return self.logits(self.hidden_states(input_ids, attention_mask=attention_mask, positions=positions,
+                                              packed=packed))
 
     def prefill(self, input_ids, *, attention_mask=None, positions=None):
         return self.model.prefill(input_ids, attention_mask=attention_mask, positions=positions)
@@ -700,8 +824,9 @@ class ValueModel(nnx.Module):
             kernel=_param(rngs, (config.hidden_size, 1), ("embed", None), config.param_dtype),
             bias=_zeros((1,), (None,), config.param_dtype))
 
-    def __call__(self, input_ids, *, attention_mask=None, positions=None):
-        h = self.model(input_ids, attention_mask=attention_mask, positions=positions)
+    def __call__(self, input_ids, *, attention_mask=None, positions=None, packed: bool = False):
+        """Values (fp32) [b, t]; arguments as `Transformer.__call__`."""
+        h = self.model(input_ids, attention_mask=attention_mask, positions=positions, packed=packed)
         w = self.score["kernel"][...].astype(h.dtype)
         out = jnp.einsum("bte,eo->bto", h, w, preferred_element_type=jnp.float32)
         return out[..., 0] + self.score["bias"][...].astype(jnp.float32)[0]
