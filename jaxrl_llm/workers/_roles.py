@@ -38,7 +38,8 @@ def rows_from_packs(x, m):
 def _packed_log_probs(model, m, temperature, return_entropy):
     """Log-probs (and entropy) at every pack position of the pack's next token, gathered to rows."""
     ids = m["input_ids"]
-    h = model.hidden_states(ids, attention_mask=m["attention_mask"], positions=m["position_ids"])
+    # packed=True: the cudnn / rolled paths take each pack's rows as separate sequences
+    h = model.hidden_states(ids, attention_mask=m["attention_mask"], positions=m["position_ids"], packed=True)
     following = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
     unembed, layout = model.unembed()
     out = algos.token_log_probs_from_hidden(h, unembed.astype(h.dtype), following,
@@ -280,8 +281,9 @@ class ReferenceWorker:
 
 def response_values(model, m):
     """Values [b, t] at the positions that predict each response token; packed: [dp * R, t]."""
-    v = model(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"])
-    if is_packed(m):
+    packed = is_packed(m)  # static: whether the micro-batch carries the pack layout
+    v = model(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"], packed=packed)
+    if packed:
         return rows_from_packs(v, m)
     t = m["responses"].shape[-1]
     return v[:, -t - 1:-1]

@@ -190,6 +190,23 @@ def test_packed_log_probs_entropy_and_ref_log_probs_equal_padded(setup):
     assert ref_pack.budget == (14, "actor.ppo_max_token_len_per_device")
 
 
+def test_packed_passes_take_the_packed_attention_path(setup):
+    """train_attention="rolled" attends across a pack's rows unless the forward says packed=True
+    (the cudnn path likewise, on GPU): packed log-probs and values still equal the padded ones."""
+    _, mesh, batch = setup
+    cfg = load_config(f"{QUICKSTART}:tiny,local", ["model.dtype=float32", "model.train_attention=rolled"])
+    padded, packed = _actor(cfg, mesh, packed=False), _actor(cfg, mesh, packed=True, budget=14)
+    real = batch["attention_mask"][:, -8:]
+    _close(padded.compute_log_prob(batch)["old_log_probs"], packed.compute_log_prob(batch)["old_log_probs"], real)
+    critic = dataclasses.replace(cfg.critic, ppo_micro_batch_size_per_device=2)
+    values = []
+    for on in (False, True):
+        c = dataclasses.replace(critic, use_dynamic_bsz=on, ppo_max_token_len_per_device=14)
+        model = build_model(cfg.model, vocab_size=20, mesh=mesh, value_head=True)
+        values.append(CriticWorker(model, c, mesh=mesh, total_steps=4).compute_values(batch)["values"])
+    _close(values[0], values[1], real)
+
+
 POLICY_LOSS_CASES = [("vanilla", m) for m in LOSS_AGG_MODES] + [
     (name, "token-mean") for name in ("gspo", "sapo", "gpg", "cispo", "geo_mean")]
 
