@@ -40,7 +40,9 @@ always runs (the trainer's `actor.skip_redundant_old_log_prob` does not apply he
 record carries `mode`, `real_tokens` (prompt + response tokens in the masks over the timed
 steps, pad excluded) and `real_tokens_per_s/<stage>` for `old_log_prob`, `ref`, `update_actor` and
 `step` (those real tokens / the stage's seconds summed over the timed steps), `response_len_mean` / `response_len_max`, and `compiled/<pass>`
-(the number of programs each jitted pass compiled, when jax exposes it). With both modes, a
+(the number of programs each jitted pass compiled, when jax exposes it) and
+`compiled_after_warmup/<pass>` (the same after the warm-up step: a larger `compiled/` count means
+a timed step met a new pack shape and its stage time includes a compilation). With both modes, a
 record `bench: e2e_packing` follows with `speedup/<stage>` = padded seconds / packed seconds
 (= packed / padded real tokens per second: the real tokens are the same).
 
@@ -373,6 +375,7 @@ def _steps(worker, cfg, args, prompts, limit: float) -> dict:
                                       lengths=lengths)
         if i == 0:
             warmup_s = time.perf_counter() - t0
+            after_warmup = compiled_programs(worker)
         else:
             timings.append(timing)
             reals.append(last["n_prompt"] + last["n_resp"])
@@ -380,7 +383,8 @@ def _steps(worker, cfg, args, prompts, limit: float) -> dict:
         pool.shutdown()
     keys = set.intersection(*(set(t) for t in timings))
     timing = {k: float(np.mean([t[k] for t in timings])) for k in sorted(keys)}
-    out = {"warmup_step_s": warmup_s}
+    out = {"warmup_step_s": warmup_s,
+           **{k.replace("compiled/", "compiled_after_warmup/"): v for k, v in after_warmup.items()}}
     out.update(M.compute_timing_metrics(timing, num_prompt_tokens=last["n_prompt"],
                                         num_response_tokens=last["n_resp"]))
     out.update(M.compute_throughput_metrics(total_tokens=last["n_prompt"] + last["n_resp"],

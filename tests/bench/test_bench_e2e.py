@@ -68,7 +68,7 @@ def test_bench_e2e_lognormal_lengths_padded_and_packed_see_the_same_real_tokens(
     assert padded["max_token_len"] is None and packed["max_token_len"] == 64
     for stage in ("old_log_prob", "ref", "update_actor", "step"):
         assert packed[f"real_tokens_per_s/{stage}"] > 0 and summary[f"speedup/{stage}"] > 0
-    assert packed["compiled/old_log_prob"] >= 1
+    assert packed["compiled/old_log_prob"] >= packed["compiled_after_warmup/old_log_prob"] >= 1
     capsys.readouterr()
 
 
