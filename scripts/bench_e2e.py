@@ -6,6 +6,8 @@ and weight sync, timed per stage with verl's metric names, on one or several acc
     python scripts/bench_e2e.py --mesh 1 -1 1 --rollout-mesh 1 1 -1     # fsdp train, TP decode
     python scripts/bench_e2e.py --placement separate --rollout-mesh 1 1 1 --overlap
     python scripts/bench_e2e.py --tiny                   # CPU smoke run (tests call it)
+    python scripts/bench_e2e.py --models 1.5b --response-len 4096 --lengths lognormal \
+        --modes padded packed                            # padded vs packed on long-tailed lengths
 
 Placement (as `placement.*` in the run config): `colocated` runs everything on all devices (the
 training mesh `--mesh`; `--rollout-mesh` other than 1 1 1 re-meshes the same devices for decode);
@@ -19,6 +21,30 @@ uses, in-process), on random-init bf16-compute models with Qwen2.5 shapes: `--pr
 prompts of `--prompt-len` tokens, `n` samples each, exactly `--response-len` generated tokens (no
 stop token), a rule reward on the host (fraction of even token ids), GRPO advantages, a KL loss
 against the reference (so the reference forward runs), one optimizer step per RL step.
+
+Response lengths (`--lengths`): `fixed` (the default) keeps every response at the budget.
+`lognormal` draws each row's length from lognormal(log `--median`, `--sigma`) rounded, in
+[1, `--response-len`], deterministically per (step seed, row) (`response_length`); the generated
+rows are cut to those lengths right after the rollout (tokens past the length become padding, out
+of `response_mask`), before the reward and the log-prob passes: generation still runs every row to
+the budget (its time is not what this workload measures), every training pass (old and reference
+log-probs, the update) sees the long-tailed batch. The cut is host work inside the step time,
+outside every timed stage.
+
+Padded vs packed (`--modes padded packed`): each mode builds its own workers in turn in this
+process, on the same prompts, seeds and lengths (like for like); `packed` sets
+`actor.use_dynamic_bsz` with `actor.ppo_max_token_len_per_device = --max-token-len` (the old- and
+reference-log-prob passes inherit that budget; GRPO runs no critic), `padded` keeps `--micro`
+rows per micro-batch. The benchmark calls the worker passes directly, so the old-log-prob pass
+always runs (the trainer's `actor.skip_redundant_old_log_prob` does not apply here). Each mode's
+record carries `mode`, `real_tokens` (prompt + response tokens in the masks over the timed
+steps, pad excluded) and `real_tokens_per_s/<stage>` for `old_log_prob`, `ref`, `update_actor` and
+`step` (those real tokens / the stage's seconds summed over the timed steps), `response_len_mean` / `response_len_max`, and `compiled/<pass>`
+(the number of programs each jitted pass compiled, when jax exposes it) and
+`compiled_after_warmup/<pass>` (the same after the warm-up step: a larger `compiled/` count means
+a timed step met a new pack shape and its stage time includes a compilation). With both modes, a
+record `bench: e2e_packing` follows with `speedup/<stage>` = padded seconds / packed seconds
+(= packed / padded real tokens per second: the real tokens are the same).
 
 Reported per model (the mean over the timed steps after one warm-up step):
 - `timing_s/<stage>` and `perf/throughput` = (prompt + response tokens) / step time / devices,
@@ -59,6 +85,7 @@ _ARCH = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention
 QWEN25 = {k: {f: QWEN25_SHAPES[k][f] for f in _ARCH} for k in ("0.5b", "1.5b", "tiny")}
 VOCAB = {k: QWEN25_SHAPES[k]["vocab_size"] for k in QWEN25}
 DEVICE_STAGES = ("gen", "old_log_prob", "ref", "update_actor", "update_tail", "update_weights")
+PACKING_STAGES = ("old_log_prob", "ref", "update_actor", "step")
 
 
 def parse_args(argv=None):
@@ -92,6 +119,17 @@ def parse_args(argv=None):
     p.add_argument("--sync-only", action="store_true",
                    help="no GRPO steps: build the workers, then the --sync-repeats timings (default 20)")
     p.add_argument("--sync-trace", default="", help="trace 5 weight syncs into this .json.gz file")
+    p.add_argument("--lengths", default="fixed", choices=["fixed", "lognormal"],
+                   help="response lengths: fixed = all at --response-len; lognormal = drawn per row, "
+                        "rows cut to them before the training passes")
+    p.add_argument("--median", type=float, default=300.0, help="--lengths lognormal: median length")
+    p.add_argument("--sigma", type=float, default=1.0, help="--lengths lognormal: log-std")
+    p.add_argument("--modes", nargs="+", default=["padded"], choices=["padded", "packed"],
+                   help="padded = --micro rows per micro-batch; packed = actor.use_dynamic_bsz with "
+                        "--max-token-len tokens per device per micro-batch; both: one after the other")
+    p.add_argument("--packing", action="store_true", help="= --modes packed")
+    p.add_argument("--max-token-len", type=int, default=16384,
+                   help="packed: actor.ppo_max_token_len_per_device (prompt + response tokens)")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
     p.add_argument("--tiny", "--dry-run", dest="tiny", action="store_true",
                    help="tiny model, 2 prompts x 2 samples, 8+8 tokens, fp32, CPU: a smoke run")
@@ -100,6 +138,11 @@ def parse_args(argv=None):
         args.models, args.prompts, args.n, args.prompt_len, args.response_len = ["tiny"], 4, 2, 8, 8
         args.steps, args.micro, args.steps_per_sync = 1, 8, 4
         args.sync_repeats = args.sync_repeats or 2
+    if args.packing:
+        args.modes = ["packed"]
+    args.modes = list(dict.fromkeys(args.modes))
+    if args.median <= 0 or args.sigma < 0:
+        p.error("--median must be > 0 and --sigma >= 0")
     if args.sync_only:
         args.sync_repeats = args.sync_repeats or 20
     if args.overlap and args.placement != "separate":
@@ -107,7 +150,7 @@ def parse_args(argv=None):
     return args
 
 
-def _config(name: str, args):
+def _config(name: str, args, mode: str = "padded"):
     from jaxrl_llm import config as C
 
     tiny = name == "tiny"
@@ -124,6 +167,9 @@ def _config(name: str, args):
     c.actor.ppo_mini_batch_size = args.prompts  # one optimizer step per RL step
     c.actor.ppo_micro_batch_size_per_device = args.micro
     c.actor.use_kl_loss = True
+    if mode == "packed":
+        c.actor.use_dynamic_bsz = True
+        c.actor.ppo_max_token_len_per_device = args.max_token_len
     c.rollout.n = args.n
     c.rollout.max_concurrent_decodes = args.prompts * args.n
     c.rollout.steps_per_sync = args.steps_per_sync
@@ -143,6 +189,29 @@ def _reward(responses: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return ((responses % 2 == 0) * mask).sum(-1) / np.maximum(mask.sum(-1), 1)
 
 
+def response_length(seed: int, row: int, *, median: float, sigma: float, cap: int) -> int:
+    """Row `row`'s response length at step `seed`: lognormal(log(median), sigma) rounded, in
+    [1, cap]; the same on every call (its own generator per (seed, row))."""
+    rng = np.random.default_rng([seed, row])
+    return int(min(cap, max(1, round(rng.lognormal(math.log(median), sigma)))))
+
+
+def cut_responses(gen, lengths: np.ndarray):
+    """The rollout `gen` with row i's response cut to `lengths[i]` tokens: the rest right-padded
+    (token 0, out of the mask, log-prob 0, version -1)."""
+    keep = np.arange(gen.responses.shape[1])[None, :] < np.asarray(lengths)[:, None]
+    fields = {"responses": np.where(keep, gen.responses, 0),
+              "response_mask": np.where(keep, gen.response_mask, 0),
+              "rollout_log_probs": np.where(keep, gen.rollout_log_probs, 0.0).astype(np.float32)}
+    if gen.response_attention_mask is not None:
+        fields["response_attention_mask"] = np.where(keep, gen.response_attention_mask, 0)
+    if gen.rollout_versions is not None:
+        fields["rollout_versions"] = np.where(keep, gen.rollout_versions, -1)
+    if gen.response_lengths is not None:
+        fields["response_lengths"] = np.minimum(gen.response_lengths, lengths).astype(np.int32)
+    return gen.replace(**fields)
+
+
 def _generate(worker, cfg, prompts, seed: int) -> dict:
     import rollout
 
@@ -151,12 +220,14 @@ def _generate(worker, cfg, prompts, seed: int) -> dict:
                            sampling=rollout.SamplingParams(temperature=1.0), seed=seed)
 
 
-def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start_next=None, twice=False):
+def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start_next=None, twice=False,
+          lengths=None):
     """One GRPO step -> (timing, step info, future of the next step's rollout or None).
 
     Synchronous: generates `prompts` now and syncs weights at the end. One-step-off-policy
     (`overlap`): takes this step's rollout from `pending` (a future) if there is one, syncs the
-    now idle engine, calls `start_next()` (if given) to start the next rollout, then trains."""
+    now idle engine, calls `start_next()` (if given) to start the next rollout, then trains.
+    `lengths` (a dict of `response_length`'s keywords) cuts the rows to drawn lengths."""
     import jax
 
     from jaxrl_llm.trainer import _batch as B
@@ -180,6 +251,8 @@ def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start
     if overlap:  # the engine is idle now: give it the newest weights, start the next rollout
         sync = timed("update_weights", worker.sync_weights)
         following = start_next() if start_next is not None else None
+    if lengths is not None:  # the long-tailed workload: every training pass sees the cut rows
+        gen = cut_responses(gen, np.array([response_length(seed, r, **lengths) for r in range(gen.rows)]))
     batch = B.rollout_batch(prompts, gen, n=n, pad_token_id=0, max_prompt_length=cfg.data.max_prompt_length)
 
     def reward():
@@ -206,17 +279,18 @@ def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start
         timed("update_weights_again", worker.sync_weights)
     n_prompt = int(batch.attention_mask[:, :batch.prompts.shape[1]].sum())
     n_resp = int(batch.response_mask.sum())
-    return timing, {"n_prompt": n_prompt, "n_resp": n_resp, "sync": sync,
+    resp_lens = batch.response_mask.sum(-1)
+    return timing, {"n_prompt": n_prompt, "n_resp": n_resp, "sync": sync, "resp_lens": resp_lens,
                     "score": float(batch["token_level_scores"].sum(-1).mean()), **metrics}, following
 
 
-def run_model(name: str, args) -> dict:
+def run_model(name: str, args, mode: str = "padded") -> dict:
     import jax
 
     from jaxrl_llm import metrics as M
     from jaxrl_llm.workers import HostWorker
 
-    cfg = _config(name, args)
+    cfg = _config(name, args, mode)
     rng = np.random.default_rng(0)
     worker = HostWorker(cfg, vocab_size=VOCAB[name], pad_token_id=0, stop_token_ids=())
     info = worker.info()
@@ -233,7 +307,9 @@ def run_model(name: str, args) -> dict:
            "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
            "response_len": args.response_len, "remat": args.remat, "micro_batch": args.micro,
            "param_dtype": args.param_dtype, "steps_timed": 0 if args.sync_only else args.steps,
-           "placement": args.placement, "overlap": args.overlap,
+           "placement": args.placement, "overlap": args.overlap, "mode": mode,
+           "max_token_len": args.max_token_len if mode == "packed" else None, "lengths": args.lengths,
+           **({"median": args.median, "sigma": args.sigma} if args.lengths == "lognormal" else {}),
            "train_mesh": dict(worker.mesh.shape), "rollout_mesh": dict(worker.rollout_mesh.shape),
            "rollout_layer_layout": worker.engine.layer_layout, "setup_s": setup_s}
     # weight sync against the byte-copy limit: read every source byte, write every target byte
@@ -259,7 +335,23 @@ def run_model(name: str, args) -> dict:
     out["sync/zero_copy_bytes"] = int(same["bytes_moved"])
     out["sync/zero_copy_time_s"] = float(same["time_s"])
     out["perf/max_memory_allocated_gb"] = M.max_memory_allocated_gb()
+    out.update(compiled_programs(worker))
     worker.close()
+    return out
+
+
+def compiled_programs(worker) -> dict:
+    """`compiled/<pass>`: programs each jitted training pass compiled (jax's cache size; left out
+    where the pass is not a plain jitted function)."""
+    passes = {"old_log_prob": getattr(worker.actor, "_log_prob", None),
+              "ref": getattr(worker.ref, "_log_prob", None) if worker.ref is not None
+              else getattr(worker.actor, "_ref_log_prob", None),
+              "update_actor": getattr(worker.actor, "_update", None)}
+    out = {}
+    for name, fn in passes.items():
+        size = getattr(fn, "_cache_size", None)
+        if callable(size):
+            out[f"compiled/{name}"] = int(size())
     return out
 
 
@@ -269,24 +361,30 @@ def _steps(worker, cfg, args, prompts, limit: float) -> dict:
 
     pool = ThreadPoolExecutor(1) if args.overlap else None
     pending = None
-    timings, last, warmup_s = [], None, 0.0
+    timings, last, warmup_s, reals = [], None, 0.0, []
     batches = [prompts() for _ in range(args.steps + 1)]
+    lengths = (dict(median=args.median, sigma=args.sigma, cap=args.response_len)
+               if args.lengths == "lognormal" else None)
     for i in range(args.steps + 1):  # step 0 is the warm-up: it compiles every piece
         start_next = None
         if pool is not None and i < args.steps:
             start_next = functools.partial(pool.submit, _generate, worker, cfg, batches[i + 1], i + 1)
         t0 = time.perf_counter()
         timing, last, pending = _step(worker, cfg, batches[i], seed=i, overlap=args.overlap,
-                                      pending=pending, start_next=start_next, twice=args.sync_twice)
+                                      pending=pending, start_next=start_next, twice=args.sync_twice,
+                                      lengths=lengths)
         if i == 0:
             warmup_s = time.perf_counter() - t0
+            after_warmup = compiled_programs(worker)
         else:
             timings.append(timing)
+            reals.append(last["n_prompt"] + last["n_resp"])
     if pool is not None:
         pool.shutdown()
     keys = set.intersection(*(set(t) for t in timings))
     timing = {k: float(np.mean([t[k] for t in timings])) for k in sorted(keys)}
-    out = {"warmup_step_s": warmup_s}
+    out = {"warmup_step_s": warmup_s,
+           **{k.replace("compiled/", "compiled_after_warmup/"): v for k, v in after_warmup.items()}}
     out.update(M.compute_timing_metrics(timing, num_prompt_tokens=last["n_prompt"],
                                         num_response_tokens=last["n_resp"]))
     out.update(M.compute_throughput_metrics(total_tokens=last["n_prompt"] + last["n_resp"],
@@ -299,6 +397,22 @@ def _steps(worker, cfg, args, prompts, limit: float) -> dict:
                 "sync/donated": bool(last["sync"].get("donated", False)),
                 "sync/multiple_of_copy_limit": timing["update_weights"] / limit if limit else None})
     out["actor/pg_loss"] = float(last["actor/pg_loss"])
+    # per-stage throughput on real tokens: all timed steps' tokens / their summed stage seconds
+    # (each step draws its own lengths); response lengths: the last step's
+    out["real_tokens"] = int(sum(reals))
+    out["response_len_mean"] = float(np.mean(last["resp_lens"]))
+    out["response_len_max"] = int(np.max(last["resp_lens"]))
+    out.update({f"real_tokens_per_s/{s}": sum(reals) / (timing[s] * len(reals)) if timing.get(s) else None
+                for s in PACKING_STAGES})
+    return out
+
+
+def packing_summary(padded: dict, packed: dict) -> dict:
+    """padded seconds / packed seconds per stage (> 1: packing is faster)."""
+    out = {"bench": "e2e_packing", "model": padded["model"], "lengths": padded.get("lengths")}
+    for s in PACKING_STAGES:
+        a, b = padded.get(f"timing_s/{s}"), packed.get(f"timing_s/{s}")
+        out[f"speedup/{s}"] = a / b if a and b else None
     return out
 
 
@@ -408,15 +522,21 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     report = JsonReport(args.out)
     for name in args.models:
-        try:
-            r = run_model(name, args)
-        except Exception as e:  # noqa: BLE001 - report and go on to the next model
-            if args.tiny:
-                raise
-            import traceback
-            r = {"bench": "e2e", "model": f"qwen2.5-{name}", "error": traceback.format_exc()[-3000:]}
-            del e
-        report.add(r)
+        by_mode = {}
+        for mode in args.modes:
+            try:
+                r = run_model(name, args, mode)
+            except Exception as e:  # noqa: BLE001 - report and go on to the next model
+                if args.tiny:
+                    raise
+                import traceback
+                r = {"bench": "e2e", "model": f"qwen2.5-{name}", "mode": mode,
+                     "error": traceback.format_exc()[-3000:]}
+                del e
+            report.add(r)
+            by_mode[mode] = r
+        if len(by_mode) == 2 and not any("error" in r for r in by_mode.values()) and not args.sync_only:
+            report.add(packing_summary(by_mode["padded"], by_mode["packed"]))
     return report.records
 
 

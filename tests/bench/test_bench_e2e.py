@@ -47,3 +47,41 @@ def test_cross_device_bytes_counts_what_each_device_lacks(load_script):
     assert sorted(got.values()) == [16, 16]
     # same layout: nothing crosses
     assert set(bench.cross_device_bytes([x], [x.sharding], 4).values()) == {0}
+
+
+def test_bench_e2e_lognormal_lengths_padded_and_packed_see_the_same_real_tokens(capsys, load_script):
+    bench = load_script("bench_e2e")
+    # median 4 under an 8-token budget: lengths from 1 to the cap; --tiny times one step (seed 1)
+    recs = bench.main(["--tiny", "--lengths", "lognormal", "--median", "4", "--sync-repeats", "1",
+                       "--modes", "padded", "packed", "--max-token-len", "64"])
+    padded, packed, summary = recs
+    assert (padded["mode"], packed["mode"], summary["bench"]) == ("padded", "packed", "e2e_packing")
+    assert "error" not in padded and "error" not in packed
+    draw = [bench.response_length(1, r, median=4, sigma=1.0, cap=8) for r in range(8)]
+    assert len(set(draw)) > 2 and max(draw) <= 8
+    # the rows were cut to the draw: 4 x 2 rows of 8 prompt tokens + the drawn responses
+    assert padded["real_tokens"] == packed["real_tokens"] == 8 * 8 + sum(draw)
+    assert padded["response_len_max"] == packed["response_len_max"] == max(draw)
+    assert padded["response_len_mean"] == packed["response_len_mean"] == sum(draw) / 8
+    # like for like: the same rows, the same loss whether packed or padded
+    assert abs(padded["actor/pg_loss"] - packed["actor/pg_loss"]) < 1e-5
+    assert padded["max_token_len"] is None and packed["max_token_len"] == 64
+    for stage in ("old_log_prob", "ref", "update_actor", "step"):
+        assert packed[f"real_tokens_per_s/{stage}"] > 0 and summary[f"speedup/{stage}"] > 0
+    assert packed["compiled/old_log_prob"] >= packed["compiled_after_warmup/old_log_prob"] >= 1
+    capsys.readouterr()
+
+
+def test_cut_responses_right_pads_past_each_length(load_script):
+    import numpy as np
+
+    from jaxrl_llm.data import RolloutResult
+
+    bench = load_script("bench_e2e")
+    gen = RolloutResult(responses=np.arange(1, 13, dtype=np.int32).reshape(3, 4),
+                        response_mask=np.ones((3, 4), np.int32),
+                        rollout_log_probs=np.full((3, 4), -1.0, np.float32), finish_reasons=("length",) * 3)
+    cut = bench.cut_responses(gen, np.array([4, 1, 2]))
+    assert cut.responses.tolist() == [[1, 2, 3, 4], [5, 0, 0, 0], [9, 10, 0, 0]]
+    assert cut.response_mask.sum(-1).tolist() == [4, 1, 2]
+    assert cut.rollout_log_probs.tolist()[1] == [-1.0, 0.0, 0.0, 0.0]
