@@ -408,7 +408,7 @@ class Transformer(nnx.Module):
         (x, carry_extra), _ = jax.lax.scan(body, (x, carry_extra), (jnp.arange(n), params), unroll=unroll)
         return self.norm(x), carry_extra
 
-    def __call__(self, input_ids, *, attention_mask=None, positions=None, packed: bool = False):
+    def __call__(self, input_ids, *, attention_mask=None, positions=None, packed: bool | int = False):
         """Final hidden states [b, t, e] of a full causal forward (training / scoring).
 
         attention_mask int[b, t]: 0 padding, else a segment id; a token sees the earlier-or-equal
@@ -418,6 +418,11 @@ class Transformer(nnx.Module):
         a row); positions then should restart per sequence (`segment_positions`, the default
         when None). xla and splash mask by segment id whatever `packed` says; cudnn and rolled
         rotate rows when not packed and mask by each row's runs (cuDNN's packed layout) when packed.
+        An int `packed` is also the most sequences any row holds (static): cuDNN's packed layout
+        keeps softmax statistics per (row, sequence slot), so `True` (up to t sequences per row)
+        costs t times the memory of one row's statistics, [b * t, heads, t] floats per layer; the
+        packing passes give their rows-per-pack bound. A row with more sequences than `packed`
+        would lose the extra ones: the caller must not pass a smaller bound.
 
         With `config.train_attention` cudnn/rolled, each row's real tokens must be one contiguous
         run (any left and right padding) unless packed; hidden states at padding positions are
@@ -444,7 +449,8 @@ class Transformer(nnx.Module):
             return h
         real = attention_mask.astype(jnp.bool_)
         if packed:
-            attention = functools.partial(_packed_attention, impl, *_segment_runs(attention_mask), real)
+            runs = _segment_runs(attention_mask, None if packed is True else int(packed))
+            attention = functools.partial(_packed_attention, impl, *runs, real)
             h, _ = self._scan(self.embed(input_ids), positions, lambda i, e, k, v: (k, v, attention(k, v), e),
                               (), remat=True, unroll=unroll)
             return jnp.where(real[..., None], h, 0).astype(h.dtype)
@@ -572,17 +578,18 @@ def _flash_attention(impl, lengths, k, v):
     return run
 
 
-def _segment_runs(segment_ids):
-    """Each row's runs of equal non-zero ids, in cuDNN's packed layout: (offsets int32[b, t + 1],
-    lengths int32[b, t]); run r of row b covers tokens [offsets[b, r], offsets[b, r] + lengths[b, r]),
-    unused entries are -1. A row holds at most t runs, so t is the static bound."""
+def _segment_runs(segment_ids, max_runs: int | None = None):
+    """Each row's runs of equal non-zero ids, in cuDNN's packed layout: (offsets int32[b, n + 1],
+    lengths int32[b, n]); run r of row b covers tokens [offsets[b, r], offsets[b, r] + lengths[b, r]),
+    unused entries are -1. n = `max_runs` (static; None: t, the most a row can hold)."""
     seg = segment_ids.astype(jnp.int32)
     b, t = seg.shape
+    n = t if max_runs is None else max(1, min(int(max_runs), t))
     edge = jnp.zeros((b, 1), jnp.int32)
     prev = jnp.concatenate([edge, seg[:, :-1]], axis=1)
     nxt = jnp.concatenate([seg[:, 1:], edge], axis=1)
-    first = jax.vmap(lambda r: jnp.nonzero(r, size=t, fill_value=-1)[0])((seg != 0) & (seg != prev))
-    last = jax.vmap(lambda r: jnp.nonzero(r, size=t, fill_value=-1)[0])((seg != 0) & (seg != nxt))
+    first = jax.vmap(lambda r: jnp.nonzero(r, size=n, fill_value=-1)[0])((seg != 0) & (seg != prev))
+    last = jax.vmap(lambda r: jnp.nonzero(r, size=n, fill_value=-1)[0])((seg != 0) & (seg != nxt))
     lengths = jnp.where(first >= 0, last - first + 1, -1).astype(jnp.int32)
     offsets = jnp.concatenate([first.astype(jnp.int32), jnp.full((b, 1), -1, jnp.int32)], axis=1)
     return offsets, lengths
@@ -793,11 +800,11 @@ class CausalLM(nnx.Module):
         out = jnp.einsum(spec, hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
         return sharding.constrain(out, ("batch", "length", "vocab")) if out.ndim == 3 else out
 
-    def hidden_states(self, input_ids, *, attention_mask=None, positions=None, packed: bool = False):
+    def hidden_states(self, input_ids, *, attention_mask=None, positions=None, packed: bool | int = False):
         """Final hidden states [b, t, e]; arguments as `Transformer.__call__`."""
         return self.model(input_ids, attention_mask=attention_mask, positions=positions, packed=packed)
 
-    def __call__(self, input_ids, *, attention_mask=None, positions=None, packed: bool = False):
+    def __call__(self, input_ids, *, attention_mask=None, positions=None, packed: bool | int = False):
         """Logits (fp32) [b, t, vocab]. attention_mask: 0 padding, else segment ids (several
         sequences per row need `packed=True`; see `Transformer.__call__`)."""
         return self.logits(self.hidden_states(input_ids, attention_mask=attention_mask, positions=positions,
@@ -824,7 +831,7 @@ class ValueModel(nnx.Module):
             kernel=_param(rngs, (config.hidden_size, 1), ("embed", None), config.param_dtype),
             bias=_zeros((1,), (None,), config.param_dtype))
 
-    def __call__(self, input_ids, *, attention_mask=None, positions=None, packed: bool = False):
+    def __call__(self, input_ids, *, attention_mask=None, positions=None, packed: bool | int = False):
         """Values (fp32) [b, t]; arguments as `Transformer.__call__`."""
         h = self.model(input_ids, attention_mask=attention_mask, positions=positions, packed=packed)
         w = self.score["kernel"][...].astype(h.dtype)
