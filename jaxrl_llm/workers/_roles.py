@@ -94,18 +94,17 @@ def _micro_batches(mesh, arrays, *, rows: int, micro_per_device: int, budget: tu
     budget (`token_budget`) > 0: by tokens (`use_dynamic_bsz`), else `micro_per_device` rows per
     device; remove_padding: rows packed with segment ids (`use_remove_padding`), else padded. The
     plan maps outputs back to rows (`unpack_rows`); None: plain `[n_micro, micro]` rows."""
-    check_contiguous_mask(arrays["attention_mask"])
     dp, t = data_parallel_size(mesh), arrays["responses"].shape[-1]
+    if not budget[0] and not remove_padding:
+        return None, micro_batches(mesh, arrays, micro_size_for(rows, micro_per_device, dp))
+    check_contiguous_mask(arrays["attention_mask"])
     row_keys = [k for k in arrays if k not in _SEQ_KEYS + ("responses",)]
     if budget[0] and remove_padding:
         plan, out = pack_batch(arrays, t, budget[0], dp, field=budget[1], row_keys=row_keys)
     elif budget[0]:
         plan, out = slot_batch(arrays, t, budget[0], dp, field=budget[1])
-    else:
-        micro = micro_size_for(rows, micro_per_device, dp)
-        if not remove_padding:
-            return None, micro_batches(mesh, arrays, micro)
-        per = micro // dp  # rows per device, one pack each: at most the padded micro-batch's tokens
+    else:  # rows per device, one pack each: at most the padded micro-batch's tokens
+        per = micro_size_for(rows, micro_per_device, dp) // dp
         plan, out = pack_batch(arrays, t, per * arrays["input_ids"].shape[1], dp, field="",
                                row_keys=row_keys, rows_per_device=per)
     return plan, packed_micro_batches(mesh, out)
@@ -172,7 +171,8 @@ class _Trained:
             if first_flag is not None:
                 mb[first_flag] = np.full(len(mb[keys[0]]), 1 if i == 0 else 0, np.int32)
             if "responses" in mb:  # the RL roles; SFT rows are whole sequences, always padded
-                _, micro_mb = _micro_batches(self.mesh, mb, rows=mini_rows, micro_per_device=self.micro_per_device,
+                _, micro_mb = _micro_batches(self.mesh, mb, rows=mini_rows,
+                                             micro_per_device=self.micro_per_device,
                                              budget=self.update_budget, remove_padding=self.remove_padding)
             else:
                 micro = micro_size_for(mini_rows, self.micro_per_device, data_parallel_size(self.mesh))
