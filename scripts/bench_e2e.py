@@ -33,7 +33,8 @@ outside every timed stage.
 
 Padded vs packed (`--modes padded packed`): each mode builds its own workers in turn in this
 process, on the same prompts, seeds and lengths (like for like); `packed` sets
-`actor.use_dynamic_bsz` with `actor.ppo_max_token_len_per_device = --max-token-len` (the old- and
+`model.use_remove_padding` and `actor.use_dynamic_bsz` with
+`actor.ppo_max_token_len_per_device = --max-token-len` (the old- and
 reference-log-prob passes inherit that budget; GRPO runs no critic), `padded` keeps `--micro`
 rows per micro-batch. The benchmark calls the worker passes directly, so the old-log-prob pass
 always runs (the trainer's `actor.skip_redundant_old_log_prob` does not apply here). Each mode's
@@ -125,7 +126,7 @@ def parse_args(argv=None):
     p.add_argument("--median", type=float, default=300.0, help="--lengths lognormal: median length")
     p.add_argument("--sigma", type=float, default=1.0, help="--lengths lognormal: log-std")
     p.add_argument("--modes", nargs="+", default=["padded"], choices=["padded", "packed"],
-                   help="padded = --micro rows per micro-batch; packed = actor.use_dynamic_bsz with "
+                   help="padded = --micro rows per micro-batch; packed = model.use_remove_padding + actor.use_dynamic_bsz with "
                         "--max-token-len tokens per device per micro-batch; both: one after the other")
     p.add_argument("--packing", action="store_true", help="= --modes packed")
     p.add_argument("--max-token-len", type=int, default=16384,
@@ -167,7 +168,8 @@ def _config(name: str, args, mode: str = "padded"):
     c.actor.ppo_mini_batch_size = args.prompts  # one optimizer step per RL step
     c.actor.ppo_micro_batch_size_per_device = args.micro
     c.actor.use_kl_loss = True
-    if mode == "packed":
+    if mode == "packed":  # verl's two switches together: packed rows in token-budget micro-batches
+        c.model.use_remove_padding = True
         c.actor.use_dynamic_bsz = True
         c.actor.ppo_max_token_len_per_device = args.max_token_len
     c.rollout.n = args.n

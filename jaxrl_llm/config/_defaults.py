@@ -22,7 +22,7 @@ def base_config() -> ConfigDict:
         filter_overlong_prompts=True, truncation="error", shuffle=True, seed=1)
     c.model = dict(
         path="", tokenizer="", dtype="bfloat16", param_dtype="float32", remat="none",
-        train_attention="auto", decode_attention="auto",
+        train_attention="auto", decode_attention="auto", use_remove_padding=False,
         init=dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0,
                   max_position_embeddings=1024, tie_word_embeddings=True, seed=0))
@@ -64,7 +64,8 @@ def base_config() -> ConfigDict:
                     max_consecutive_timeouts=8, max_consecutive_worker_deaths=5,
                     memory_limit_gb=8.0, sandbox="auto",
                     custom_reward_function=dict(path="", name="compute_score"),
-                    model=dict(path="", micro_batch_size_per_device=8),
+                    model=dict(path="", micro_batch_size_per_device=8, use_dynamic_bsz=False,
+                               forward_max_token_len_per_device=32768),
                     overlong_buffer=dict(enable=False, len=0, penalty_factor=1.0))
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
     c.placement = dict(mode="colocated", rollout_mesh=dict(data=1, fsdp=1, tensor=1),

@@ -381,6 +381,9 @@ def _check_token_budgets(c: RunConfig) -> None:
               allow_zero=True)
     if c.use_critic and c.critic.use_dynamic_bsz:
         _positive(c.critic.ppo_max_token_len_per_device, "critic.ppo_max_token_len_per_device")
+    if c.reward.model.path and c.reward.model.use_dynamic_bsz:
+        _positive(c.reward.model.forward_max_token_len_per_device,
+                  "reward.model.forward_max_token_len_per_device")
 
 
 def _check_data_sources(c: RunConfig) -> None:

@@ -57,6 +57,7 @@ class ModelSection:
     remat: str
     train_attention: str  # kernel of the full forward: auto | xla | cudnn | rolled | splash
     decode_attention: str  # kernel of one-token decode: auto | einsum | reduce | cudnn | pallas | triton
+    use_remove_padding: bool  # verl's: every training pass (old/reference log-probs, values, reward-model scores, actor and critic updates) packs each micro-batch's rows into sequences with segment ids instead of padded [p + t] rows; exact, same micro-batches (rows, or a token budget with *.use_dynamic_bsz)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,7 @@ class ActorConfig:
     lora: LoraConfig
     ppo_mini_batch_size: int  # prompts per optimizer step (times rollout.n sequences)
     ppo_micro_batch_size_per_device: int  # sequences per device per forward/backward
-    use_dynamic_bsz: bool  # verl's: micro-batches of packed rows (segment ids, no padding) up to a token budget instead of ppo_micro_batch_size_per_device rows: the update, the old- and reference-log-prob passes
+    use_dynamic_bsz: bool  # verl's: micro-batches up to a token budget (real prompt + response tokens) instead of ppo_micro_batch_size_per_device rows: the update, the old- and reference-log-prob passes; padded rows unless model.use_remove_padding packs them
     ppo_max_token_len_per_device: int  # use_dynamic_bsz: tokens (prompt + response) per device per micro-batch of the update; every row must fit (verl's ppo_max_token_len_per_gpu)
     ppo_epochs: int
     shuffle: bool
@@ -115,7 +116,7 @@ class CriticConfig:
     optim: OptimConfig
     ppo_mini_batch_size: int
     ppo_micro_batch_size_per_device: int
-    use_dynamic_bsz: bool  # packed token-budget micro-batches (as actor.use_dynamic_bsz) for the values pass and the critic update
+    use_dynamic_bsz: bool  # token-budget micro-batches (as actor.use_dynamic_bsz) for the values pass and the critic update
     ppo_max_token_len_per_device: int  # use_dynamic_bsz: tokens per device per micro-batch (verl's ppo_max_token_len_per_gpu)
     ppo_epochs: int
     cliprange_value: float
@@ -245,6 +246,8 @@ class RewardModelConfig:
 
     path: str  # "" = no reward model
     micro_batch_size_per_device: int
+    use_dynamic_bsz: bool  # verl's: scoring micro-batches up to forward_max_token_len_per_device tokens instead of micro_batch_size_per_device rows (packed under model.use_remove_padding)
+    forward_max_token_len_per_device: int  # use_dynamic_bsz: tokens (prompt + response) per device per scoring micro-batch; every row must fit (verl's forward_max_token_len_per_gpu)
 
 
 @dataclasses.dataclass(frozen=True)

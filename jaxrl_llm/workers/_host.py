@@ -28,7 +28,7 @@ from jaxrl_llm.checkpoint import Checkpointer, checkpoint_root
 from jaxrl_llm.config import ConfigError, RunConfig
 
 from ._common import build_model, model_config_for
-from ._roles import ActorWorker, CriticWorker, ReferenceWorker, RewardModelWorker, SFTWorker
+from ._roles import ActorWorker, CriticWorker, ReferenceWorker, RewardModelWorker, SFTWorker, token_budget
 
 log = logging.getLogger(__name__)
 
@@ -120,19 +120,25 @@ class HostWorker:
         self.actor = ActorWorker(self._model, c.actor, mesh=self.mesh, total_steps=total_steps,
                                  temperature=c.rollout.temperature,
                                  log_prob_max_tokens=c.rollout.log_prob_max_token_len_per_device,
-                                 ref_log_prob_max_tokens=c.ref.log_prob_max_token_len_per_device)
+                                 ref_log_prob_max_tokens=c.ref.log_prob_max_token_len_per_device,
+                                 remove_padding=c.model.use_remove_padding)
         if c.use_reference and not lora.enabled:  # under LoRA the actor's base is the reference
             self.ref = ReferenceWorker(graphdef, params, mesh=self.mesh, temperature=c.rollout.temperature,
                                        micro_per_device=c.actor.ppo_micro_batch_size_per_device,
-                                       budget=self.actor.ref_log_prob_budget)
+                                       budget=self.actor.ref_log_prob_budget,
+                                       remove_padding=c.model.use_remove_padding)
         if c.use_critic:
             critic_model = build_model(c.model, vocab_size=self.vocab_size, mesh=self.mesh, value_head=True)
-            self.critic = CriticWorker(critic_model, c.critic, mesh=self.mesh, total_steps=total_steps)
+            self.critic = CriticWorker(critic_model, c.critic, mesh=self.mesh, total_steps=total_steps,
+                                       remove_padding=c.model.use_remove_padding)
         if c.reward.model.path:
             rm = models.from_pretrained(c.reward.model.path, dtype=c.model.dtype, param_dtype=c.model.param_dtype,
                                         value_head=True, mesh=self.mesh)
+            rm_budget = token_budget(c.reward.model.use_dynamic_bsz, c.reward.model.forward_max_token_len_per_device,
+                                     "reward.model.forward_max_token_len_per_device")
             self.reward_model = RewardModelWorker(rm, mesh=self.mesh,
-                                                  micro_per_device=c.reward.model.micro_batch_size_per_device)
+                                                  micro_per_device=c.reward.model.micro_batch_size_per_device,
+                                                  budget=rm_budget, remove_padding=c.model.use_remove_padding)
         self._model = None
         # agent rollouts prefill whole conversations (prompt + every turn so far) and then
         # generate what is left of the response budget

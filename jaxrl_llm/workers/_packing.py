@@ -1,4 +1,5 @@
-"""Token-budget micro-batches of packed rows (verl's `use_dynamic_bsz` + `use_remove_padding`).
+"""Micro-batches of packed rows (verl's `use_remove_padding`) and token-budget micro-batches
+(verl's `use_dynamic_bsz`), apart or together.
 
 A padded batch holds rows `[b, p + t]`: a left-padded prompt and a right-padded response, one
 contiguous run of real tokens per row. Here the rows' real runs are concatenated into *packs*
@@ -16,6 +17,15 @@ micro-batches are skipped on device (`_step`). Per-token row fields (response_ma
 advantages, ...) travel as `[n_micro, dp * R, t]` rows with `token_index` (the pack position
 whose hidden state predicts each response token), so the losses run on rows exactly as in the
 padded path. The plan is a pure function of the lengths: every host computes the same one.
+
+The two switches pick the planner and the layout:
+- both (`pack_batch`, `plan_packs`): the packs above, each at most `budget` tokens;
+- `use_remove_padding` alone (`pack_batch(rows_per_device=...)`, `plan_rows`): micro-batches keep
+  their row count (`ppo_micro_batch_size_per_device` rows per device), each device's rows are one
+  pack (rows balanced over the packs by tokens), `L` bucketed up to the padded micro-batch's size;
+- `use_dynamic_bsz` alone (`slot_batch`): the token-budget plan, but every row stays a padded
+  `[p + t]` row in its slot: micro-batches `[n_micro, dp * R, p + t]`, empty slots hold a one-token
+  dummy row (`row_valid` 0), as verl pads without remove_padding.
 
 This module is numpy only; the jitted gathers are in `_roles` / `_step`.
 """
@@ -132,6 +142,28 @@ def plan_packs(lengths, budget: int, dp: int, *, field: str) -> PackPlan:
                     offset=offset, length=lengths)
 
 
+def plan_rows(lengths, rows_per_device: int, dp: int, cap: int) -> PackPlan:
+    """Micro-batches of a fixed row count (`use_remove_padding` without a token budget): the
+    `len(lengths)` rows into groups of exactly `rows_per_device` rows, `dp` groups (one pack per
+    device) per micro-batch, balanced by tokens (longest row first into the lightest group with
+    room; deterministic). `cap`: the largest pack length (the padded micro-batch's tokens)."""
+    lengths = np.asarray(lengths, np.int64)
+    b, per = len(lengths), int(rows_per_device)
+    if per <= 0 or b % (per * dp):
+        raise ValueError(f"{b} rows do not split into micro-batches of {per} rows on each of {dp} devices")
+    heap = [(0, g, 0) for g in range(b // per)]  # (tokens, group, rows)
+    group, slot, offset = (np.zeros(b, np.int64) for _ in range(3))
+    for r in sorted(range(b), key=lambda j: (-int(lengths[j]), j)):
+        tokens, g, rows = heapq.heappop(heap)
+        group[r], slot[r], offset[r] = g, rows, tokens
+        if rows + 1 < per:
+            heapq.heappush(heap, (tokens + int(lengths[r]), g, rows + 1))
+    longest = int((offset + lengths).max(initial=1))
+    return PackPlan(dp=dp, n_micro=b // (per * dp), pack_len=pack_length_bucket(longest, cap),
+                    rows_per_pack=per, micro=group // dp, shard=group % dp, slot=slot,
+                    offset=offset, length=lengths)
+
+
 def row_runs(attention_mask: np.ndarray, response_len: int):
     """Per row: start of its real run, prompt tokens, response tokens (int64[b] each)."""
     m = np.asarray(attention_mask) != 0
@@ -141,9 +173,21 @@ def row_runs(attention_mask: np.ndarray, response_len: int):
     return start.astype(np.int64), prompt.astype(np.int64), response.astype(np.int64)
 
 
+def _scatter(plan: PackPlan, v: np.ndarray) -> np.ndarray:
+    """[b, ...] per row -> [n_micro, dp * R, ...] per row slot (zeros in empty slots)."""
+    n, _, R = plan.shapes()
+    slots = np.zeros((n * plan.dp * R, *v.shape[1:]), v.dtype)
+    slots[plan.dest] = v
+    return slots.reshape(n, plan.dp * R, *v.shape[1:])
+
+
 def pack_batch(arrays: dict[str, np.ndarray], response_len: int, budget: int, dp: int, *,
-               field: str, row_keys=()) -> tuple[PackPlan, dict[str, np.ndarray]]:
+               field: str, row_keys=(), rows_per_device: int = 0) -> tuple[PackPlan, dict[str, np.ndarray]]:
     """Padded rows -> (plan, packed micro-batches).
+
+    `rows_per_device` 0: packs of at most `budget` tokens (`plan_packs`, the error names `field`);
+    > 0: micro-batches of that many rows per device, one pack each of at most `budget` tokens
+    (`plan_rows`; pass the padded micro-batch's tokens).
 
     `arrays` holds `input_ids`, `attention_mask`, `position_ids` [b, p + t] (one contiguous run
     per row) and the row fields `row_keys` ([b, ...]). Returns `input_ids`, `attention_mask`
@@ -156,7 +200,10 @@ def pack_batch(arrays: dict[str, np.ndarray], response_len: int, budget: int, dp
     if bad.size:
         raise ValueError(f"row {int(bad[0])} has response tokens but no prompt token: packing needs "
                          "a real token before the first response token (the one that predicts it)")
-    plan = plan_packs(prompt + response, budget, dp, field=field)
+    if rows_per_device:
+        plan = plan_rows(prompt + response, rows_per_device, dp, budget)
+    else:
+        plan = plan_packs(prompt + response, budget, dp, field=field)
     n, L, R = plan.shapes()
     seq = {k: np.zeros((n, dp, L), np.int32) for k in ("input_ids", "attention_mask", "position_ids")}
     for r in range(len(start)):
@@ -172,10 +219,25 @@ def pack_batch(arrays: dict[str, np.ndarray], response_len: int, budget: int, dp
               "row_valid": np.ones(len(start), np.int32)}
     fields.update({k: np.asarray(arrays[k]) for k in row_keys})
     out = dict(seq)
-    for k, v in fields.items():
-        slots = np.zeros((n * dp * R, *v.shape[1:]), v.dtype)
-        slots[plan.dest] = v
-        out[k] = slots.reshape(n, dp * R, *v.shape[1:])
+    out.update({k: _scatter(plan, v) for k, v in fields.items()})
+    return plan, out
+
+
+def slot_batch(arrays: dict[str, np.ndarray], response_len: int, budget: int, dp: int, *,
+               field: str) -> tuple[PackPlan, dict[str, np.ndarray]]:
+    """Padded rows -> (plan, token-budget micro-batches of padded rows): `use_dynamic_bsz`
+    without `use_remove_padding`. Rows go where `plan_packs` puts them (at most `budget` real
+    tokens per device per micro-batch) but keep their padded `[p + t]` layout: every key of
+    `arrays` as [n_micro, dp * R, ...] plus `row_valid`. An empty slot holds a dummy row with one
+    real token (the last prompt column), so every attention path sees an ordinary row; its
+    response_mask is 0 and `row_valid` 0, so no loss or denominator counts it."""
+    mask = np.asarray(arrays["attention_mask"])
+    _, prompt, response = row_runs(mask, response_len)
+    plan = plan_packs(prompt + response, budget, dp, field=field)
+    out = {k: _scatter(plan, np.asarray(v)) for k, v in arrays.items()}
+    out["row_valid"] = _scatter(plan, np.ones(len(mask), np.int32))
+    empty = out["row_valid"] == 0
+    out["attention_mask"][..., max(mask.shape[1] - response_len - 1, 0)] |= empty.astype(mask.dtype)
     return plan, out
 
 

@@ -4,8 +4,10 @@ comes from `jaxrl_llm.algos`.
 
 Batches arrive as `data.Batch`es (or dicts) with verl's field names; sequences are `input_ids [b, p + t]`
 (left-padded prompt, right-padded response), `responses [b, t]`, `response_mask [b, t]`.
-With a token budget (`actor.use_dynamic_bsz`, `critic.use_dynamic_bsz`) a pass runs on packed
-rows instead (`_packing`): the model sees `[dp, L]` packs, the losses the same `[rows, t]` fields.
+Two switches, apart or together, change how a pass forms micro-batches (`_packing`):
+`model.use_remove_padding` packs rows (the model sees `[dp, L]` packs with segment ids, the losses
+the same `[rows, t]` fields), a token budget (`actor.use_dynamic_bsz`, `critic.use_dynamic_bsz`,
+`reward.model.use_dynamic_bsz`) sizes micro-batches by tokens instead of rows (`_micro_batches`).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from jaxrl_llm.config import ActorConfig, CriticConfig, OptimConfig
 from sharding import to_host
 
 from ._common import build_optimizer, data_parallel_size, init_train_state
-from ._packing import pack_batch, unpack_rows
+from ._packing import pack_batch, slot_batch, unpack_rows
 from ._step import (check_contiguous_mask, is_packed, make_forward, make_update_step, micro_batches,
                     micro_size_for, packed_micro_batches)
 
@@ -85,25 +87,40 @@ def token_budget(enabled: bool, tokens: int, field: str, fallback: int = 0,
     return (tokens, field) if tokens else (fallback, fallback_field)
 
 
-def _pack(mesh, arrays, t, budget):
-    """Packed global micro-batches of `arrays` (padded rows) under `budget` = (tokens, field)."""
+def _micro_batches(mesh, arrays, *, rows: int, micro_per_device: int, budget: tuple[int, str],
+                   remove_padding: bool):
+    """Global micro-batches of `arrays` (padded rows, `rows` of them) -> (plan or None, arrays).
+
+    budget (`token_budget`) > 0: by tokens (`use_dynamic_bsz`), else `micro_per_device` rows per
+    device; remove_padding: rows packed with segment ids (`use_remove_padding`), else padded. The
+    plan maps outputs back to rows (`unpack_rows`); None: plain `[n_micro, micro]` rows."""
+    dp, t = data_parallel_size(mesh), arrays["responses"].shape[-1]
+    if not budget[0] and not remove_padding:
+        return None, micro_batches(mesh, arrays, micro_size_for(rows, micro_per_device, dp))
     check_contiguous_mask(arrays["attention_mask"])
     row_keys = [k for k in arrays if k not in _SEQ_KEYS + ("responses",)]
-    plan, packed = pack_batch(arrays, t, budget[0], data_parallel_size(mesh), field=budget[1],
-                              row_keys=row_keys)
-    return plan, packed_micro_batches(mesh, packed)
+    if budget[0] and remove_padding:
+        plan, out = pack_batch(arrays, t, budget[0], dp, field=budget[1], row_keys=row_keys)
+    elif budget[0]:
+        plan, out = slot_batch(arrays, t, budget[0], dp, field=budget[1])
+    else:  # rows per device, one pack each: at most the padded micro-batch's tokens
+        per = micro_size_for(rows, micro_per_device, dp) // dp
+        plan, out = pack_batch(arrays, t, per * arrays["input_ids"].shape[1], dp, field="",
+                               row_keys=row_keys, rows_per_device=per)
+    return plan, packed_micro_batches(mesh, out)
 
 
 def _forward_rows(worker, fn, batch, keys, params=None, budget=(0, "")):
-    """fn over the batch in micro-batches -> [b, ...] host outputs. budget: `token_budget`."""
+    """fn over the batch in micro-batches -> [b, ...] host outputs. budget: `token_budget`;
+    `worker.remove_padding`: packed rows."""
     params = worker.params if params is None else params
     arrays = {k: batch[k] for k in keys}
     b = arrays[keys[0]].shape[0]
-    if budget[0]:
-        plan, mb = _pack(worker.mesh, arrays, batch["responses"].shape[-1], budget)
+    plan, mb = _micro_batches(worker.mesh, arrays, rows=b, micro_per_device=worker.micro_per_device,
+                              budget=budget, remove_padding=worker.remove_padding)
+    if plan is not None:
         return jax.tree.map(lambda x: unpack_rows(plan, to_host(x)), fn(params, mb))
-    micro = micro_size_for(b, worker.micro_per_device, data_parallel_size(worker.mesh))
-    out = fn(params, micro_batches(worker.mesh, arrays, micro))
+    out = fn(params, mb)
     return jax.tree.map(lambda x: to_host(x).reshape(b, *x.shape[2:]), out)
 
 
@@ -113,7 +130,8 @@ class _Trained:
     A model with LoRA adapters (`models.add_lora`) trains only them: `state` holds the adapters
     and their optimizer state, `frozen` the base weights (merged in, never updated or donated)."""
 
-    update_budget = (0, "")  # `token_budget` of the update: packed micro-batches when > 0
+    update_budget = (0, "")  # `token_budget` of the update: token-budget micro-batches when > 0
+    remove_padding = False  # model.use_remove_padding: every pass of the role on packed rows
 
     def __init__(self, model, optim: OptimConfig, mesh, total_steps: int, loss_fn, mask_key: str):
         self.mesh = mesh
@@ -152,8 +170,10 @@ class _Trained:
                                                  shuffle, seed)):
             if first_flag is not None:
                 mb[first_flag] = np.full(len(mb[keys[0]]), 1 if i == 0 else 0, np.int32)
-            if self.update_budget[0]:
-                _, micro_mb = _pack(self.mesh, mb, mb["responses"].shape[-1], self.update_budget)
+            if "responses" in mb:  # the RL roles; SFT rows are whole sequences, always padded
+                _, micro_mb = _micro_batches(self.mesh, mb, rows=mini_rows,
+                                             micro_per_device=self.micro_per_device,
+                                             budget=self.update_budget, remove_padding=self.remove_padding)
             else:
                 micro = micro_size_for(mini_rows, self.micro_per_device, data_parallel_size(self.mesh))
                 micro_mb = micro_batches(self.mesh, mb, micro)
@@ -169,11 +189,13 @@ class ActorWorker(_Trained):
     """The policy: log-probs of responses and the PPO-family update."""
 
     def __init__(self, model, cfg: ActorConfig, *, mesh, total_steps: int, temperature: float,
-                 log_prob_max_tokens: int = 0, ref_log_prob_max_tokens: int = 0):
+                 log_prob_max_tokens: int = 0, ref_log_prob_max_tokens: int = 0,
+                 remove_padding: bool = False):
         """log_prob_max_tokens / ref_log_prob_max_tokens: the token budgets of the old- and
         reference-log-prob passes under `cfg.use_dynamic_bsz` (`rollout.` and
-        `ref.log_prob_max_token_len_per_device`); 0 = `cfg.ppo_max_token_len_per_device`."""
-        self.cfg, self.temperature = cfg, temperature
+        `ref.log_prob_max_token_len_per_device`); 0 = `cfg.ppo_max_token_len_per_device`.
+        remove_padding: `model.use_remove_padding` (packed rows on every pass)."""
+        self.cfg, self.temperature, self.remove_padding = cfg, temperature, remove_padding
         self.micro_per_device = cfg.ppo_micro_batch_size_per_device
         own = (cfg.ppo_max_token_len_per_device, "actor.ppo_max_token_len_per_device")
         self.update_budget = token_budget(cfg.use_dynamic_bsz, *own)
@@ -267,10 +289,11 @@ class ReferenceWorker:
     """Frozen copy of the initial policy: log-probs for the KL terms."""
 
     def __init__(self, graphdef, params, *, mesh, temperature: float, micro_per_device: int,
-                 budget: tuple[int, str] = (0, "")):
-        """budget: `token_budget` of the pass (packed micro-batches), (0, "") = padded rows."""
+                 budget: tuple[int, str] = (0, ""), remove_padding: bool = False):
+        """budget: `token_budget` of the pass (token-budget micro-batches), (0, "") = rows;
+        remove_padding: packed rows (`model.use_remove_padding`)."""
         self.graphdef, self.mesh, self.micro_per_device = graphdef, mesh, micro_per_device
-        self.budget = budget
+        self.budget, self.remove_padding = budget, remove_padding
         self.params = jax.tree.map(jnp.copy, params)
         self._log_prob = make_forward(graphdef, lambda mdl, m: response_log_probs(mdl, m, temperature), mesh)
 
@@ -292,8 +315,9 @@ def response_values(model, m):
 class CriticWorker(_Trained):
     """The value model: values of response tokens and the clipped value-loss update."""
 
-    def __init__(self, model, cfg: CriticConfig, *, mesh, total_steps: int):
-        self.cfg = cfg
+    def __init__(self, model, cfg: CriticConfig, *, mesh, total_steps: int, remove_padding: bool = False):
+        """remove_padding: `model.use_remove_padding` (the values pass and the update packed)."""
+        self.cfg, self.remove_padding = cfg, remove_padding
         self.micro_per_device = cfg.ppo_micro_batch_size_per_device
         self.update_budget = token_budget(cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_device,
                                           "critic.ppo_max_token_len_per_device")
@@ -320,8 +344,12 @@ class CriticWorker(_Trained):
 
 
 def last_token_values(model, m):
-    """Values at the response tokens themselves (the state after reading each token). [b, t]."""
-    v = model(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"])
+    """Values at the response tokens themselves (the state after reading each token). [b, t];
+    packed: [dp * R, t] (one position past the one that predicts each token)."""
+    packed = is_packed(m)
+    v = model(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"], packed=packed)
+    if packed:
+        return rows_from_packs(v, {**m, "token_index": m["token_index"] + 1})
     return v[:, -m["responses"].shape[-1]:]
 
 
@@ -329,13 +357,17 @@ class RewardModelWorker:
     """A frozen value-head model scoring whole responses: its value at each response's last
     valid token is the sequence reward (verl's `rm_scores`, placed on that token)."""
 
-    def __init__(self, model, *, mesh, micro_per_device: int):
+    def __init__(self, model, *, mesh, micro_per_device: int, budget: tuple[int, str] = (0, ""),
+                 remove_padding: bool = False):
+        """budget: `token_budget` of the scoring pass (`reward.model.use_dynamic_bsz`,
+        `reward.model.forward_max_token_len_per_device`); remove_padding: packed rows."""
         self.mesh, self.micro_per_device = mesh, micro_per_device
+        self.budget, self.remove_padding = budget, remove_padding
         self.graphdef, self.params = nnx.split(model)
         self._values = make_forward(self.graphdef, last_token_values, mesh)
 
     def compute_rm_score(self, batch) -> dict[str, np.ndarray]:
-        v = _forward_rows(self, self._values, batch, _SEQ_KEYS + ("responses",))
+        v = _forward_rows(self, self._values, batch, _SEQ_KEYS + ("responses",), budget=self.budget)
         # 1 on each row's last model token (the one placement of a sequence score, `algos`)
         on_last = np.asarray(algos.sequence_scores_to_token_level(
             np.ones(len(v), np.float32), np.asarray(batch["response_mask"])))

@@ -26,7 +26,7 @@ SUMMED_METRICS = frozenset({"pg_loss", "entropy", "kl_loss", "vf_loss", "nll"})
 
 def denominators(mask: jax.Array, row_valid: jax.Array | None = None) -> dict[str, jax.Array]:
     """Mini-batch normalisers from a [..., t] mask: tokens, non-empty rows and all rows.
-    `row_valid` [...] (packed micro-batches): 1 on real rows, 0 on empty slots, which then do
+    `row_valid` [...] (slotted micro-batches, `has_row_slots`): 1 on real rows, 0 on empty slots, which then do
     not count as rows (the others are zero-masked anyway)."""
     m = mask.astype(jnp.float32)
     rows = (jnp.float32(np.prod(m.shape[:-1])) if row_valid is None
@@ -35,12 +35,19 @@ def denominators(mask: jax.Array, row_valid: jax.Array | None = None) -> dict[st
 
 
 def is_packed(mb) -> bool:
-    """Whether a micro-batch dict holds packed rows (`_packing.pack_batch`)."""
+    """Whether a micro-batch dict holds packed rows (`_packing.pack_batch`): the model sees
+    `[dp, L]` packs and per-row fields map through `token_index`."""
+    return "token_index" in mb
+
+
+def has_row_slots(mb) -> bool:
+    """Whether a micro-batch dict holds row slots that may be empty (`row_valid`): packed rows, or
+    padded rows placed by a token budget (`_packing.slot_batch`)."""
     return "row_valid" in mb
 
 
 def _nonempty(micro) -> jax.Array:
-    """A packed micro-batch with any real row (the trailing ones may be empty padding)."""
+    """A slotted micro-batch with any real row (the trailing ones may be empty padding)."""
     return jnp.any(micro["row_valid"] > 0)
 
 
@@ -56,8 +63,8 @@ def make_update_step(graphdef, tx: optax.GradientTransformation, schedule, loss_
 
     def step(state: TrainState, mb: dict[str, jax.Array], frozen: tuple = ()):
         with sharding.use_rules(mesh, sharding.TRAIN_RULES):
-            packed = is_packed(mb)
-            denoms = denominators(mb[mask_key], mb["row_valid"] if packed else None)
+            slotted = has_row_slots(mb)
+            denoms = denominators(mb[mask_key], mb["row_valid"] if slotted else None)
 
             def grad_one(params, micro):
                 def f(p):
@@ -65,7 +72,7 @@ def make_update_step(graphdef, tx: optax.GradientTransformation, schedule, loss_
                 return jax.value_and_grad(f, has_aux=True)(params)
 
             def body(acc, micro):
-                if packed:  # empty padding micro-batches are skipped, not computed
+                if slotted:  # empty padding micro-batches are skipped, not computed
                     nothing = lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(  # noqa: E731
                         grad_one, state.params, micro))
                     out = jax.lax.cond(_nonempty(micro), lambda: grad_one(state.params, micro), nothing)
@@ -82,7 +89,7 @@ def make_update_step(graphdef, tx: optax.GradientTransformation, schedule, loss_
             loss = losses.sum()
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.global_norm(updates))
             new_state = skip_unless(finite, TrainState(params, opt_state, state.step + 1), state)
-            metrics = {k: v.sum() if k in SUMMED_METRICS else _mean(v, mb if packed else None)
+            metrics = {k: v.sum() if k in SUMMED_METRICS else _mean(v, mb if slotted else None)
                        for k, v in metrics.items()}
             metrics.update(loss=loss, grad_norm=grad_norm, lr=schedule(state.step),
                            nonfinite_updates=1.0 - finite.astype(jnp.float32))
@@ -91,11 +98,11 @@ def make_update_step(graphdef, tx: optax.GradientTransformation, schedule, loss_
     return jax.jit(step, donate_argnums=(0,), out_shardings=(shardings_of(state), None))
 
 
-def _mean(v: jax.Array, packed_mb=None) -> jax.Array:
-    """Mean of a per-micro-batch metric; packed: over the micro-batches that ran (not the empty)."""
-    if packed_mb is None:
+def _mean(v: jax.Array, slotted_mb=None) -> jax.Array:
+    """Mean of a per-micro-batch metric; slotted: over the micro-batches that ran (not the empty)."""
+    if slotted_mb is None:
         return v.mean()
-    ran = jax.vmap(_nonempty)(packed_mb).astype(v.dtype)
+    ran = jax.vmap(_nonempty)(slotted_mb).astype(v.dtype)
     return (v * ran).sum() / jnp.maximum(ran.sum(), 1)
 
 
@@ -118,7 +125,7 @@ def micro_batches(mesh, arrays: dict[str, np.ndarray], micro_size: int) -> dict[
 
 
 def packed_micro_batches(mesh, packed: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """`_packing.pack_batch` output [n_micro, dp (x R), ...] -> global arrays, slot d of every
+    """`_packing.pack_batch` / `slot_batch` output [n_micro, dp (x R), ...] -> global arrays, slot d of every
     micro-batch on data-parallel device d."""
     return put_batch(mesh, packed, batch_axis=1)
 
@@ -152,12 +159,12 @@ def micro_size_for(rows: int, per_device: int, dp: int) -> int:
 def make_forward(graphdef, fn: Callable, mesh, n_out: int = 1):
     """jit(params, micro_batches) -> fn outputs stacked per micro-batch (lax.map, low memory).
     `params`: one state, or a tuple of states merged together (adapters + frozen base).
-    Packed micro-batches (`_packing`): the empty trailing ones are skipped (zeros out)."""
+    Slotted micro-batches (`_packing`): the empty trailing ones are skipped (zeros out)."""
 
     def run(params, mb):
         with sharding.use_rules(mesh, sharding.TRAIN_RULES):
             model = nnx.merge(graphdef, *(params if isinstance(params, tuple) else (params,)))
-            if not is_packed(mb):
+            if not has_row_slots(mb):
                 return jax.lax.map(lambda m: fn(model, m), mb)
 
             def one(m):

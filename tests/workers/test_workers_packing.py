@@ -1,7 +1,8 @@
-"""Packed token-budget micro-batches (`actor.use_dynamic_bsz`, issue 31): the planner's budget,
-bucketing, balance and determinism, and on a tiny fp32 model the packed passes equal the padded
-ones: log-probs, entropy, values, one actor update per loss_agg_mode (params after the step) and
-one critic update."""
+"""Packed rows (`model.use_remove_padding`) and token-budget micro-batches (`*.use_dynamic_bsz`),
+issue 31: the planners' budget, bucketing, balance and determinism, and on a tiny fp32 model every
+combination of the two switches equals the padded passes: log-probs, entropy, reference
+log-probs, values, reward-model scores, actor updates (two loss_agg_modes and geo_mean; params
+after the step) and one critic update; each switch reaches every pass; few compiled shapes."""
 import dataclasses
 import itertools
 import os
@@ -18,8 +19,10 @@ from jaxrl_llm.config import load_config
 from jaxrl_llm.models._decoder import causal_padding_mask
 from jaxrl_llm.workers._common import build_model
 from jaxrl_llm.workers._packing import (balanced_partition, pack_batch, pack_length_bucket, plan_packs,
-                                        unpack_rows)
-from jaxrl_llm.workers._roles import ActorWorker, CriticWorker, ReferenceWorker
+                                        plan_rows, slot_batch, unpack_rows)
+from jaxrl_llm.workers import _roles
+from jaxrl_llm.workers._roles import (ActorWorker, CriticWorker, ReferenceWorker, RewardModelWorker,
+                                      token_budget)
 from jaxrl_llm.workers._step import denominators
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.py")
@@ -130,6 +133,45 @@ def test_packed_tokens_and_row_fields_round_trip():
     assert packed["row_valid"].sum() == len(b["input_ids"])
 
 
+def test_fixed_row_plan_keeps_the_row_count_and_balances_tokens():
+    """use_remove_padding alone: each micro-batch keeps rows_per_device rows per device, one pack
+    per device, rows spread so the longest pack is close to the mean (it sets L for all)."""
+    rng = np.random.default_rng(2)
+    lengths = np.minimum(rng.lognormal(4.5, 1.0, 32).astype(int) + 4, 400)
+    plan = plan_rows(lengths, 4, 2, cap=4 * 400)
+    again = plan_rows(lengths.copy(), 4, 2, cap=4 * 400)
+    assert all(np.array_equal(getattr(plan, f), getattr(again, f)) for f in ("micro", "shard", "slot", "offset"))
+    assert plan.shapes()[0] == 4 and plan.shapes()[2] == 4 and len(set(plan.dest.tolist())) == 32
+    group = plan.micro * 2 + plan.shard
+    assert (np.bincount(group) == 4).all()
+    sums = np.bincount(group, weights=lengths)
+    assert sums.max() - sums.mean() <= lengths.max()
+    in_order = lengths.reshape(8, 4).sum(axis=1)  # rows as they come: the test can tell
+    assert sums.max() < in_order.max()
+    assert plan.pack_len == pack_length_bucket(int(sums.max()), 4 * 400)
+    b = _rows()
+    p2, packed = pack_batch(b, 8, 2 * 14, 2, field="", row_keys=("response_mask",), rows_per_device=2)
+    assert packed["input_ids"].shape == (3, 2, 28) and packed["row_valid"].all()
+    np.testing.assert_array_equal(unpack_rows(p2, packed["response_mask"]), b["response_mask"])
+    with pytest.raises(ValueError, match="12 rows do not split into micro-batches of 5 rows"):
+        plan_rows(np.ones(12), 5, 2, cap=10)
+
+
+def test_slotted_padded_rows_round_trip_and_empty_slots_hold_a_dummy_row():
+    """use_dynamic_bsz alone: rows keep their padded layout in token-budget slots; an empty slot
+    is one real token at the last prompt column (an ordinary row for every attention path)."""
+    b = _rows()
+    plan, out = slot_batch(b, 8, 24, 2, field="f")
+    for k in b:
+        np.testing.assert_array_equal(unpack_rows(plan, out[k]), b[k])
+    assert out["input_ids"].shape[2] == 14 and (out["row_valid"] == 0).any()
+    empty = out["attention_mask"][out["row_valid"] == 0]
+    assert (empty.sum(axis=1) == 1).all() and (empty[:, 5] == 1).all()
+    assert out["response_mask"][out["row_valid"] == 0].sum() == 0
+    real_tokens = (out["attention_mask"] * out["row_valid"][..., None]).reshape(plan.n_micro, 2, -1).sum(-1)
+    assert real_tokens.max() <= 24
+
+
 def test_segment_mask_keeps_01_masks_and_separates_segments():
     m01 = jnp.array([[0, 0, 1, 1, 1, 0]])
     t = 6
@@ -152,14 +194,20 @@ def setup():
     return cfg, mesh, batch
 
 
-def _actor(cfg, mesh, *, packed, budget=24, **actor_kw):
+# (actor.use_dynamic_bsz, model.use_remove_padding): verl's two switches, apart and together
+MODES = {"remove_padding": (False, True), "dynamic_bsz": (True, False), "both": (True, True)}
+
+
+def _actor(cfg, mesh, *, mode=None, budget=24, **actor_kw):
+    """mode None: padded rows of ppo_micro_batch_size_per_device (2); else a key of MODES."""
+    dyn, rmpad = MODES[mode] if mode else (False, False)
     # Adam with eps 1: the first step moves each weight by lr * g / (|g| + 1), about lr * g, so
     # equal params after the step mean equal gradients (not just equal signs)
     optim = dataclasses.replace(cfg.actor.optim, lr=1.0, eps=1.0, clip_grad=0.0, weight_decay=0.0)
     a = dataclasses.replace(cfg.actor, optim=optim, ppo_micro_batch_size_per_device=2,
-                            use_dynamic_bsz=packed, ppo_max_token_len_per_device=budget, **actor_kw)
+                            use_dynamic_bsz=dyn, ppo_max_token_len_per_device=budget, **actor_kw)
     model = build_model(cfg.model, vocab_size=20, mesh=mesh)
-    return ActorWorker(model, a, mesh=mesh, total_steps=4, temperature=0.7)
+    return ActorWorker(model, a, mesh=mesh, total_steps=4, temperature=0.7, remove_padding=rmpad)
 
 
 def _has_empty_micro_batch(batch, budget):
@@ -169,41 +217,48 @@ def _has_empty_micro_batch(batch, budget):
 
 def _close(a, b, mask):
     a, b = np.asarray(a), np.asarray(b)
+    assert np.isfinite(a).all() and np.isfinite(b).all()
     assert np.abs(a - b)[np.asarray(mask) > 0].max() < TOL
 
 
-def test_packed_log_probs_entropy_and_ref_log_probs_equal_padded(setup):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_log_probs_entropy_and_ref_log_probs_equal_padded(setup, mode):
     cfg, mesh, batch = setup
-    padded, packed = _actor(cfg, mesh, packed=False), _actor(cfg, mesh, packed=True, budget=14)
-    assert _has_empty_micro_batch(batch, 14)  # the skipped (lax.cond) branch runs too
+    padded, other = _actor(cfg, mesh), _actor(cfg, mesh, mode=mode, budget=14)
+    assert _has_empty_micro_batch(batch, 14)  # token budgets: the skipped (lax.cond) branch runs too
     real = batch["attention_mask"][:, -8:]
-    a, b = padded.compute_log_prob(batch), packed.compute_log_prob(batch)
+    a, b = padded.compute_log_prob(batch), other.compute_log_prob(batch)
     _close(a["old_log_probs"], b["old_log_probs"], real)
     _close(a["entropys"], b["entropys"], real)
     assert np.abs(a["old_log_probs"] * real).max() > 0.1  # not trivially zero
     ref_pad = ReferenceWorker(padded.graphdef, padded.state.params, mesh=mesh, temperature=0.7,
                               micro_per_device=2)
-    ref_pack = ReferenceWorker(padded.graphdef, padded.state.params, mesh=mesh, temperature=0.7,
-                               micro_per_device=2, budget=packed.ref_log_prob_budget)
+    ref_other = ReferenceWorker(padded.graphdef, padded.state.params, mesh=mesh, temperature=0.7,
+                                micro_per_device=2, budget=other.ref_log_prob_budget,
+                                remove_padding=other.remove_padding)
     _close(ref_pad.compute_ref_log_prob(batch)["ref_log_prob"],
-           ref_pack.compute_ref_log_prob(batch)["ref_log_prob"], real)
-    assert ref_pack.budget == (14, "actor.ppo_max_token_len_per_device")
+           ref_other.compute_ref_log_prob(batch)["ref_log_prob"], real)
+    assert ref_other.budget == ((14, "actor.ppo_max_token_len_per_device") if MODES[mode][0] else (0, ""))
 
 
-def test_packed_passes_take_the_packed_attention_path(setup):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_rolled_attention_path_equals_padded(setup, mode):
     """train_attention="rolled" attends across a pack's rows unless the forward says packed=True
-    (the cudnn path likewise, on GPU): packed log-probs and values still equal the padded ones."""
+    (the cudnn path likewise, on GPU): packed log-probs and values still equal the padded ones;
+    and slotted padded rows (dynamic_bsz alone, empty slots included) go through its rotation."""
     _, mesh, batch = setup
     cfg = load_config(f"{QUICKSTART}:tiny,local", ["model.dtype=float32", "model.train_attention=rolled"])
-    padded, packed = _actor(cfg, mesh, packed=False), _actor(cfg, mesh, packed=True, budget=14)
+    padded, packed = _actor(cfg, mesh), _actor(cfg, mesh, mode=mode, budget=14)
     real = batch["attention_mask"][:, -8:]
     _close(padded.compute_log_prob(batch)["old_log_probs"], packed.compute_log_prob(batch)["old_log_probs"], real)
     critic = dataclasses.replace(cfg.critic, ppo_micro_batch_size_per_device=2)
     values = []
-    for on in (False, True):
-        c = dataclasses.replace(critic, use_dynamic_bsz=on, ppo_max_token_len_per_device=14)
+    for on in (None, mode):
+        dyn, rmpad = MODES[on] if on else (False, False)
+        c = dataclasses.replace(critic, use_dynamic_bsz=dyn, ppo_max_token_len_per_device=14)
         model = build_model(cfg.model, vocab_size=20, mesh=mesh, value_head=True)
-        values.append(CriticWorker(model, c, mesh=mesh, total_steps=4).compute_values(batch)["values"])
+        values.append(CriticWorker(model, c, mesh=mesh, total_steps=4,
+                                   remove_padding=rmpad).compute_values(batch)["values"])
     _close(values[0], values[1], real)
 
 
@@ -245,63 +300,126 @@ def test_packed_row_slots_aggregate_like_the_batch(policy_loss, mode):
     np.testing.assert_allclose(unpack_rows(plan, np.stack(grads)), g_full, atol=1e-7)
 
 
-@pytest.mark.parametrize("policy_loss,mode,budget", [("vanilla", "token-mean", 24),
-                                                     ("vanilla", "seq-mean-token-sum-norm", 24),
-                                                     ("geo_mean", "token-mean", 14)])
-def test_packed_actor_update_equals_padded(setup, policy_loss, mode, budget):
+# two loss_agg_modes on every combination; geo_mean (divides by real rows) where slots can be empty
+UPDATE_CASES = [(mode, "vanilla", agg, 24) for mode in MODES
+                for agg in ("token-mean", "seq-mean-token-sum-norm")] + [
+    (mode, "geo_mean", "token-mean", 14) for mode in MODES if MODES[mode][0]]
+
+
+@pytest.mark.parametrize("mode,policy_loss,agg,budget", UPDATE_CASES)
+def test_actor_update_equals_padded(setup, mode, policy_loss, agg, budget):
     cfg, mesh, batch = setup
-    kw = dict(policy_loss=policy_loss, loss_agg_mode=mode, entropy_coeff=0.01, use_kl_loss=True)
-    padded = _actor(cfg, mesh, packed=False, **kw)
-    packed = _actor(cfg, mesh, packed=True, budget=budget, **kw)
+    kw = dict(policy_loss=policy_loss, loss_agg_mode=agg, entropy_coeff=0.01, use_kl_loss=True)
+    padded = _actor(cfg, mesh, **kw)
+    other = _actor(cfg, mesh, mode=mode, budget=budget, **kw)
     b = dict(batch)
     b["old_log_probs"] = (np.random.default_rng(4).normal(-3, 0.3, (8, 8)) * batch["response_mask"]
                           ).astype(np.float32)
     b["ref_log_prob"] = b["old_log_probs"] - 0.1
     before = jax.device_get(padded.state.params)
     ma = padded.update(b, mini_rows=8, seed=0)
-    mb = packed.update(b, mini_rows=8, seed=0)
+    mb = other.update(b, mini_rows=8, seed=0)
     for k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
         assert abs(ma[k] - mb[k]) < TOL, (k, ma[k], mb[k])
     moved = jax.tree.leaves(jax.tree.map(lambda x, y: np.abs(x - y).max(), before,
                                          jax.device_get(padded.state.params)))
     assert max(moved) > 1e-3  # the step did something
     diff = jax.tree.leaves(jax.tree.map(lambda x, y: np.abs(np.asarray(x) - np.asarray(y)).max(),
-                                        padded.state.params, packed.state.params))
+                                        padded.state.params, other.state.params))
     assert max(diff) < TOL
 
 
-def _critic(cfg, mesh, *, packed):
+def _critic(cfg, mesh, *, mode=None):
+    dyn, rmpad = MODES[mode] if mode else (False, False)
     optim = dataclasses.replace(cfg.critic.optim, lr=1.0, eps=1.0, clip_grad=0.0, weight_decay=0.0)
     c = dataclasses.replace(cfg.critic, optim=optim, ppo_micro_batch_size_per_device=2,
-                            use_dynamic_bsz=packed, ppo_max_token_len_per_device=24,
+                            use_dynamic_bsz=dyn, ppo_max_token_len_per_device=24,
                             loss_agg_mode="seq-mean-token-mean")
     model = build_model(cfg.model, vocab_size=20, mesh=mesh, value_head=True)
-    return CriticWorker(model, c, mesh=mesh, total_steps=4)
+    return CriticWorker(model, c, mesh=mesh, total_steps=4, remove_padding=rmpad)
 
 
-def test_packed_critic_values_and_update_equal_padded(setup):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_critic_values_and_update_equal_padded(setup, mode):
     cfg, mesh, batch = setup
-    padded, packed = _critic(cfg, mesh, packed=False), _critic(cfg, mesh, packed=True)
+    padded, other = _critic(cfg, mesh), _critic(cfg, mesh, mode=mode)
     real = batch["attention_mask"][:, -8:]
-    va, vb = padded.compute_values(batch)["values"], packed.compute_values(batch)["values"]
+    va, vb = padded.compute_values(batch)["values"], other.compute_values(batch)["values"]
     _close(va, vb, real)
     b = dict(batch, values=va)
     ma = padded.update(b, mini_rows=8, seed=0)
-    mb = packed.update(b, mini_rows=8, seed=0)
+    mb = other.update(b, mini_rows=8, seed=0)
     assert abs(ma["critic/vf_loss"] - mb["critic/vf_loss"]) < TOL
+    assert abs(ma["critic/grad_norm"] - mb["critic/grad_norm"]) < TOL and ma["critic/grad_norm"] > 1e-3
     diff = jax.tree.leaves(jax.tree.map(lambda x, y: np.abs(np.asarray(x) - np.asarray(y)).max(),
-                                        padded.state.params, packed.state.params))
+                                        padded.state.params, other.state.params))
     assert max(diff) < TOL
 
 
-def test_packed_passes_compile_few_shapes_over_varied_batches(setup):
+def _reward_model(cfg, mesh, mode=None, budget=14):
+    dyn, rmpad = MODES[mode] if mode else (False, False)
+    model = build_model(cfg.model, vocab_size=20, mesh=mesh, value_head=True)
+    return RewardModelWorker(model, mesh=mesh, micro_per_device=2, remove_padding=rmpad,
+                             budget=token_budget(dyn, budget, "reward.model.forward_max_token_len_per_device"))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_reward_model_scores_equal_padded(setup, mode):
+    """The RM reads its value at each response's last token (its own position, not the one that
+    predicts it): packed and token-budget scoring give the padded scores."""
+    cfg, mesh, batch = setup
+    a, b = _reward_model(cfg, mesh), _reward_model(cfg, mesh, mode)
+    sa, sb = a.compute_rm_score(batch)["rm_scores"], b.compute_rm_score(batch)["rm_scores"]
+    assert (np.abs(sa) > 1e-4).sum() == (batch["response_mask"].sum(1) > 0).sum()  # one per scored row
+    _close(sa, sb, np.ones_like(sa))
+    if MODES[mode][0]:  # the budget is the scoring pass's own field
+        with pytest.raises(ValueError, match="reward.model.forward_max_token_len_per_device=4"):
+            _reward_model(cfg, mesh, mode, budget=4).compute_rm_score(batch)
+
+
+def test_each_switch_reaches_every_pass(setup, monkeypatch):
+    """Which layout each pass's micro-batches take: packed (token_index) under
+    use_remove_padding, slotted by a budget (row_valid) under use_dynamic_bsz, plain rows without."""
+    cfg, mesh, batch = setup
+    seen = []
+    real = _roles._micro_batches
+
+    def spy(*args, **kw):
+        plan, mb = real(*args, **kw)
+        seen.append(("token_index" in mb, "row_valid" in mb))
+        return plan, mb
+
+    monkeypatch.setattr(_roles, "_micro_batches", spy)
+    b = dict(batch, old_log_probs=np.zeros((8, 8), np.float32))
+    for mode, (dyn, rmpad) in MODES.items():
+        seen.clear()
+        actor = _actor(cfg, mesh, mode=mode, budget=24)
+        actor.compute_log_prob(batch)
+        ReferenceWorker(actor.graphdef, actor.state.params, mesh=mesh, temperature=1.0, micro_per_device=2,
+                        budget=actor.ref_log_prob_budget,
+                        remove_padding=actor.remove_padding).compute_ref_log_prob(batch)
+        actor.update(b, mini_rows=8, seed=0)
+        critic = _critic(cfg, mesh, mode=mode)
+        critic.compute_values(batch)  # (the critic update shares the actor's `_run_updates`)
+        _reward_model(cfg, mesh, mode, budget=24).compute_rm_score(batch)
+        assert seen == [(rmpad, dyn or rmpad)] * 5, (mode, seen)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_passes_compile_few_shapes_over_varied_batches(setup, mode):
+    """Six batches of different lengths: the log-prob pass compiles one program per distinct
+    (n_micro, L or p + t, R) layout, and those stay few (bucketed)."""
     cfg, mesh, _ = setup
-    actor = _actor(cfg, mesh, packed=True, budget=40)
+    actor = _actor(cfg, mesh, mode=mode, budget=40)
     shapes = set()
-    for seed in range(6):  # different lengths every batch
+    for seed in range(6):
         b = _rows(n=8, seed=seed)
         actor.compute_log_prob(b)
-        shapes.add(pack_batch(b, 8, 40, 2, field="f")[0].shapes())
+        plan, _ = _roles._micro_batches(mesh, {k: b[k] for k in _roles._SEQ_KEYS + ("responses",)}, rows=8,
+                                        micro_per_device=2, budget=actor.log_prob_budget,
+                                        remove_padding=actor.remove_padding)
+        shapes.add(plan.shapes())
+    print(f"compiled log-prob programs ({mode}): {actor._log_prob._cache_size()} for {sorted(shapes)}")
     assert actor._log_prob._cache_size() == len(shapes) <= 3, shapes
 
 
@@ -316,11 +434,24 @@ def test_token_budget_config_fields_are_checked_and_inherited(setup):
                                                  "rollout.log_prob_max_token_len_per_device=64"])
     assert (c.actor.ppo_max_token_len_per_device, c.ref.log_prob_max_token_len_per_device) == (16384, 0)
     cfg, mesh, _ = setup
-    actor = _actor(cfg, mesh, packed=True, budget=32)
+    actor = _actor(cfg, mesh, mode="both", budget=32)
     assert actor.update_budget == actor.log_prob_budget == (32, "actor.ppo_max_token_len_per_device")
     own = ActorWorker(build_model(cfg.model, vocab_size=20, mesh=mesh), actor.cfg, mesh=mesh, total_steps=1,
                       temperature=1.0, log_prob_max_tokens=64, ref_log_prob_max_tokens=48)
     assert own.log_prob_budget == (64, "rollout.log_prob_max_token_len_per_device")
     assert own.ref_log_prob_budget == (48, "ref.log_prob_max_token_len_per_device")
-    off = _actor(cfg, mesh, packed=False)
+    off = _actor(cfg, mesh)
     assert off.update_budget == off.log_prob_budget == off.ref_log_prob_budget == (0, "")
+
+
+def test_remove_padding_and_reward_model_budget_config_fields():
+    from jaxrl_llm.config import ConfigError
+    c = load_config(f"{QUICKSTART}:tiny,local", [])
+    assert not c.model.use_remove_padding and not c.reward.model.use_dynamic_bsz  # verl's defaults
+    assert c.reward.model.forward_max_token_len_per_device == 32768
+    assert load_config(f"{QUICKSTART}:tiny,local", ["model.use_remove_padding=True"]).model.use_remove_padding
+    rm = ["reward.model.path=/nonexistent/rm", "reward.model.use_dynamic_bsz=True",
+          "reward.model.forward_max_token_len_per_device=0"]
+    with pytest.raises(ConfigError, match="reward.model.forward_max_token_len_per_device must be > 0"):
+        load_config(f"{QUICKSTART}:tiny,local", rm)
+    load_config(f"{QUICKSTART}:tiny,local", rm[1:])  # no reward model: the field is not read
