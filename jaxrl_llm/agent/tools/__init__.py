@@ -21,7 +21,7 @@ from jaxrl_llm.agent.tools._registry import (
     load_function_tools,
     load_tools,
 )
-from jaxrl_llm.agent.tools._run import run_tool_call
+from jaxrl_llm.agent.tools._run import create_tool_instance, run_tool_call
 from jaxrl_llm.agent.tools._schema import FunctionSchema, OpenAIFunctionToolSchema, make_schema
 from jaxrl_llm.agent.tools._validate import validate_arguments
 
@@ -39,6 +39,7 @@ __all__ = [
     "ToolProcessPool",
     "ToolResponse",
     "calculate",
+    "create_tool_instance",
     "format_number",
     "format_run",
     "function_tool",
