@@ -202,6 +202,8 @@ class ToolAgentLoop(AgentLoopBase):
     async def run(self, sample: AgentSample) -> AgentLoopOutput:
         mt, t_start = self.ctx.multi_turn, time.perf_counter()
         parser = get_tool_parser(mt.format)
+        schemas = {name: tool.get_openai_tool_schema().function.parameters
+                   for name, tool in self.ctx.tools.items()}
         traj = _Trajectory(self.encode_prompt(sample.raw_prompt), [dict(m) for m in sample.raw_prompt])
         session = uuid.uuid4().hex
         m = {"generate_s": 0.0, "tool_calls_s": 0.0, "num_tool_calls": 0.0, "num_tool_errors": 0.0,
@@ -231,7 +233,7 @@ class ToolAgentLoop(AgentLoopBase):
                     break
                 if mt.max_assistant_turns and assistant_turns >= mt.max_assistant_turns:
                     break
-                _, calls = parser.parse(text)
+                _, calls = parser.parse(text, schemas)
                 if calls:
                     t0 = time.perf_counter()
                     replies = await self._run_calls(calls, instances, tools_kwargs, m)

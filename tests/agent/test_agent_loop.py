@@ -285,3 +285,13 @@ def test_sanity_check_reports_a_mismatch(char_tok):
         sample = agent.AgentSample([{"role": "user", "content": "6*7="}], "arithmetic", "42", {}, "", 0)
         out = runner.run([sample], sampling=SamplingParams(temperature=0.0), seed=0)
         assert out["metrics"]["agent/tokenization_mismatch/mean"] == flagged
+
+
+def test_qwen3_coder_calls_get_values_typed_by_the_tools_schema(char_tok):
+    """The loop hands the tools' schemas to the parser: "1776" reaches the calculator as the
+    string its schema asks for, not as the number 1776 (which it would refuse)."""
+    call = ("<tool_call>\n<function=calculator>\n<parameter=expression>\n1776\n</parameter>\n"
+            "</function>\n</tool_call>")
+    out, server = run_one(char_tok, [call, "1776"], format="qwen3_coder")
+    sent = char_tok.decode(server.requests[1]["prompt_ids"], skip_special_tokens=False)
+    assert "<tool>1776<assistant>" in sent and out["metrics"]["tool_errors/total"] == 0.0
