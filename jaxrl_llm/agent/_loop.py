@@ -210,7 +210,7 @@ class ToolAgentLoop(AgentLoopBase):
              "interaction_s": 0.0}
         instances: dict[str, str] = {}
         tools_kwargs = dict(sample.extra_info.get("tools_kwargs") or {})
-        interaction, iid = await self._start_interaction(sample)
+        interaction, iid, interaction_kwargs = await self._start_interaction(sample)
         assistant_turns = user_turns = tool_rounds = tool_messages = 0
         finish_reason, tool_rewards = "stop", {}
         try:
@@ -241,7 +241,8 @@ class ToolAgentLoop(AgentLoopBase):
                     new, kind = [{"role": "tool", "content": r} for r in replies], "tool"
                 elif interaction is not None and not (mt.max_user_turns and user_turns >= mt.max_user_turns):
                     t0 = time.perf_counter()
-                    done, reply, _, _ = await interaction.generate_response(iid, traj.messages)
+                    done, reply, _, _ = await interaction.generate_response(
+                        iid, traj.messages, **interaction_kwargs)  # verl passes them too
                     m["interaction_s"] += time.perf_counter() - t0
                     if done:
                         break
@@ -323,14 +324,16 @@ class ToolAgentLoop(AgentLoopBase):
 
     # -- interaction ------------------------------------------------------------------------------
     async def _start_interaction(self, sample: AgentSample):
-        """The row's interaction and its instance id, or (None, None). As verl: with no
+        """(the row's interaction, its instance id, its interaction_kwargs: passed to
+        `start_interaction` and, as verl does, to every `generate_response`), or (None, None,
+        {}). As verl: with no
         interactions configured a row's `interaction_kwargs` are ignored (verl's GSM8K tool rows
         carry them without a name) unless they name one; with interactions configured a row
         with `interaction_kwargs` must name one of them."""
         kwargs = dict(sample.extra_info.get("interaction_kwargs") or {})
         name = kwargs.get("name")
         if not kwargs or (name is None and not self.ctx.interactions):
-            return None, None
+            return None, None, {}
         if name not in self.ctx.interactions:
             configured = (f"rollout.multi_turn.interaction_config_path defines "
                           f"{sorted(self.ctx.interactions)}" if self.ctx.interactions else
@@ -341,7 +344,7 @@ class ToolAgentLoop(AgentLoopBase):
         kwargs.setdefault("ground_truth", sample.ground_truth)
         interaction = self.ctx.interactions[name]
         iid = await interaction.start_interaction(**kwargs)
-        return interaction, iid
+        return interaction, iid, kwargs
 
     # -- tokenization ---------------------------------------------------------------------------
     def turn_delta_ids(self, new_messages: list[dict], *, ended_with_stop: bool) -> list[int]:

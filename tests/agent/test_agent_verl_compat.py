@@ -100,11 +100,60 @@ def test_verl_gsm8k_row_and_tool_config_run_unchanged_without_interactions(char_
     assert out.num_turns == 6  # prompt + 3 assistant turns + 2 tool rounds
 
 
+def verl_gsm8k_parquet_rows(solutions):
+    """Whole rows as verl's gsm8k_multiturn_w_tool.py / gsm8k_tool_agent_loop.py write them."""
+    rows = []
+    for i, solution in enumerate(solutions):
+        question = f"Q{i}: how many clips? Let's think step by step and output the final answer after `####`."
+        extra = verl_gsm8k_row(solution, question)
+        extra["index"] = i
+        rows.append({"data_source": "openai/gsm8k", "agent_name": "tool_agent", "prompt": [
+            {"role": "system", "content": "You are a math expert. Use the `calc_gsm8k_reward` tool."},
+            {"role": "user", "content": question}], "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": solution}, "extra_info": extra})
+    return rows
+
+
+def test_verl_gsm8k_parquet_rows_load_and_run_unchanged(char_tok, tmp_path):
+    """The parquet file (nested struct columns, as HF datasets writes verl's rows) goes through
+    our RL dataset and each row through the tool agent loop with its own ground truth."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jaxrl_llm.data import RLDataset
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(verl_gsm8k_parquet_rows(["72", "10"])), path)
+    dataset = RLDataset(str(path), char_tok, max_prompt_length=512, shuffle=False)
+    tools = load_verl_config(tmp_path, "AnswerTool")
+    for example, answer in zip(dataset, ["72", "10"]):
+        assert example.agent_name == "tool_agent" and example.ground_truth == answer
+        out, _ = run_row(char_tok, [call(answer), f"#### {answer}"], tools, example.extra_info)
+        assert out.extra_fields["tool_rewards"] == {"calc_gsm8k_reward": 1.0}
+
+
 def test_a_row_naming_an_interaction_that_is_not_configured_is_an_error(char_tok, tmp_path):
     row = verl_gsm8k_row()
     row["interaction_kwargs"]["name"] = "gsm8k"
     with pytest.raises(ValueError, match=r"interaction 'gsm8k'.*no interactions are configured"):
         run_row(char_tok, ["#### 72"], load_verl_config(tmp_path, "AnswerTool"), row)
+
+
+def test_verl_interaction_config_and_rows_with_interaction_run_unchanged(char_tok, tmp_path):
+    """examples/sglang_multiturn/config/interaction_config/gsm8k_interaction_config.yaml's format
+    and gsm8k_multiturn_w_interaction.py's rows: the interaction gets the row's
+    interaction_kwargs at start and in every generate_response (the query in its reply)."""
+    from jaxrl_llm.agent.interactions import load_interactions
+    path = tmp_path / "gsm8k_interaction_config.yaml"
+    path.write_text('interaction:\n  - name: "gsm8k"\n'
+                    '    class_name: "verl_style_tools.RetryInteraction"\n    config: {}\n')
+    row = verl_gsm8k_row()
+    row["interaction_kwargs"]["name"] = "gsm8k"
+    out, server = run_row(char_tok, ["#### 70", "#### 72"], {}, row,
+                          interactions=load_interactions(path))
+    sent = char_tok.decode(server.requests[1]["prompt_ids"], skip_special_tokens=False)
+    assert "<user>Incorrect, try again: Natalia sold 48 clips" in sent
+    assert out.extra_fields["interaction_score"] == 1.0
+    assert out.num_turns == 4  # prompt + 2 assistant turns + 1 user reply
 
 
 def test_with_interactions_configured_a_row_must_name_one(char_tok, tmp_path):

@@ -1,15 +1,19 @@
-"""Tools written against verl's tool API (its `BaseTool` lifecycle and calling conventions), to
+"""Tools (and an interaction) written against verl's API (its `BaseTool` lifecycle and calling conventions), to
 prove they run in our tool agent loop with only their import lines changed. Written for these
 tests in verl's style (not copied): `AnswerTool` reads the row's ground truth the way verl's
 GSM8K tool does (a `ground_truth=` keyword, else `kwargs["create_kwargs"]`), keeps state per
 instance, returns verl's (ToolResponse, step reward, metrics) and scores in `calc_reward`;
-`LegacyCounterTool` is an older-style tool: `create` returns a bare id, `execute` a str."""
+`LegacyCounterTool` is an older-style tool: `create` returns a bare id, `execute` a str;
+`RetryInteraction` is a simulated user in the style of verl's GSM8K interaction that also reads
+the row's interaction_kwargs in `generate_response` (verl passes them there)."""
 import re
 from typing import Any, Optional
 from uuid import uuid4
 
 # verl: from verl.tools.base_tool import BaseTool
 # verl: from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+# verl: from verl.interactions.base import BaseInteraction
+from jaxrl_llm.agent.interactions import BaseInteraction
 from jaxrl_llm.agent.tools import BaseTool, OpenAIFunctionToolSchema, ToolResponse
 
 RELEASED: list[str] = []  # instance ids released, in order (tests read and clear it)
@@ -72,3 +76,36 @@ class LegacyCounterTool(BaseTool):
     async def execute(self, instance_id, parameters, **kwargs):
         self.counts[instance_id] += int(parameters.get("by", 1))
         return f"count={self.counts[instance_id]}", None, None
+
+
+class RetryInteraction(BaseInteraction):
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self._instance_dict = {}
+
+    async def start_interaction(self, instance_id: Optional[str] = None,
+                                ground_truth: Optional[str] = None, **kwargs) -> str:
+        if instance_id is None:
+            instance_id = str(uuid4())
+        self._instance_dict[instance_id] = {"response": "", "ground_truth": ground_truth,
+                                            "reward": 0.0}
+        return instance_id
+
+    async def generate_response(self, instance_id: str, messages: list[dict[str, Any]], **kwargs
+                                ) -> tuple[bool, str, float, dict]:
+        content = next((m.get("content") for m in reversed(messages)
+                        if m.get("role") == "assistant"), "")
+        self._instance_dict[instance_id]["response"] = content
+        reward = await self.calculate_score(instance_id)
+        self._instance_dict[instance_id]["reward"] = reward
+        if reward == 1.0:
+            return True, "Your response is correct!", reward, {}
+        return False, f"Incorrect, try again: {kwargs['query']}", reward, {}
+
+    async def calculate_score(self, instance_id: str, **kwargs) -> float:
+        state = self._instance_dict[instance_id]
+        numbers = re.findall(r"-?\d+", state["response"] or "")
+        return float(bool(numbers) and numbers[-1] == str(state["ground_truth"]))
+
+    async def finalize_interaction(self, instance_id: str, **kwargs) -> None:
+        del self._instance_dict[instance_id]
