@@ -131,6 +131,13 @@ def test_verl_gsm8k_parquet_rows_load_and_run_unchanged(char_tok, tmp_path):
         assert out.extra_fields["tool_rewards"] == {"calc_gsm8k_reward": 1.0}
 
 
+def test_an_mcp_tool_config_is_refused_naming_the_entry(tmp_path):
+    path = tmp_path / "mcp_tool_config.yaml"
+    path.write_text(VERL_TOOL_CONFIG.format(cls="AnswerTool").replace("type: native", "type: mcp"))
+    with pytest.raises(ValueError, match=r"tools\[0\]: config.type 'mcp' is not supported"):
+        load_tools(path)
+
+
 def test_a_row_naming_an_interaction_that_is_not_configured_is_an_error(char_tok, tmp_path):
     row = verl_gsm8k_row()
     row["interaction_kwargs"]["name"] = "gsm8k"

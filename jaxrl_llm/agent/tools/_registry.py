@@ -50,6 +50,10 @@ def _build(entry: dict, where: str, isolated: dict | None = None,
     if unknown or "class_name" not in entry:
         raise ValueError(f"{where}: each tool needs 'class_name' and may have 'config' and "
                          f"'tool_schema'; got keys {sorted(entry)}")
+    kind = (entry.get("config") or {}).get("type", "native")
+    if kind != "native":
+        raise ValueError(f"{where}: config.type {kind!r} is not supported (verl's MCP tools are "
+                         f"not); only 'native' tools, which run in this trainer")
     if isolated is not None and entry["class_name"] not in BUILTIN_TOOLS:
         from jaxrl_llm.agent.tools._remote import RemoteTool
 
