@@ -185,6 +185,68 @@ def test_legacy_tool_bare_id_unpacked_create_and_str_response_in_the_loop(char_t
     assert out.metrics["num_tool_errors"] == 0.0
 
 
+# ---------------------------------------------------------------- verl's example configs verbatim
+
+# examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml, as verl ships it
+VERL_GSM8K_TOOL_CONFIG = VERL_TOOL_CONFIG.replace("verl_style_tools.{cls}",
+                                                  "verl.tools.gsm8k_tool.Gsm8kTool")
+# examples/sglang_multiturn/config/interaction_config/gsm8k_interaction_config.yaml
+VERL_GSM8K_INTERACTION_CONFIG = """\
+interaction:
+  - name: "gsm8k"
+    class_name: "verl.interactions.gsm8k_interaction.Gsm8kInteraction"
+    config: {}
+"""
+
+
+def test_verl_gsm8k_example_tool_config_loads_unchanged_and_scores(char_tok, tmp_path):
+    """verl's class path stands for our built-in gsm8k_reward: right answer -> reward 1 and a
+    step reward of 0; the same answer again -> the -0.05 penalty; calc_reward scores the last."""
+    from jaxrl_llm.agent.tools import Gsm8kRewardTool
+    path = tmp_path / "gsm8k_tool_config.yaml"
+    path.write_text(VERL_GSM8K_TOOL_CONFIG)
+    tools = load_tools(path)
+    assert isinstance(tools["calc_gsm8k_reward"], Gsm8kRewardTool)
+    out, server = run_row(char_tok, [call(71), call(72), call(72), "#### 72"], tools,
+                          verl_gsm8k_row())
+    sent = char_tok.decode(server.requests[3]["prompt_ids"], skip_special_tokens=False)
+    assert sent.count("<tool>Parsed answer '72': reward 1") == 2
+    assert "<tool>Parsed answer '71': reward 0" in sent
+    assert out.extra_fields["tool_rewards"] == {"calc_gsm8k_reward": 1.0}
+
+    async def steps():
+        tool = tools["calc_gsm8k_reward"]
+        iid = await create_tool_instance(tool, {"ground_truth": "1234"})
+        got = [(await tool.execute(iid, {"answer": a}))[1] for a in ("1,234", "1234", "1234")]
+        return got, await tool.calc_reward(iid)
+    assert asyncio.run(steps()) == ([-0.05, 0.0, -0.05], 1.0)  # "1,234" is not "1234" (verl)
+
+
+def test_gsm8k_reward_tool_without_ground_truth_tells_the_model(char_tok, tmp_path):
+    path = tmp_path / "gsm8k_tool_config.yaml"
+    path.write_text(VERL_GSM8K_TOOL_CONFIG)
+    out, server = run_row(char_tok, [call(72), "ok"], load_tools(path), {})
+    sent = char_tok.decode(server.requests[1]["prompt_ids"], skip_special_tokens=False)
+    assert "could not start: ValueError: gsm8k_reward needs the row's ground truth" in sent
+
+
+def test_verl_gsm8k_example_interaction_config_loads_unchanged(char_tok, tmp_path):
+    """verl's Gsm8kInteraction path stands for our built-in gsm8k interaction: strict "#### N"
+    scoring of the last answer, a retry message until right."""
+    from jaxrl_llm.agent.interactions import Gsm8kInteraction, load_interactions
+    from jaxrl_llm.agent.interactions._gsm8k import CORRECT, INCORRECT
+    path = tmp_path / "gsm8k_interaction_config.yaml"
+    path.write_text(VERL_GSM8K_INTERACTION_CONFIG)
+    interactions = load_interactions(path)
+    assert isinstance(interactions["gsm8k"], Gsm8kInteraction)
+    row = verl_gsm8k_row()
+    row["interaction_kwargs"]["name"] = "gsm8k"
+    out, server = run_row(char_tok, ["72", "#### 71", "#### 72"], {}, row, interactions=interactions)
+    sent = char_tok.decode(server.requests[2]["prompt_ids"], skip_special_tokens=False)
+    assert sent.count(f"<user>{INCORRECT}") == 2 and CORRECT not in sent  # "72" lacks "####"
+    assert out.extra_fields["interaction_score"] == 1.0 and len(server.requests) == 3
+
+
 # ---------------------------------------------------------------- the calling conventions
 
 async def _c_var(self, instance_id=None, ground_truth=None, **kwargs): ...

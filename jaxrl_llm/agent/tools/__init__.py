@@ -9,6 +9,7 @@ from jaxrl_llm.agent.tools._calculator import (
     format_number,
 )
 from jaxrl_llm.agent.tools._function import FunctionTool, function_tool, parse_docstring
+from jaxrl_llm.agent.tools._gsm8k import Gsm8kRewardTool
 from jaxrl_llm.agent.tools._isolated import (
     IsolatedFunctionTool,
     ToolProcessPool,
@@ -17,6 +18,7 @@ from jaxrl_llm.agent.tools._isolated import (
 from jaxrl_llm.agent.tools._python import PythonRun, PythonTool, format_run, run_python
 from jaxrl_llm.agent.tools._registry import (
     BUILTIN_TOOLS,
+    VERL_TOOL_ALIASES,
     get_tool_class,
     load_function_tools,
     load_tools,
@@ -32,12 +34,14 @@ __all__ = [
     "CalculatorTool",
     "FunctionSchema",
     "FunctionTool",
+    "Gsm8kRewardTool",
     "IsolatedFunctionTool",
     "OpenAIFunctionToolSchema",
     "PythonRun",
     "PythonTool",
     "ToolProcessPool",
     "ToolResponse",
+    "VERL_TOOL_ALIASES",
     "calculate",
     "create_tool_instance",
     "format_number",
