@@ -231,8 +231,10 @@ class Qwen3CoderToolParser(_TaggedBlocks):
         return ToolCall(name, arguments, body)
 
     def format(self, name: str, arguments: dict[str, Any]) -> str:
-        params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
-                         f"\n</parameter>\n" for k, v in arguments.items())
+        def text(v):
+            return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+        params = "".join(f"<parameter={k}>\n{text(v)}\n</parameter>\n"
+                         for k, v in arguments.items())
         return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
 
 

@@ -25,7 +25,8 @@ _ENTRY_KEYS = {"name", "class_name", "config"}
 def get_interaction_class(name: str) -> type[BaseInteraction]:
     """A built-in interaction class by name (or by the verl class path it stands in for), or
     a subclass by "module.Class" path."""
-    return resolve_class(VERL_INTERACTION_ALIASES.get(name, name), BUILTIN_INTERACTIONS, BaseInteraction, "interaction",
+    return resolve_class(VERL_INTERACTION_ALIASES.get(name, name), BUILTIN_INTERACTIONS,
+                         BaseInteraction, "interaction",
                          "jaxrl_llm.agent.interactions.BaseInteraction")
 
 

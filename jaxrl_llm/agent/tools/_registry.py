@@ -40,7 +40,8 @@ _ENTRY_KEYS = {"class_name", "config", "tool_schema"}
 def get_tool_class(name: str) -> type[BaseTool]:
     """A built-in tool class by name (or by the verl class path it stands in for), or a
     BaseTool subclass by "module.Class" path."""
-    return resolve_class(VERL_TOOL_ALIASES.get(name, name), BUILTIN_TOOLS, BaseTool, "tool", "jaxrl_llm.agent.tools.BaseTool")
+    return resolve_class(VERL_TOOL_ALIASES.get(name, name), BUILTIN_TOOLS, BaseTool, "tool",
+                         "jaxrl_llm.agent.tools.BaseTool")
 
 
 def _add(tools: dict[str, BaseTool], tool: BaseTool, source: str) -> None:
