@@ -227,3 +227,14 @@ def test_get_tool_parser_returns_each_parser_and_names_unknown_formats():
     assert isinstance(get_tool_parser("qwen3_coder"), Qwen3CoderToolParser)
     with pytest.raises(ValueError, match=r"unknown tool-call format 'qwen'.*hermes"):
         get_tool_parser("qwen")
+
+
+def test_the_config_accepts_exactly_the_parser_formats():
+    import os
+
+    from jaxrl_llm.agent._parsers import TOOL_PARSERS
+    from jaxrl_llm.config import _load, load_config
+    assert set(_load.TOOL_CALL_FORMATS) == set(TOOL_PARSERS)
+    config = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart_tools.py")
+    cfg = load_config(config, ["rollout.multi_turn.format=qwen3_coder"])
+    assert cfg.rollout.multi_turn.format == "qwen3_coder"
