@@ -59,7 +59,7 @@ def _host_result(method: str, result):
     from jaxrl_llm.agent.tools._base import ToolResponse
 
     def one(value):
-        return {TOOL_RESPONSE_KEY: value.text} if isinstance(value, ToolResponse) else value
+        return {TOOL_RESPONSE_KEY: value.text or ""} if isinstance(value, ToolResponse) else value
     if method == "release":
         return None  # the parent drops it anyway
     return [one(v) for v in result] if isinstance(result, tuple) else one(result)

@@ -26,7 +26,7 @@ from typing import Any
 
 from jaxrl_llm import _chaos
 from jaxrl_llm.agent._parsers import ToolCall, get_tool_parser
-from jaxrl_llm.agent.tools import BaseTool, ToolResponse, run_tool_call
+from jaxrl_llm.agent.tools import BaseTool, create_tool_instance, run_tool_call
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class AgentLoopOutput:
     response_ids: list[int]
     response_mask: list[int]
     response_logprobs: list[float]
-    num_turns: int  # messages appended after the prompt: assistant, tool and user turns
+    num_turns: int  # verl's count: 1 (the prompt) + assistant turns + tool rounds + user replies
     metrics: dict[str, float]
     extra_fields: dict[str, Any]
     response_versions: list[int] = dataclasses.field(default_factory=list)
@@ -155,7 +155,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
         n = len(out.token_ids)
         return AgentLoopOutput(
             prompt_ids=prompt_ids, response_ids=list(out.token_ids), response_mask=[1] * n,
-            response_logprobs=[float(x) for x in out.log_probs], num_turns=1,
+            response_logprobs=[float(x) for x in out.log_probs], num_turns=2,  # prompt, reply
             response_versions=[int(v) for v in out.policy_versions],
             metrics={"generate_s": time.perf_counter() - t0, "num_tool_calls": 0.0,
                      "num_tool_errors": 0.0},
@@ -202,14 +202,16 @@ class ToolAgentLoop(AgentLoopBase):
     async def run(self, sample: AgentSample) -> AgentLoopOutput:
         mt, t_start = self.ctx.multi_turn, time.perf_counter()
         parser = get_tool_parser(mt.format)
+        schemas = {name: tool.get_openai_tool_schema().function.parameters
+                   for name, tool in self.ctx.tools.items()}
         traj = _Trajectory(self.encode_prompt(sample.raw_prompt), [dict(m) for m in sample.raw_prompt])
         session = uuid.uuid4().hex
         m = {"generate_s": 0.0, "tool_calls_s": 0.0, "num_tool_calls": 0.0, "num_tool_errors": 0.0,
              "interaction_s": 0.0}
         instances: dict[str, str] = {}
         tools_kwargs = dict(sample.extra_info.get("tools_kwargs") or {})
-        interaction, iid = await self._start_interaction(sample)
-        assistant_turns = user_turns = tool_turns = 0
+        interaction, iid, interaction_kwargs = await self._start_interaction(sample)
+        assistant_turns = user_turns = tool_rounds = tool_messages = 0
         finish_reason, tool_rewards = "stop", {}
         try:
             while True:
@@ -219,7 +221,7 @@ class ToolAgentLoop(AgentLoopBase):
                     break
                 t0 = time.perf_counter()
                 out = await self.generate(session, traj.prompt_ids + traj.ids, sample,
-                                          assistant_turns + user_turns + tool_turns, budget)
+                                          assistant_turns + user_turns + tool_messages, budget)
                 m["generate_s"] += time.perf_counter() - t0
                 traj.add(out.token_ids, 1, out.log_probs, out.policy_versions)
                 assistant_turns += 1
@@ -231,21 +233,20 @@ class ToolAgentLoop(AgentLoopBase):
                     break
                 if mt.max_assistant_turns and assistant_turns >= mt.max_assistant_turns:
                     break
-                _, calls = parser.parse(text)
+                _, calls = parser.parse(text, schemas)
                 if calls:
                     t0 = time.perf_counter()
                     replies = await self._run_calls(calls, instances, tools_kwargs, m)
                     m["tool_calls_s"] += time.perf_counter() - t0
-                    new = [{"role": "tool", "content": r} for r in replies]
-                    tool_turns += len(new)
+                    new, kind = [{"role": "tool", "content": r} for r in replies], "tool"
                 elif interaction is not None and not (mt.max_user_turns and user_turns >= mt.max_user_turns):
                     t0 = time.perf_counter()
-                    done, reply, _, _ = await interaction.generate_response(iid, traj.messages)
+                    done, reply, _, _ = await interaction.generate_response(
+                        iid, traj.messages, **interaction_kwargs)  # verl passes them too
                     m["interaction_s"] += time.perf_counter() - t0
                     if done:
                         break
-                    new = [{"role": "user", "content": reply}]
-                    user_turns += 1
+                    new, kind = [{"role": "user", "content": reply}], "user"
                 else:
                     break
                 delta = self.turn_delta_ids(new, ended_with_stop=True)
@@ -254,6 +255,9 @@ class ToolAgentLoop(AgentLoopBase):
                     break
                 traj.add(delta, 0)
                 traj.messages += new
+                tool_rounds += kind == "tool"
+                tool_messages += len(new) if kind == "tool" else 0
+                user_turns += kind == "user"
             tool_rewards = await self._finish_tools(instances, tools_kwargs)
         finally:
             self.ctx.server.release_session(session)
@@ -268,7 +272,8 @@ class ToolAgentLoop(AgentLoopBase):
         return AgentLoopOutput(
             prompt_ids=traj.prompt_ids, response_ids=traj.ids, response_mask=traj.mask,
             response_logprobs=traj.logprobs, response_versions=traj.versions,
-            num_turns=assistant_turns + user_turns + tool_turns, metrics=m, extra_fields=extra)
+            num_turns=1 + assistant_turns + tool_rounds + user_turns, metrics=m,
+            extra_fields=extra)
 
     # -- tools ----------------------------------------------------------------------------------
     async def _run_calls(self, calls: list[ToolCall], instances: dict, tools_kwargs: dict,
@@ -291,16 +296,16 @@ class ToolAgentLoop(AgentLoopBase):
                     f"{sorted(self.ctx.tools)}"), True
         kwargs = dict(tools_kwargs.get(call.name) or {})
         try:
-            if call.name not in instances:
-                instances[call.name], _ = await tool.create(**dict(kwargs.get("create_kwargs") or {}))
+            if call.name not in instances:  # one instance per tool and trajectory
+                instances[call.name] = await create_tool_instance(
+                    tool, dict(kwargs.get("create_kwargs") or {}))
         except Exception as e:  # noqa: BLE001 - a tool never crashes a rollout
             return f"Error: tool {call.name!r} could not start: {type(e).__name__}: {e}", True
         _chaos.kill_point("tool_call")  # scripts/chaos.py; one comparison when not set
         response, _, metrics = await run_tool_call(
             tool, instances[call.name], call.arguments, timeout_s=self.ctx.multi_turn.tool_timeout_s,
             **dict(kwargs.get("execute_kwargs") or {}))
-        return (response.text if isinstance(response, ToolResponse) else str(response),
-                "error" in (metrics or {}))
+        return response.text, "error" in metrics
 
     async def _finish_tools(self, instances: dict, tools_kwargs: dict) -> dict[str, float]:
         rewards = {}
@@ -319,18 +324,27 @@ class ToolAgentLoop(AgentLoopBase):
 
     # -- interaction ------------------------------------------------------------------------------
     async def _start_interaction(self, sample: AgentSample):
+        """(the row's interaction, its instance id, its interaction_kwargs: passed to
+        `start_interaction` and, as verl does, to every `generate_response`), or (None, None,
+        {}). As verl: with no
+        interactions configured a row's `interaction_kwargs` are ignored (verl's GSM8K tool rows
+        carry them without a name) unless they name one; with interactions configured a row
+        with `interaction_kwargs` must name one of them."""
         kwargs = dict(sample.extra_info.get("interaction_kwargs") or {})
-        if not kwargs:
-            return None, None
         name = kwargs.get("name")
+        if not kwargs or (name is None and not self.ctx.interactions):
+            return None, None, {}
         if name not in self.ctx.interactions:
-            raise ValueError(f"row asks for interaction {name!r} (extra_info.interaction_kwargs.name) "
-                             f"but rollout.multi_turn.interaction_config_path defines "
-                             f"{sorted(self.ctx.interactions)}")
+            configured = (f"rollout.multi_turn.interaction_config_path defines "
+                          f"{sorted(self.ctx.interactions)}" if self.ctx.interactions else
+                          "no interactions are configured (set "
+                          "rollout.multi_turn.interaction_config_path)")
+            raise ValueError(f"row asks for interaction {name!r} "
+                             f"(extra_info.interaction_kwargs.name) but {configured}")
         kwargs.setdefault("ground_truth", sample.ground_truth)
         interaction = self.ctx.interactions[name]
         iid = await interaction.start_interaction(**kwargs)
-        return interaction, iid
+        return interaction, iid, kwargs
 
     # -- tokenization ---------------------------------------------------------------------------
     def turn_delta_ids(self, new_messages: list[dict], *, ended_with_stop: bool) -> list[int]:

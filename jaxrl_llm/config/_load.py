@@ -30,7 +30,7 @@ KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
                 "kl+", "k1+", "abs+", "low_var_kl+", "k3+")  # "+": k2's gradient (straight-through)
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 ROLLOUT_RS_LEVELS = ("token", "sequence", "geometric")
-TOOL_CALL_FORMATS = ("hermes", "llama3_json")
+TOOL_CALL_FORMATS = ("hermes", "llama3_json", "qwen3_coder")
 BUILTIN_TASKS = ("", "arithmetic", "arithmetic_tools", "countdown")
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 

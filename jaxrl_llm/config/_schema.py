@@ -152,7 +152,7 @@ class MultiTurnConfig:
     tool_config_path: str  # verl tool config (yaml/json): tools by class name
     function_tool_path: str  # a Python file whose @function_tool functions become tools
     interaction_config_path: str  # verl interaction config (simulated users)
-    format: str  # tool-call format: hermes | llama3_json
+    format: str  # tool-call format: hermes | llama3_json | qwen3_coder (docs/agents.md)
     tokenization_sanity_check_mode: str  # strict | ignore_strippable | disable
 
 

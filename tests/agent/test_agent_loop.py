@@ -60,7 +60,7 @@ def test_tool_turn_tokens_have_mask_zero_and_model_tokens_keep_log_probs(char_to
     second = server.requests[1]
     assert second["prompt_ids"] == out["prompt_ids"][0] + call_ids + tool_ids
     assert second["session_id"] == server.requests[0]["session_id"] in server.released
-    assert out["num_turns"].tolist() == [3]  # call, tool reply, answer
+    assert out["num_turns"].tolist() == [4]  # verl's count: prompt, call, tool round, answer
     assert out["metrics"]["tool_calls/mean"] == 1.0 and out["metrics"]["tool_errors/total"] == 0.0
     assert out["metrics"]["agent/tokenization_mismatch/mean"] == 0.0
     assert out["turn_texts"][0] == [CALL, "1776"]
@@ -97,7 +97,7 @@ def test_a_tool_that_raises_or_hangs_is_reported_to_the_model(char_tok):
                           tool_timeout_s=0.2)
     sent = char_tok.decode(server.requests[2]["prompt_ids"], skip_special_tokens=False)
     assert "timed out after 0.2 s" in sent and "kaput" in sent
-    assert out["metrics"]["tool_errors/total"] == 2.0 and out["num_turns"].tolist() == [5]
+    assert out["metrics"]["tool_errors/total"] == 2.0 and out["num_turns"].tolist() == [6]
 
 
 def test_parallel_calls_beyond_the_limit_are_not_run(char_tok):
@@ -107,6 +107,7 @@ def test_parallel_calls_beyond_the_limit_are_not_run(char_tok):
     assert sent.count("<tool>") == 1 and "1776" in sent and "<tool>6" not in sent
     out, server = run_one(char_tok, [two, "1776"], max_parallel_calls=2)
     sent = char_tok.decode(server.requests[1]["prompt_ids"], skip_special_tokens=False)
+    # verl counts one round of tool replies as one turn: prompt, call, round, answer
     assert "<tool>1776<tool>6<assistant>" in sent and out["num_turns"].tolist() == [4]
 
 
@@ -120,7 +121,7 @@ def test_interaction_lets_the_model_retry_until_right(char_tok):
     user_len = len(server.requests[1]["prompt_ids"]) - len(out["prompt_ids"][0]) - n1
     mask = out["response_mask"][0]
     assert mask[:n1].all() and not mask[n1:n1 + user_len].any() and mask[n1 + user_len]
-    assert out["num_turns"].tolist() == [3] and len(server.requests) == 2
+    assert out["num_turns"].tolist() == [4] and len(server.requests) == 2
 
 
 def test_response_budget_caps_all_turns_together(char_tok):
@@ -132,12 +133,12 @@ def test_response_budget_caps_all_turns_together(char_tok):
 
 def test_assistant_turn_limit(char_tok):
     out, server = run_one(char_tok, [CALL, CALL, CALL], max_assistant_turns=2)
-    assert len(server.requests) == 2 and out["num_turns"].tolist() == [3]
+    assert len(server.requests) == 2 and out["num_turns"].tolist() == [4]
 
 
 def test_single_turn_agent_is_one_request(char_tok):
     out, server = run_one(char_tok, ["42"], agent_name="single_turn_agent")
-    assert len(server.requests) == 1 and out["num_turns"].tolist() == [1]
+    assert len(server.requests) == 1 and out["num_turns"].tolist() == [2]  # as verl's
     assert out["response_mask"][0].sum() == 3
 
 
@@ -202,9 +203,9 @@ def test_runner_scores_each_trajectory_as_it_finishes(char_tok):
     runner.reward_loop.close()
     assert manager.events == [0, 1]
     assert out["scores"].tolist() == [1.0, 0.0]
-    assert out["reward_extra"]["turns"].tolist() == [3.0, 1.0]
+    assert out["reward_extra"]["turns"].tolist() == [4.0, 2.0]
     assert out["reward_extra"]["calc"].tolist() == [0.0, -1.0]  # row 1 never created the tool
-    assert out["metrics"]["reward_extra/turns/mean"] == 2.0
+    assert out["metrics"]["reward_extra/turns/mean"] == 3.0
 
 
 def test_reward_failures_over_the_batch_trip_the_breaker(char_tok):
@@ -284,3 +285,13 @@ def test_sanity_check_reports_a_mismatch(char_tok):
         sample = agent.AgentSample([{"role": "user", "content": "6*7="}], "arithmetic", "42", {}, "", 0)
         out = runner.run([sample], sampling=SamplingParams(temperature=0.0), seed=0)
         assert out["metrics"]["agent/tokenization_mismatch/mean"] == flagged
+
+
+def test_qwen3_coder_calls_get_values_typed_by_the_tools_schema(char_tok):
+    """The loop hands the tools' schemas to the parser: "1776" reaches the calculator as the
+    string its schema asks for, not as the number 1776 (which it would refuse)."""
+    call = ("<tool_call>\n<function=calculator>\n<parameter=expression>\n1776\n</parameter>\n"
+            "</function>\n</tool_call>")
+    out, server = run_one(char_tok, [call, "1776"], format="qwen3_coder")
+    sent = char_tok.decode(server.requests[1]["prompt_ids"], skip_special_tokens=False)
+    assert "<tool>1776<assistant>" in sent and out["metrics"]["tool_errors/total"] == 0.0

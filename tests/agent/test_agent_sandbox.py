@@ -145,7 +145,7 @@ def test_bwrap_contains_all_seven_hostile_snippets_and_reports_each_as_a_tool_er
     assert got["allocate_8gb"].startswith("Error: memory limit exceeded (512 MB)")
     # every failure is a tool error, and the model got its next turn after each
     assert out["metrics"]["tool_errors/total"] == 7.0 and out["metrics"]["tool_calls/mean"] == 7.0
-    assert out["num_turns"].tolist() == [15] and out["turn_texts"][0][-1] == "done"
+    assert out["num_turns"].tolist() == [16] and out["turn_texts"][0][-1] == "done"
     assert subprocess.run(["true"]).returncode == 0  # the host still forks
 
 

@@ -103,7 +103,7 @@ def agent_reference(tmp_path_factory) -> tuple[dict, list[dict]]:
 def test_agent_loop_on_two_processes_matches_one_process(tmp_path, agent_reference):
     o, want = agent_reference
     got = _two_processes(TOOLS, tmp_path / "run", tmp_path / "logs", **o)
-    assert want[1]["actor/grad_norm"] > 0 and want[1]["num_turns/max"] > 1  # trajectories of several turns
+    assert want[1]["actor/grad_norm"] > 0 and want[1]["num_turns/max"] > 2  # several turns (a single answer counts 2)
     _assert_same_steps(got, want)
     # the Ray backend: one controller, 2 HostWorker actors of 4 devices, the same worker code
     ray_dir, logs = tmp_path / "ray", tmp_path / "logs-ray"

@@ -30,6 +30,6 @@ def test_quickstart_tools_learns_to_use_the_calculator(tmp_path):
     print(f"quickstart_tools: held-out accuracy {before:.3f} -> {after:.3f}; tool calls per "
           f"trajectory {steps[0]['tool_calls/mean']:.2f} -> {steps[-1]['tool_calls/mean']:.2f}")
     assert after - before >= 0.20, vals
-    assert all(r["num_turns/mean"] > 1 for r in steps)
+    assert all(r["num_turns/mean"] > 2 for r in steps)  # a single answer counts 2 (verl)
     assert steps[-1]["tool_calls/mean"] > steps[0]["tool_calls/mean"]
     assert (run / "hf_actor" / "model.safetensors").exists()

@@ -6,8 +6,10 @@ from jaxrl_llm.agent.interactions._answer_check import (
     last_number,
 )
 from jaxrl_llm.agent.interactions._base import BaseInteraction
+from jaxrl_llm.agent.interactions._gsm8k import Gsm8kInteraction
 from jaxrl_llm.agent.interactions._registry import (
     BUILTIN_INTERACTIONS,
+    VERL_INTERACTION_ALIASES,
     get_interaction_class,
     load_interactions,
 )
@@ -16,6 +18,8 @@ __all__ = [
     "BUILTIN_INTERACTIONS",
     "AnswerCheckInteraction",
     "BaseInteraction",
+    "Gsm8kInteraction",
+    "VERL_INTERACTION_ALIASES",
     "answers_match",
     "get_interaction_class",
     "last_number",

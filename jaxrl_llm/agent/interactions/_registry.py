@@ -11,16 +11,22 @@ import os
 
 from jaxrl_llm.agent.interactions._answer_check import AnswerCheckInteraction
 from jaxrl_llm.agent.interactions._base import BaseInteraction
+from jaxrl_llm.agent.interactions._gsm8k import Gsm8kInteraction
 from jaxrl_llm.agent.tools._files import config_entries, read_config_file, resolve_class
 
 BUILTIN_INTERACTIONS: dict[str, type[BaseInteraction]] = {
-    "answer_check": AnswerCheckInteraction}
+    "answer_check": AnswerCheckInteraction, "gsm8k": Gsm8kInteraction}
+# verl's example interaction classes -> our built-ins that behave alike (see tools' aliases)
+VERL_INTERACTION_ALIASES: dict[str, str] = {
+    "verl.interactions.gsm8k_interaction.Gsm8kInteraction": "gsm8k"}
 _ENTRY_KEYS = {"name", "class_name", "config"}
 
 
 def get_interaction_class(name: str) -> type[BaseInteraction]:
-    """A built-in interaction class by name, or a subclass by "module.Class" path."""
-    return resolve_class(name, BUILTIN_INTERACTIONS, BaseInteraction, "interaction",
+    """A built-in interaction class by name (or by the verl class path it stands in for), or
+    a subclass by "module.Class" path."""
+    return resolve_class(VERL_INTERACTION_ALIASES.get(name, name), BUILTIN_INTERACTIONS,
+                         BaseInteraction, "interaction",
                          "jaxrl_llm.agent.interactions.BaseInteraction")
 
 

@@ -9,6 +9,7 @@ from jaxrl_llm.agent.tools._calculator import (
     format_number,
 )
 from jaxrl_llm.agent.tools._function import FunctionTool, function_tool, parse_docstring
+from jaxrl_llm.agent.tools._gsm8k import Gsm8kRewardTool
 from jaxrl_llm.agent.tools._isolated import (
     IsolatedFunctionTool,
     ToolProcessPool,
@@ -17,11 +18,12 @@ from jaxrl_llm.agent.tools._isolated import (
 from jaxrl_llm.agent.tools._python import PythonRun, PythonTool, format_run, run_python
 from jaxrl_llm.agent.tools._registry import (
     BUILTIN_TOOLS,
+    VERL_TOOL_ALIASES,
     get_tool_class,
     load_function_tools,
     load_tools,
 )
-from jaxrl_llm.agent.tools._run import run_tool_call
+from jaxrl_llm.agent.tools._run import create_tool_instance, run_tool_call
 from jaxrl_llm.agent.tools._schema import FunctionSchema, OpenAIFunctionToolSchema, make_schema
 from jaxrl_llm.agent.tools._validate import validate_arguments
 
@@ -32,13 +34,16 @@ __all__ = [
     "CalculatorTool",
     "FunctionSchema",
     "FunctionTool",
+    "Gsm8kRewardTool",
     "IsolatedFunctionTool",
     "OpenAIFunctionToolSchema",
     "PythonRun",
     "PythonTool",
     "ToolProcessPool",
     "ToolResponse",
+    "VERL_TOOL_ALIASES",
     "calculate",
+    "create_tool_instance",
     "format_number",
     "format_run",
     "function_tool",

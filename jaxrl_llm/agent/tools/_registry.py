@@ -23,18 +23,25 @@ from jaxrl_llm.agent.tools._files import (
     resolve_class,
 )
 from jaxrl_llm.agent.tools._function import FunctionTool
+from jaxrl_llm.agent.tools._gsm8k import Gsm8kRewardTool
 from jaxrl_llm.agent.tools._python import PythonTool
 from jaxrl_llm.agent.tools._schema import OpenAIFunctionToolSchema
 from jaxrl_llm.sandbox import Sandbox
 
-BUILTIN_TOOLS: dict[str, type[BaseTool]] = {"calculator": CalculatorTool, "python": PythonTool}
+BUILTIN_TOOLS: dict[str, type[BaseTool]] = {"calculator": CalculatorTool, "python": PythonTool,
+                                            "gsm8k_reward": Gsm8kRewardTool}
+# verl's example tool classes -> our built-ins that behave alike, so verl's example tool
+# configs load unchanged (verl's own classes subclass verl's BaseTool and import verl)
+VERL_TOOL_ALIASES: dict[str, str] = {"verl.tools.gsm8k_tool.Gsm8kTool": "gsm8k_reward"}
 _SANDBOXED_BUILTINS = {"python"}  # built-ins that run model-written code: they take `sandbox=`
 _ENTRY_KEYS = {"class_name", "config", "tool_schema"}
 
 
 def get_tool_class(name: str) -> type[BaseTool]:
-    """A built-in tool class by name, or a BaseTool subclass by "module.Class" path."""
-    return resolve_class(name, BUILTIN_TOOLS, BaseTool, "tool", "jaxrl_llm.agent.tools.BaseTool")
+    """A built-in tool class by name (or by the verl class path it stands in for), or a
+    BaseTool subclass by "module.Class" path."""
+    return resolve_class(VERL_TOOL_ALIASES.get(name, name), BUILTIN_TOOLS, BaseTool, "tool",
+                         "jaxrl_llm.agent.tools.BaseTool")
 
 
 def _add(tools: dict[str, BaseTool], tool: BaseTool, source: str) -> None:
@@ -50,6 +57,11 @@ def _build(entry: dict, where: str, isolated: dict | None = None,
     if unknown or "class_name" not in entry:
         raise ValueError(f"{where}: each tool needs 'class_name' and may have 'config' and "
                          f"'tool_schema'; got keys {sorted(entry)}")
+    entry = {**entry, "class_name": VERL_TOOL_ALIASES.get(entry["class_name"], entry["class_name"])}
+    kind = (entry.get("config") or {}).get("type", "native")
+    if kind != "native":
+        raise ValueError(f"{where}: config.type {kind!r} is not supported (verl's MCP tools are "
+                         f"not); only 'native' tools, which run in this trainer")
     if isolated is not None and entry["class_name"] not in BUILTIN_TOOLS:
         from jaxrl_llm.agent.tools._remote import RemoteTool
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from jaxrl_llm._subprocess_worker import WorkerBroken, WorkerProcess
 from jaxrl_llm._worker_main import TOOL_RESPONSE_KEY
-from jaxrl_llm.agent.tools._base import BaseTool, ToolResponse
+from jaxrl_llm.agent.tools._base import BaseTool, ToolResponse, create_arguments
 from jaxrl_llm.agent.tools._schema import OpenAIFunctionToolSchema
 from jaxrl_llm.sandbox import Limits, Sandbox, make_sandbox
 
@@ -164,10 +164,11 @@ class RemoteTool(BaseTool):
                  timeout_s: float, memory_limit_gb: float, sandbox: Sandbox | str = "auto"):
         from jaxrl_llm.agent.tools._registry import get_tool_class
 
+        self._cls = get_tool_class(class_name)
         self._host = _Host(class_name, dict(config or {}), tool_schema,
                            memory_limit_gb=memory_limit_gb,
                            sandbox=make_sandbox(sandbox) if isinstance(sandbox, str) else sandbox,
-                           ro_paths=_class_files(get_tool_class(class_name)))
+                           ro_paths=_class_files(self._cls))
         super().__init__(tool_schema=OpenAIFunctionToolSchema.from_dict(self._host.schema))
         self.timeout_s = timeout_s
 
@@ -178,6 +179,9 @@ class RemoteTool(BaseTool):
         except (asyncio.TimeoutError, asyncio.CancelledError):
             self._host.restart(f"a {method} call ran past {self.timeout_s:g} s")
             raise
+
+    def create_arguments(self, create_kwargs: dict[str, Any]) -> dict[str, Any]:
+        return create_arguments(self._cls.create, create_kwargs)  # the real class's signature
 
     async def create(self, instance_id: str | None = None, **kwargs):
         return await self._call("create", instance_id, **kwargs)

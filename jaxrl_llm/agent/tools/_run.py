@@ -1,7 +1,13 @@
 """`run_tool_call`: one tool call that cannot crash a rollout. A timeout, an exception, or a
 malformed return value becomes an "Error: ..." tool message, reward 0 and
 `metrics["error"]` naming the kind ("timeout", "exception", "bad_return"). Cancellation of
-the caller is not swallowed."""
+the caller is not swallowed. `create_tool_instance`: `create` with verl's calling
+conventions (see `BaseTool.create_arguments`).
+
+Return forms accepted from `execute` (verl's): `(response, reward, metrics)` where response
+is a `ToolResponse`, any object with a `text` attribute (verl's own pydantic ToolResponse),
+or a plain string; reward None counts as 0.0 and metrics None as {}. From `create`: an
+`(instance_id, response)` pair or a bare instance id (older verl tools)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,16 +21,34 @@ def _failure(text: str, kind: str) -> tuple[ToolResponse, float, dict]:
     return ToolResponse(text=text), 0.0, {"error": kind}
 
 
+def _text_response(tool: BaseTool, response: Any) -> ToolResponse | str:
+    """A ToolResponse with str text, or the error message when `response` is none of the
+    accepted forms or carries images / videos."""
+    if isinstance(response, str):  # verl's older tools return the text itself
+        return ToolResponse(text=response)
+    if not hasattr(response, "text"):
+        return (f"Error: tool {tool.name!r} returned a {type(response).__name__} response, "
+                f"not a ToolResponse")
+    if getattr(response, "image", None) or getattr(response, "video", None):
+        return (f"Error: tool {tool.name!r} returned images or videos; this agent loop "
+                f"serves text-only models (give the result as text)")
+    text = response.text
+    if text is not None and not isinstance(text, str):
+        return f"Error: tool {tool.name!r} returned text of type {type(text).__name__}"
+    return response if isinstance(response, ToolResponse) and text is not None else \
+        ToolResponse(text=text or "")
+
+
 def _normalize(tool: BaseTool, result: Any) -> tuple[ToolResponse, float, dict]:
     if not (isinstance(result, tuple) and len(result) == 3):
         return _failure(f"Error: tool {tool.name!r} returned {type(result).__name__}, not "
                         f"(ToolResponse, reward, metrics)", "bad_return")
     response, reward, metrics = result
-    if isinstance(response, str):  # verl's older tools return the text itself
-        response = ToolResponse(text=response)
-    if not isinstance(response, ToolResponse):
-        return _failure(f"Error: tool {tool.name!r} returned a {type(response).__name__} "
-                        f"response, not a ToolResponse", "bad_return")
+    response = _text_response(tool, response)
+    if isinstance(response, str):
+        return _failure(response, "bad_return")
+    if reward is None:  # verl's loop skips a None step reward
+        reward = 0.0
     try:
         reward = float(reward)
     except (TypeError, ValueError):
@@ -52,3 +76,16 @@ async def run_tool_call(tool: BaseTool, instance_id: str, arguments: Any, *,
         return _failure(f"Error: tool {tool.name!r} failed: {type(e).__name__}: {e}",
                         "exception")
     return _normalize(tool, result)
+
+
+async def create_tool_instance(tool: BaseTool, create_kwargs: dict[str, Any]) -> Any:
+    """`tool.create(...)` for one trajectory with a row's `create_kwargs` (verl's conventions,
+    see `BaseTool.create_arguments`); the instance id. Accepts `(id, response)` or a bare id;
+    the response is not shown to the model (verl's agent loop drops it too). TypeError naming
+    the tool for any other return value."""
+    result = await tool.create(**tool.create_arguments(create_kwargs))
+    instance_id = result[0] if isinstance(result, tuple) and len(result) == 2 else result
+    if instance_id is None or isinstance(instance_id, (tuple, list, dict)):
+        raise TypeError(f"tool {tool.name!r}: create returned {result!r:.80}; expected an "
+                        f"instance id or (instance_id, response)")
+    return instance_id
