@@ -37,11 +37,20 @@ def rows_from_packs(x, m):
     return jnp.where(m["token_valid"] > 0, rows, jnp.zeros((), x.dtype))
 
 
+def rows_per_pack(m) -> int:
+    """R, the row slots of every pack in a packed micro-batch (static, from the shapes): the bound
+    on sequences per pack that the model's packed attention is given (cuDNN's packed layout keeps
+    softmax statistics per sequence slot, so an unbounded `packed=True` costs pack-length times
+    the memory)."""
+    return m["token_index"].shape[0] // m["input_ids"].shape[0]
+
+
 def _packed_log_probs(model, m, temperature, return_entropy):
     """Log-probs (and entropy) at every pack position of the pack's next token, gathered to rows."""
     ids = m["input_ids"]
-    # packed=True: the cudnn / rolled paths take each pack's rows as separate sequences
-    h = model.hidden_states(ids, attention_mask=m["attention_mask"], positions=m["position_ids"], packed=True)
+    # the cudnn / rolled paths take each pack's rows as separate sequences, at most R per pack
+    h = model.hidden_states(ids, attention_mask=m["attention_mask"], positions=m["position_ids"],
+                            packed=rows_per_pack(m))
     following = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
     unembed, layout = model.unembed()
     out = algos.token_log_probs_from_hidden(h, unembed.astype(h.dtype), following,
@@ -305,7 +314,8 @@ class ReferenceWorker:
 def response_values(model, m):
     """Values [b, t] at the positions that predict each response token; packed: [dp * R, t]."""
     packed = is_packed(m)  # static: whether the micro-batch carries the pack layout
-    v = model(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"], packed=packed)
+    v = model(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"],
+              packed=rows_per_pack(m) if packed else False)
     if packed:
         return rows_from_packs(v, m)
     t = m["responses"].shape[-1]
@@ -347,7 +357,8 @@ def last_token_values(model, m):
     """Values at the response tokens themselves (the state after reading each token). [b, t];
     packed: [dp * R, t] (one position past the one that predicts each token)."""
     packed = is_packed(m)
-    v = model(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"], packed=packed)
+    v = model(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"],
+              packed=rows_per_pack(m) if packed else False)
     if packed:
         return rows_from_packs(v, {**m, "token_index": m["token_index"] + 1})
     return v[:, -m["responses"].shape[-1]:]
