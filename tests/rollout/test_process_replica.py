@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import signal
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -207,3 +208,60 @@ def test_an_in_process_replica_restarts_with_restart_params_and_a_failed_restart
                for r in caplog.records)
     for e in engines:
         e.update_params(tiny_model)
+
+
+def test_requests_wait_while_the_only_replica_restarts(engines, tiny_model, stop_id, prompts):
+    """One replica, restarting (its factory held by the test): requests queued before and
+    submitted during the restart wait in the router, then run on the new replica with the tokens
+    the old one would have given; none fails with "no live replica"."""
+    gate = threading.Event()
+
+    def slow(i):
+        gate.wait()
+        return rollout.RolloutServer(engines[0], steps_per_sync=4)
+
+    kw = dict(sampling=GREEDY, max_new_tokens=6)
+    with rollout.ReplicaRouter([rollout.RolloutServer(engines[0], steps_per_sync=4)], restart=slow) as router:
+        router.suspend()
+        first = router.submit("a", prompts[0], **kw)
+        router.mark_dead(0, "test")
+        second = router.submit("b", prompts[1], **kw)  # validated by the dead replica, queued
+        assert router.live_replicas == [] and not first.done() and not second.done()
+        assert router.metrics()["rollout/router/restarting_replicas"] == 1.0
+        gate.set()
+        assert router.wait_restarts(timeout=120) and router.live_replicas == [0]
+        for i, f in enumerate((first, second)):
+            assert f.result(timeout=120).token_ids == greedy_reference(tiny_model, prompts[i], 6, (stop_id,))
+
+
+class Stalling(rollout.LocalReplica):
+    """A LocalReplica whose submit of request "slow" waits for `release`, then raises (a replica
+    that answers late that it has failed)."""
+
+    def __init__(self, server):
+        super().__init__(server)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def submit(self, request_id, prompt_ids, **kwargs):
+        if request_id == "slow":
+            self.entered.set()
+            self.release.wait()
+            raise RuntimeError("late failure of the old replica")
+        return super().submit(request_id, prompt_ids, **kwargs)
+
+
+def test_a_late_failure_of_a_replaced_replica_leaves_its_successor_alone(engines, prompts):
+    old = Stalling(rollout.RolloutServer(engines[0], steps_per_sync=4))
+    router = rollout.ReplicaRouter([old, rollout.RolloutServer(engines[1], steps_per_sync=4)],
+                                   restart=lambda i: rollout.RolloutServer(engines[0], steps_per_sync=4))
+    kw = dict(sampling=GREEDY, max_new_tokens=4)
+    with router:
+        caller = threading.Thread(target=lambda: router.submit("slow", prompts[0], **kw))
+        caller.start()  # dispatching "slow" to replica 0 blocks in its submit
+        assert old.entered.wait(timeout=120)
+        router.mark_dead(0, "test")
+        assert router.wait_restarts(timeout=120) and router.replicas[0] is not old
+        old.release.set()
+        caller.join()
+        assert router.live_replicas == [0, 1] and router.stats["dead_replicas"] == 1
+        assert router.generate("after", prompts[1], **kw).token_ids
