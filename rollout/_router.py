@@ -1,11 +1,12 @@
 """`ReplicaRouter`: one load balancer over N rollout replicas, used wherever a `RolloutServer` is.
 
-A replica is one engine behind one `RolloutServer` (`LocalReplica`, in this process) or anything
-else that implements the `Replica` protocol (a Ray actor or RPC handle on another host: later
-work). The router has the server's public API (`submit`, `generate`, `agenerate`, `abort`,
-`release_session`, `submit_update` / `update_params`, `suspend` / `submit_suspend` / `resume` /
-`sleep` / `wake`, `suspended`, `asleep`, `policy_version`, `stats`, `close`, context manager), so
-agent loops, the Rollouter and HostWorker run unchanged over several replicas.
+A replica is one engine behind one `RolloutServer` (`LocalReplica`, in this process;
+`ProcessReplica`, in a child process) or anything else that implements the `Replica` protocol (a
+Ray actor or RPC handle on another host: later work). The router has the server's public API
+(`submit`, `generate`, `agenerate`, `abort`, `release_session`, `submit_update` /
+`update_params`, `suspend` / `submit_suspend` / `resume` / `sleep` / `wake`, `suspended`,
+`asleep`, `policy_version`, `stats`, `close`, context manager), so agent loops, the Rollouter and
+HostWorker run unchanged over several replicas.
 
 Routing (all decisions under one lock, in submit order):
 - a request whose `session_id` the router has seen goes to that session's replica (it holds the
@@ -30,20 +31,32 @@ by replica, or a callable `index -> params`, called in the caller's thread in in
 for live replicas: where each replica's engine lives on its own devices).
 
 Replica death: a replica fails when its scheduler thread dies (a `RolloutServer` then fails every
-future with the error and refuses submits), when a request future or a submit of it raises, or
-when the caller says so (`mark_dead`). The router logs a warning, counts it, drops the replica for
-good and re-queues every request it had in flight, ahead of the newer ones; they run again from
-the start on the live replicas with the same seed, row and step_offset, so they give the tokens
-the dead replica would have given (under the same weights). A session whose replica died is
-prefilled in full on its new replica. Tokens the dead replica had already generated are not kept
-(a request is retried from scratch, not resumed from a partial result); an aborted request whose
-replica dies resolves as "abort" with no tokens. With no live replica left every waiting future
-fails with one error naming each replica's failure, and later calls raise it. Request errors
-(validation: empty prompt, too long, bad sampling, a duplicate live request id, ...) raise in the
-caller at `submit`, as on the server, and are never retried.
+future with the error and refuses submits), when its process dies (`ProcessReplica`: EOF on its
+pipe fails every pending future), when a request future or a submit of it raises, or when the
+caller says so (`mark_dead`). The router logs a warning, counts it, drops the replica and
+re-queues every request it had in flight, ahead of the newer ones; they run again from the start
+on the live replicas with the same seed, row and step_offset, so they give the tokens the dead
+replica would have given (under the same weights). A session whose replica died is prefilled in
+full on its new replica. Tokens the dead replica had already generated are not kept: a request
+is retried from scratch, not resumed from a partial result, since keeping them would need the
+replica to stream its progress and the retry samples the same tokens anyway (a request that had
+crossed a weight sync regenerates them with the current weights). An agent loop's completed
+turns are kept: they are the prompt of its next request. An aborted request whose replica dies
+resolves as "abort" with no tokens. With no live replica left (and none restarting) every
+waiting future fails with one error naming each replica's failure, and later calls raise it.
+Request errors (validation: empty prompt, too long, bad sampling, a duplicate live request id,
+...) raise in the caller at `submit`, as on the server, and are never retried.
 
-Left to others: starting replicas (HostWorker, from the config), restarting dead ones, and remote
-replicas (an RPC `Replica`).
+Restart (`restart=`, off by default): a dead replica is closed and rebuilt by `restart(index)` on
+a thread of its own (at most `max_restarts` times per index), synced to the router's policy
+version with `restart_params(index)` or the tree that index got at the last applied sync (the
+router keeps a reference to it only when restarting without `restart_params`; no copy), synced
+again if a sync ran meanwhile, suspended or put to sleep like the others, then put back in the
+balancer under the same index. While it restarts, requests that no live replica can take wait in
+the queue. A failed restart, or a death past max_restarts, drops the replica with a warning.
+
+Left to others: starting replicas (HostWorker, from the config; its replicas are in-process, so
+it does not set `restart`), and replicas on other hosts (an RPC or Ray-actor `Replica`).
 """
 from __future__ import annotations
 
