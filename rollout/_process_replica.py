@@ -206,9 +206,13 @@ class ProcessReplica:
             ready = ("failed", f"the child exited with code {self._reap()} before reporting")
         if ready[0] != "ready":
             self._reap()
+            self._conn.close()
             raise RuntimeError(f"rollout replica process failed to start:\n{ready[1]}")
         info = ready[1]
         self._capacity = info["capacity"]
+        # the last values read, returned once the child is dead (as a dead LocalReplica's are)
+        self._last = {"policy_version": info["policy_version"], "suspended": False, "asleep": False,
+                      "stats": {}}
         self._limits = types.SimpleNamespace(engine=types.SimpleNamespace(
             max_target_length=info["max_target_length"],
             config=types.SimpleNamespace(vocab_size=info["vocab_size"])))
@@ -318,21 +322,31 @@ class ProcessReplica:
     def error(self) -> BaseException | None:
         return self._error
 
+    def _read(self, name: str):
+        """A property of the child's server; its last value once the child is dead."""
+        try:
+            self._last[name] = value = self._call(name)
+            return value
+        except Exception:
+            if self._error is None:
+                raise
+            return self._last[name]
+
     @property
     def policy_version(self) -> int:
-        return self._call("policy_version")
+        return self._read("policy_version")
 
     @property
     def suspended(self) -> bool:
-        return self._call("suspended")
+        return self._read("suspended") if self._error is None else False
 
     @property
     def asleep(self) -> bool:
-        return self._call("asleep")
+        return self._read("asleep") if self._error is None else False
 
     @property
     def stats(self) -> dict:
-        return self._call("stats")
+        return self._read("stats")
 
     def validate(self, request_id, prompt_ids, *, sampling: SamplingParams, max_new_tokens, session_id,
                  seed, row, step_offset) -> list[int]:
@@ -396,11 +410,12 @@ class ProcessReplica:
                     self._conn.send((0, "close", (), {}))
             except (OSError, EOFError):
                 pass
-        self.process.join(_CLOSE_WAIT_S)
-        if self.process.is_alive():
+        self._reader.join(_CLOSE_WAIT_S)  # it reaps the child once the pipe closes
+        if self._reader.is_alive():
             log.warning("rollout replica process %d did not exit after close; killing it", self.pid)
             self.process.kill()
-            self.process.join()
-        self._reader.join()
-        self._dispatcher.join()
+            self._reader.join()
+        self.process.join()
+        if threading.current_thread() is not self._dispatcher:  # close() from a Future's callback
+            self._dispatcher.join()
         self._conn.close()

@@ -780,7 +780,8 @@ class ReplicaRouter:
         for name, xs in (("requests", requests), ("tokens", tokens)):
             out[f"rollout/router/imbalance_{name}"] = _rate(max(xs, default=0), np.mean(xs) if xs else 0, 1.0)
         for i in stats:
-            out[f"rollout/replica/{i}/policy_version"] = float(self.replicas[i].policy_version)
+            version = self._call(i, lambda r: r.policy_version)
+            out[f"rollout/replica/{i}/policy_version"] = float(-1 if version is None else version)
         return out
 
     # ------------------------------------------------------------------ shutdown

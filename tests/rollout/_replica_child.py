@@ -32,6 +32,10 @@ def tiny_server(config, stop_id):
     return server
 
 
+def not_a_server():
+    return 42
+
+
 def arm_hold(server):
     """The server suspends itself after its next decode loop; returns the loops so far."""
     _hold["at"] = _hold["loops"] + 1

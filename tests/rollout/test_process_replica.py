@@ -129,6 +129,9 @@ def test_a_killed_replica_process_hands_its_requests_over_and_restarts_at_the_cu
             assert router.wait_restarts(timeout=120)
 
             assert proc.process.exitcode == -signal.SIGKILL and "died" in str(proc.error)
+            assert proc.policy_version == 3 and not proc.suspended  # as last read
+            with pytest.raises(RuntimeError, match="died"):
+                proc.submit("late", prompts[0], seed=0, row=0, step_offset=0, session_id=None, **kw)
             new = children[1]
             assert router.replicas[0] is new and router.live_replicas == [0, 1]
             assert new.policy_version == 3 == router.policy_version
@@ -265,3 +268,8 @@ def test_a_late_failure_of_a_replaced_replica_leaves_its_successor_alone(engines
         caller.join()
         assert router.live_replicas == [0, 1] and router.stats["dead_replicas"] == 1
         assert router.generate("after", prompts[1], **kw).token_ids
+
+
+def test_a_factory_that_does_not_build_a_server_fails_the_start_with_its_reason():
+    with pytest.raises(RuntimeError, match=r"failed to start:(.|\n)*returned int, not a RolloutServer"):
+        rollout.ProcessReplica(_replica_child.not_a_server)
