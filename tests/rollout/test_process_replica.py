@@ -169,19 +169,25 @@ def engines(tiny_model, stop_id):
 
 def test_an_in_process_replica_restarts_with_restart_params_and_a_failed_restart_drops_it(
         engines, tiny_model, other_weights, stop_id, prompts, caplog):
-    """mark_dead on replica 1: its successor (a new RolloutServer) gets restart_params(1) at the
-    router's version and serves; the second death exceeds max_restarts=1 and drops it; a restart
-    that raises drops the replica with a warning, the run going on with the others."""
-    asked = []
+    """mark_dead on replica 1; a sync to version 2 runs while it restarts (its factory held by
+    the test) and reaches the live replica only; the successor (a new RolloutServer) then gets
+    restart_params(1) at version 2 and serves; the second death exceeds max_restarts=1 and drops
+    it; a restart that raises drops the replica with a warning, the run going on."""
+    asked, gate = [], threading.Event()
+
+    def restart(i):
+        gate.wait()
+        return rollout.RolloutServer(engines[i], steps_per_sync=4)
+
     servers = [rollout.RolloutServer(e, steps_per_sync=4) for e in engines]
-    router = rollout.ReplicaRouter(
-        servers, restart=lambda i: rollout.RolloutServer(engines[i], steps_per_sync=4),
-        restart_params=lambda i: asked.append(i) or other_weights)
+    router = rollout.ReplicaRouter(servers, restart=restart,
+                                   restart_params=lambda i: asked.append(i) or other_weights)
     kw = dict(sampling=GREEDY, max_new_tokens=6)
     with router, caplog.at_level(logging.WARNING, logger="rollout._router"):
-        router.update_params(other_weights, version=2)
-        engines[1].update_params(tiny_model)  # the successor must be synced again, not reuse these
         router.mark_dead(1, "test")
+        assert router.update_params(other_weights, version=2)["replicas"] == 1
+        assert asked == [] and router.policy_version == 2
+        gate.set()
         assert router.wait_restarts(timeout=120)
         assert asked == [1] and router.live_replicas == [0, 1]
         assert router.replicas[1].server is not servers[1] and router.replicas[1].policy_version == 2
