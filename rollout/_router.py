@@ -572,15 +572,22 @@ class ReplicaRouter:
             self._syncs_running += 1
             self._sync_gen += 1
         futures, trees = {}, {}
-        for i, replica in live.items():
-            trees[i] = tree = params if replica_params is None else (
-                replica_params(i) if callable(replica_params) else replica_params[i])
-            try:
-                futures[i] = replica.submit_update(tree, version=target, in_flight=in_flight)
-            except Exception as error:  # noqa: BLE001 - sorted out with the others' results
-                futures[i] = concurrent.futures.Future()
-                futures[i].set_exception(error)
-        keep = trees if self._restart is not None and self._restart_params is None else {}
+        try:
+            for i, replica in live.items():
+                trees[i] = tree = params if replica_params is None else (
+                    replica_params(i) if callable(replica_params) else replica_params[i])
+                try:
+                    futures[i] = replica.submit_update(tree, version=target, in_flight=in_flight)
+                except Exception as error:  # noqa: BLE001 - sorted out with the others' results
+                    futures[i] = concurrent.futures.Future()
+                    futures[i].set_exception(error)
+        except BaseException:  # the caller's replica_params raised
+            self._sync_ended(None)
+            raise
+        keep = None  # restart without restart_params: every index's tree of this sync, if known
+        if self._restart is not None and self._restart_params is None:
+            keep = trees if callable(replica_params) else {
+                i: params if replica_params is None else replica_params[i] for i in range(len(self.replicas))}
         out = self._gather(futures, functools.partial(self._synced, target, seq, keep), live)
         out.add_done_callback(self._sync_ended)
         return out
@@ -590,11 +597,12 @@ class ReplicaRouter:
             self._syncs_running -= 1
             self._idle.notify_all()
 
-    def _synced(self, target: int, seq: int, trees: dict[int, Any], results: dict[int, dict]) -> dict:
+    def _synced(self, target: int, seq: int, trees: dict[int, Any] | None, results: dict[int, dict]) -> dict:
         with self._lock:
             if seq > self._applied_seq:
                 self._version, self._applied_seq = target, seq
-                self._synced_trees.update(trees)  # restart: the weights a new replica i gets
+                if trees is not None:  # restart: the weights a new replica i gets (none: unknown)
+                    self._synced_trees = trees
         stats = _combine(list(results.values()))
         return {**stats, "policy_version": target, "replicas": len(results)}
 

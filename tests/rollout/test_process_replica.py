@@ -279,3 +279,42 @@ def test_a_late_failure_of_a_replaced_replica_leaves_its_successor_alone(engines
 def test_a_factory_that_does_not_build_a_server_fails_the_start_with_its_reason():
     with pytest.raises(RuntimeError, match=r"failed to start:(.|\n)*returned int, not a RolloutServer"):
         rollout.ProcessReplica(_replica_child.not_a_server)
+
+
+def test_a_replica_restarted_without_restart_params_gets_the_tree_of_the_sync_it_missed(
+        engines, tiny_model, other_weights, stop_id, prompts, caplog):
+    """restart_params=None: a shared tree synced while replica 1 restarts is the one it gets (at
+    that version; a sync that raised in the caller's replica_params does not hold it up); a
+    per-replica callable is asked for live replicas only, so a replica that
+    missed such a sync has no weights: dropped with a warning naming restart_params."""
+    gate = threading.Event()
+
+    def restart(i):
+        gate.wait()
+        return rollout.RolloutServer(engines[i], steps_per_sync=4)
+
+    kw = dict(sampling=GREEDY, max_new_tokens=6)
+    router = rollout.ReplicaRouter([rollout.RolloutServer(e, steps_per_sync=4) for e in engines],
+                                   restart=restart)
+    with router, caplog.at_level(logging.WARNING, logger="rollout._router"):
+        with pytest.raises(ZeroDivisionError):  # the caller's callable: no sync left running
+            router.update_params(replica_params=lambda i: 1 / 0)
+        router.mark_dead(1, "test")
+        router.update_params(other_weights, version=4)
+        gate.set()
+        assert router.wait_restarts(timeout=120) and router.live_replicas == [0, 1]
+        assert router.replicas[1].policy_version == 4
+        router.suspend()
+        futures = [router.submit(f"r{i}", prompts[i], **kw) for i in range(2)]
+        router.resume()
+        for i, f in enumerate(futures):
+            assert f.result().token_ids == greedy_reference(other_weights, prompts[i], 6, (stop_id,)), i
+        gate.clear()
+        router.mark_dead(0, "test")
+        router.update_params(replica_params=lambda i: other_weights, version=5)
+        gate.set()
+        assert router.wait_restarts(timeout=120) and router.live_replicas == [1]
+    assert any("restart failed" in r.getMessage() and "pass restart_params" in r.getMessage()
+               for r in caplog.records)
+    for e in engines:
+        e.update_params(tiny_model)
