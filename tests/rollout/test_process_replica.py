@@ -3,11 +3,14 @@
 The weight sync reaches the child; the kill (at a point the child reports: after a decode loop,
 with its requests in flight) hands those requests to the other replica with the tokens a run
 without the kill gives; the router restarts the replica at its current weights and sends it
-requests again. Plus the restart path for in-process replicas (weights from `restart_params`)
-and a restart that fails (the replica dropped with a warning).
+requests again. Plus the restart paths with in-process replicas: weights from `restart_params`
+or from the sync the replica missed, max_restarts, a restart that fails (dropped with a
+warning), requests waiting while the only replica restarts, a late failure of a replaced replica,
+and a child whose factory fails.
 
-One child costs a few seconds (a fresh interpreter importing JAX, then its programs from the
-compilation cache), so one test kills one and restarts one; the rest use in-process replicas.
+One child costs about 3 s (a fresh interpreter importing JAX, then its programs from the
+compilation cache; measured on 2 shared cores), so one test kills one child and restarts one,
+with an in-process replica beside it, rather than running two children.
 """
 import functools
 import logging
