@@ -13,7 +13,8 @@
   `GenerateOutput` (tokens, log-probs, finish reason, policy version per token).
 - `ReplicaRouter`: the server's API over several replicas (`Replica`; in process `LocalReplica`
   over a `RolloutServer`): sticky by session, least in-flight otherwise, a bound per replica,
-  weight syncs and suspend/sleep to all, per-replica metrics, failover when a replica dies.
+  weight syncs and suspend/sleep to all, per-replica metrics, failover when a replica dies and
+  (optionally) its restart. `ProcessReplica`: a replica in a child process (killable).
 - `SamplingParams`, `sample`: greedy / temperature / top-k / top-p with log-probs.
 - `rollout.jetstream_adapter` (imports jetstream lazily; the `jetstream` extra) and
   `python -m rollout.serve` (gRPC server) serve an engine through JetStream.
@@ -24,11 +25,12 @@ from ._driver import RolloutBatch, RolloutDriver
 from ._engine import PREFILL_BUCKETS, Engine, prefill_bucket
 from ._sampling import SamplingParams, sample
 from ._replica import LocalReplica, Replica
+from ._process_replica import ProcessReplica
 from ._router import ReplicaRouter
 from ._server import GenerateOutput, RolloutServer
 from ._state import DecodeState, Prefix, ResultTokens, SlotData
 
 __all__ = ["Engine", "RolloutDriver", "RolloutBatch", "RolloutServer", "GenerateOutput",
-           "ReplicaRouter", "Replica", "LocalReplica",
+           "ReplicaRouter", "Replica", "LocalReplica", "ProcessReplica",
            "SamplingParams", "sample", "DecodeState", "Prefix", "ResultTokens", "SlotData",
            "PREFILL_BUCKETS", "prefill_bucket"]

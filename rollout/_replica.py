@@ -1,8 +1,9 @@
 """The `Replica` protocol: what `ReplicaRouter` needs from one rollout replica, and `LocalReplica`,
 the in-process one over a `RolloutServer`.
 
-A remote replica (a Ray actor or an RPC handle on another host: later work) implements the same
-members; the router never reaches past them.
+`ProcessReplica` (rollout/_process_replica.py) is one in a child process, over a pipe; a replica
+on another host (a Ray actor or an RPC handle: later work) implements the same members; the
+router never reaches past them.
 """
 from __future__ import annotations
 
@@ -73,6 +74,11 @@ class Replica(Protocol):
     def close(self) -> None: ...
 
 
+def check_step_offset(step_offset) -> None:
+    if isinstance(step_offset, bool) or not isinstance(step_offset, (int, np.integer)) or step_offset < 0:
+        raise ValueError(f"step_offset must be an int >= 0, got {step_offset!r}")
+
+
 class LocalReplica:
     """A `Replica` over a `RolloutServer` in this process (`server`: the server itself)."""
 
@@ -107,8 +113,7 @@ class LocalReplica:
                  step_offset) -> list[int]:
         prompt = self.server._validate(request_id, prompt_ids, sampling, max_new_tokens,
                                        session_id, seed, row)
-        if isinstance(step_offset, bool) or not isinstance(step_offset, (int, np.integer)) or step_offset < 0:
-            raise ValueError(f"step_offset must be an int >= 0, got {step_offset!r}")
+        check_step_offset(step_offset)
         return prompt
 
     def submit(self, request_id, prompt_ids, **kwargs) -> concurrent.futures.Future:

@@ -1,11 +1,12 @@
 """`ReplicaRouter`: one load balancer over N rollout replicas, used wherever a `RolloutServer` is.
 
-A replica is one engine behind one `RolloutServer` (`LocalReplica`, in this process) or anything
-else that implements the `Replica` protocol (a Ray actor or RPC handle on another host: later
-work). The router has the server's public API (`submit`, `generate`, `agenerate`, `abort`,
-`release_session`, `submit_update` / `update_params`, `suspend` / `submit_suspend` / `resume` /
-`sleep` / `wake`, `suspended`, `asleep`, `policy_version`, `stats`, `close`, context manager), so
-agent loops, the Rollouter and HostWorker run unchanged over several replicas.
+A replica is one engine behind one `RolloutServer` (`LocalReplica`, in this process;
+`ProcessReplica`, in a child process) or anything else that implements the `Replica` protocol (a
+Ray actor or RPC handle on another host: later work). The router has the server's public API
+(`submit`, `generate`, `agenerate`, `abort`, `release_session`, `submit_update` /
+`update_params`, `suspend` / `submit_suspend` / `resume` / `sleep` / `wake`, `suspended`,
+`asleep`, `policy_version`, `stats`, `close`, context manager), so agent loops, the Rollouter and
+HostWorker run unchanged over several replicas.
 
 Routing (all decisions under one lock, in submit order):
 - a request whose `session_id` the router has seen goes to that session's replica (it holds the
@@ -30,20 +31,32 @@ by replica, or a callable `index -> params`, called in the caller's thread in in
 for live replicas: where each replica's engine lives on its own devices).
 
 Replica death: a replica fails when its scheduler thread dies (a `RolloutServer` then fails every
-future with the error and refuses submits), when a request future or a submit of it raises, or
-when the caller says so (`mark_dead`). The router logs a warning, counts it, drops the replica for
-good and re-queues every request it had in flight, ahead of the newer ones; they run again from
-the start on the live replicas with the same seed, row and step_offset, so they give the tokens
-the dead replica would have given (under the same weights). A session whose replica died is
-prefilled in full on its new replica. Tokens the dead replica had already generated are not kept
-(a request is retried from scratch, not resumed from a partial result); an aborted request whose
-replica dies resolves as "abort" with no tokens. With no live replica left every waiting future
-fails with one error naming each replica's failure, and later calls raise it. Request errors
-(validation: empty prompt, too long, bad sampling, a duplicate live request id, ...) raise in the
-caller at `submit`, as on the server, and are never retried.
+future with the error and refuses submits), when its process dies (`ProcessReplica`: EOF on its
+pipe fails every pending future), when a request future or a submit of it raises, or when the
+caller says so (`mark_dead`). The router logs a warning, counts it, drops the replica and
+re-queues every request it had in flight, ahead of the newer ones; they run again from the start
+on the live replicas with the same seed, row and step_offset, so they give the tokens the dead
+replica would have given (under the same weights). A session whose replica died is prefilled in
+full on its new replica. Tokens the dead replica had already generated are not kept: a request
+is retried from scratch, not resumed from a partial result, since keeping them would need the
+replica to stream its progress and the retry samples the same tokens anyway (a request that had
+crossed a weight sync regenerates them with the current weights). An agent loop's completed
+turns are kept: they are the prompt of its next request. An aborted request whose replica dies
+resolves as "abort" with no tokens. With no live replica left (and none restarting) every
+waiting future fails with one error naming each replica's failure, and later calls raise it.
+Request errors (validation: empty prompt, too long, bad sampling, a duplicate live request id,
+...) raise in the caller at `submit`, as on the server, and are never retried.
 
-Left to others: starting replicas (HostWorker, from the config), restarting dead ones, and remote
-replicas (an RPC `Replica`).
+Restart (`restart=`, off by default): a dead replica is closed and rebuilt by `restart(index)` on
+a thread of its own (at most `max_restarts` times per index), synced to the router's policy
+version with `restart_params(index)` or the tree that index got at the last applied sync (the
+router keeps a reference to it only when restarting without `restart_params`; no copy), synced
+again if a sync ran meanwhile, suspended or put to sleep like the others, then put back in the
+balancer under the same index. While it restarts, requests that no live replica can take wait in
+the queue. A failed restart, or a death past max_restarts, drops the replica with a warning.
+
+Left to others: starting replicas (HostWorker, from the config; its replicas are in-process, so
+it does not set `restart`), and replicas on other hosts (an RPC or Ray-actor `Replica`).
 """
 from __future__ import annotations
 
@@ -84,6 +97,10 @@ class _Routed:
     waited: bool = False  # had to wait in the router's queue (counted once)
 
 
+class _Closing(Exception):
+    """The router closed while a replica was restarting."""
+
+
 def _combine(results: list[dict]) -> dict:
     """Per-replica result dicts -> one: numbers summed, `*_s` durations max-ed, flags true when
     true on every replica (zero_copy), except weights_released: true when true on any (a sync is
@@ -110,10 +127,16 @@ class ReplicaRouter:
     replicas: `Replica`s or `RolloutServer`s (wrapped in `LocalReplica`), all at the same
     policy_version; the router owns them (`close` closes them). max_inflight_per_replica: the
     most requests in flight on one replica (None: each replica's `capacity`, its decode slots).
+    restart: `index -> a new Replica or RolloutServer` for a replica that died (None: a dead
+    replica is dropped), at most `max_restarts` times per index; the new one is brought to the
+    router's weights with `restart_params(index)` (None: the tree that replica index got at the
+    last sync, which the router then keeps a reference to; see "Restart" in the module docstring).
     """
 
     def __init__(self, replicas: Sequence[Replica | RolloutServer], *,
-                 max_inflight_per_replica: int | None = None):
+                 max_inflight_per_replica: int | None = None,
+                 restart: Callable[[int], Replica | RolloutServer] | None = None, max_restarts: int = 1,
+                 restart_params: Callable[[int], Any] | None = None):
         if not replicas:
             raise ValueError("ReplicaRouter needs at least one replica")
         self.replicas: list[Replica] = [LocalReplica(r) if isinstance(r, RolloutServer) else r
@@ -127,6 +150,10 @@ class ReplicaRouter:
             raise ValueError(f"max_inflight_per_replica must be an int >= 1 or None (each "
                              f"replica's decode slots), got {bound!r}")
         self.bounds = [int(bound) if bound is not None else r.capacity for r in self.replicas]
+        if restart is not None and not callable(restart):
+            raise TypeError(f"restart must be a callable index -> replica or None, got {restart!r}")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
         versions = [r.policy_version for r in self.replicas]
         if len(set(versions)) != 1:
             raise ValueError(f"the replicas are at different policy versions {versions}; sync "
@@ -149,6 +176,16 @@ class ReplicaRouter:
         self._last_stats = [dict() for _ in range(n)]
         self._last_metrics_t = time.perf_counter()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="ReplicaRouter")
+        # restarts (see the module docstring)
+        self._restart, self._max_restarts, self._restart_params = restart, max_restarts, restart_params
+        self._restarts = collections.Counter()  # per replica index
+        self._restarting: set[int] = set()
+        self._restart_threads: list[threading.Thread] = []
+        self._synced_trees: dict[int, Any] = {}  # index -> its tree of the last applied sync (restart only)
+        self._syncs_running = 0
+        self._sync_gen = 0  # syncs started
+        self._idle = threading.Condition(self._lock)  # notified when a sync ends
+        self._retired = collections.Counter()  # counters of replicas replaced by a restart
 
     @classmethod
     def from_engines(cls, engines: Sequence[Engine], *, max_inflight_per_replica: int | None = None,
@@ -289,7 +326,7 @@ class ReplicaRouter:
             if self._closing:  # close() is closing the replicas
                 self._resolve_closed([req], attempt)
             else:
-                self._fail_replica(i, error)
+                self._fail_replica(i, error, replica=replica)
             return
         with self._lock:
             current = req.attempt == attempt and i not in self._dead
@@ -297,11 +334,12 @@ class ReplicaRouter:
         if not current:  # its replica was dropped meanwhile: the request was re-queued
             self._call(i, lambda r: r.abort(req.request_id))
             return
-        inner.add_done_callback(functools.partial(self._on_done, req, i, attempt))
+        inner.add_done_callback(functools.partial(self._on_done, req, i, attempt, replica))
         if aborted:
             self._call(i, lambda r: r.abort(req.request_id))
 
-    def _on_done(self, req: _Routed, i: int, attempt: int, inner: concurrent.futures.Future) -> None:
+    def _on_done(self, req: _Routed, i: int, attempt: int, replica: Replica,
+                 inner: concurrent.futures.Future) -> None:
         """A replica's result (on its scheduler thread): resolve, or fail over the replica."""
         error = inner.exception() if not inner.cancelled() else None
         with self._lock:
@@ -311,7 +349,7 @@ class ReplicaRouter:
                 self._inflight[i].discard(req)
                 self._live.pop(req.request_id, None)
         if error is not None:
-            self._fail_replica(i, error)
+            self._fail_replica(i, error, replica=replica)
             return
         if inner.cancelled():
             req.future.cancel()
@@ -321,16 +359,12 @@ class ReplicaRouter:
 
     def _call(self, i: int, fn: Callable[[Replica], Any]) -> Any:
         """A best-effort call on replica i (abort, release): a failure there is logged, not raised."""
-        try:
-            return fn(self.replicas[i])
-        except Exception as error:  # noqa: BLE001 - best effort on a replica that may be gone
-            log.debug("rollout replica %d: %r", i, error)
-            return None
+        return self._call_on(self.replicas[i], fn)
 
     def _validator(self) -> Replica:
         with self._lock:
-            self._check_running()
-            return next(r for i, r in enumerate(self.replicas) if i not in self._dead)
+            self._check_running()  # every replica dead but one restarting: a dead one validates
+            return next((r for i, r in enumerate(self.replicas) if i not in self._dead), self.replicas[0])
 
     def _check_running(self) -> None:
         if self._error is not None:
@@ -346,11 +380,14 @@ class ReplicaRouter:
             raise IndexError(f"replica index {index} out of range [0, {len(self.replicas)})")
         self._fail_replica(index, RuntimeError(f"rollout replica {index}: {reason}"), abort_there=True)
 
-    def _fail_replica(self, i: int, error: BaseException, abort_there: bool = False) -> None:
-        """Drops replica i for good and re-queues its in-flight requests (see the module doc)."""
+    def _fail_replica(self, i: int, error: BaseException, abort_there: bool = False,
+                      replica: Replica | None = None) -> None:
+        """Drops replica i (`replica`: only if it is still that one, not its restarted successor),
+        re-queues its in-flight requests and restarts it when the router restarts replicas (see
+        the module doc)."""
         last = self._call(i, lambda r: r.stats)
         with self._lock:
-            if i in self._dead:
+            if i in self._dead or (replica is not None and self.replicas[i] is not replica):
                 return
             self._dead[i] = error
             self._dead_stats[i] = last if last is not None else self._last_stats[i]
@@ -365,25 +402,43 @@ class ReplicaRouter:
             self._queue = collections.deque(sorted([*retried, *self._queue], key=lambda r: r.seq))
             self._counts["dead_replicas"] += 1
             self._counts["retried_requests"] += len(retried)
-            left = [r for r in self._live.values()]
-            if len(self._dead) == len(self.replicas):
-                self._error = self._no_replica_error()
-                self._queue.clear()
-                self._live.clear()
+            restart = (self._restart is not None and not self._closing
+                       and self._restarts[i] < self._max_restarts)
+            if restart:
+                self._restarts[i] += 1
+                self._restarting.add(i)
+                thread = threading.Thread(target=self._restart_replica, args=(i,), daemon=True,
+                                          name=f"ReplicaRouter-restart-{i}")
+                self._restart_threads.append(thread)  # close() joins it
+                thread.start()
+            left = self._fail_if_none_left()
         log.warning("rollout replica %d failed (%r): %d in-flight requests retried on the %d live "
-                    "replicas", i, error, len(retried), len(self.replicas) - len(self._dead))
+                    "replicas; %s", i, error, len(retried), len(self.replicas) - len(self._dead),
+                    f"restarting it (restart {self._restarts[i]} of {self._max_restarts})" if restart
+                    else "dropped for good" + (" (max_restarts reached)" if self._restart else ""))
         for req in aborted:
             _set_future(req.future, self._abort_output(req))
         if abort_there:
             for req in moved:
                 self._call(i, lambda r, rid=req.request_id: r.abort(rid))
-        if self._error is not None:
+        if left:
             for req in left:
                 _set_future(req.future, error=self._error)
             return
         if self._closing:
             self._resolve_closed(retried)
         self._pump()
+
+    def _fail_if_none_left(self) -> list[_Routed]:
+        """Under the lock: with every replica dead and none restarting, the router fails; returns
+        the requests whose futures must then fail (none otherwise)."""
+        if len(self._dead) < len(self.replicas) or self._restarting or self._error is not None:
+            return []
+        self._error = self._no_replica_error()
+        left = list(self._live.values())
+        self._queue.clear()
+        self._live.clear()
+        return left
 
     def _resolve_closed(self, reqs: list[_Routed], attempt: int | None = None) -> None:
         """Requests that can no longer run because the router is closing end as "abort"."""
@@ -398,6 +453,88 @@ class ReplicaRouter:
                     self._queue.remove(req)
         for req in reqs:
             _set_future(req.future, self._abort_output(req))
+
+    # ------------------------------------------------------------------ restart
+    def _restart_replica(self, i: int) -> None:
+        """On its own thread: closes dead replica i (reaps a process), builds its successor with
+        `restart(i)`, brings it to the router's weights and state, and puts it back in the
+        balancer. A failure drops replica i for good, with a warning."""
+        new = None
+        self._call(i, lambda r: r.close())
+        try:
+            if self._closing:
+                raise _Closing()
+            new = self._restart(i)
+            new = LocalReplica(new) if isinstance(new, RolloutServer) else new
+            if not isinstance(new, Replica):
+                raise TypeError(f"restart({i}) returned {type(new).__name__}, neither a RolloutServer "
+                                f"nor a rollout.Replica")
+            self._bring_up(i, new)
+        except Exception as error:  # noqa: BLE001 - the replica is dropped; the run goes on
+            if not isinstance(error, _Closing):
+                log.warning("rollout replica %d: restart failed (%r); dropped for good", i, error)
+            if new is not None:
+                self._call_on(new, lambda r: r.close())
+            with self._idle:
+                self._restarting.discard(i)
+                self._idle.notify_all()
+                self._counts["failed_restarts"] += not isinstance(error, _Closing)
+                left = self._fail_if_none_left()
+            for req in left:
+                _set_future(req.future, error=self._error)
+
+    def _bring_up(self, i: int, new: Replica) -> None:
+        """Syncs `new` to the router's version (again if a sync ran meanwhile), matches suspend /
+        sleep, and puts it in place of dead replica i once no sync is running (under the lock, so
+        every later sync includes it)."""
+        while True:
+            with self._idle:
+                while self._syncs_running and not self._closing:
+                    self._idle.wait()
+                if self._closing:
+                    raise _Closing()
+                gen, version = self._sync_gen, self._version
+                tree = self._synced_trees.get(i)
+            if new.policy_version != version:
+                if self._restart_params is not None:
+                    tree = self._restart_params(i)
+                if tree is None:
+                    raise RuntimeError(f"the router is at policy version {version} but has no weights "
+                                       f"for the restarted replica {i} (at {new.policy_version}); pass "
+                                       f"restart_params to ReplicaRouter")
+                new.submit_update(tree, version=version, in_flight="hold").result()
+            if self.asleep:
+                new.sleep()
+            elif self.suspended:
+                new.suspend()
+            with self._idle:
+                if self._closing:
+                    raise _Closing()
+                if gen != self._sync_gen or self._syncs_running:
+                    continue  # a sync started meanwhile: sync again
+                self._retired.update(self._dead_stats.pop(i, {}))
+                self.replicas[i], self._last_stats[i] = new, {}
+                del self._dead[i]
+                self._restarting.discard(i)
+                self._counts["restarted_replicas"] += 1
+                self._idle.notify_all()
+            break
+        log.warning("rollout replica %d restarted at policy version %d and back in the balancer", i, version)
+        self._pump()
+
+    def wait_restarts(self, timeout: float | None = None) -> bool:
+        """Blocks until no replica is restarting (each back in the balancer or dropped); False
+        if `timeout` seconds passed first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._restarting, timeout)
+
+    @staticmethod
+    def _call_on(replica: Replica, fn: Callable[[Replica], Any]) -> Any:
+        try:
+            return fn(replica)
+        except Exception as error:  # noqa: BLE001 - best effort on a replica that may be gone
+            log.debug("rollout replica %r: %r", replica, error)
+            return None
 
     def _no_replica_error(self) -> RuntimeError:
         why = "; ".join(f"replica {i}: {e!r}" for i, e in sorted(self._dead.items()))
@@ -429,24 +566,43 @@ class ReplicaRouter:
                              f"{len(self.replicas)} replicas; give one per replica (by index)")
         with self._lock:
             self._check_running()
-            live = [i for i in range(len(self.replicas)) if i not in self._dead]
+            live = {i: self.replicas[i] for i in range(len(self.replicas)) if i not in self._dead}
             target = version if version is not None else self._target_version + 1
             self._target_version, seq = target, next(self._sync_seq)
-        futures = {}
-        for i in live:
-            tree = params if replica_params is None else (
-                replica_params(i) if callable(replica_params) else replica_params[i])
-            try:
-                futures[i] = self.replicas[i].submit_update(tree, version=target, in_flight=in_flight)
-            except Exception as error:  # noqa: BLE001 - sorted out with the others' results
-                futures[i] = concurrent.futures.Future()
-                futures[i].set_exception(error)
-        return self._gather(futures, functools.partial(self._synced, target, seq))
+            self._syncs_running += 1
+            self._sync_gen += 1
+        futures, trees = {}, {}
+        try:
+            for i, replica in live.items():
+                trees[i] = tree = params if replica_params is None else (
+                    replica_params(i) if callable(replica_params) else replica_params[i])
+                try:
+                    futures[i] = replica.submit_update(tree, version=target, in_flight=in_flight)
+                except Exception as error:  # noqa: BLE001 - sorted out with the others' results
+                    futures[i] = concurrent.futures.Future()
+                    futures[i].set_exception(error)
+        except BaseException:  # the caller's replica_params raised
+            self._sync_ended(None)
+            raise
+        keep = None  # restart without restart_params: every index's tree of this sync, if known
+        if self._restart is not None and self._restart_params is None:
+            keep = trees if callable(replica_params) else {
+                i: params if replica_params is None else replica_params[i] for i in range(len(self.replicas))}
+        out = self._gather(futures, functools.partial(self._synced, target, seq, keep), live)
+        out.add_done_callback(self._sync_ended)
+        return out
 
-    def _synced(self, target: int, seq: int, results: dict[int, dict]) -> dict:
+    def _sync_ended(self, _) -> None:
+        with self._idle:
+            self._syncs_running -= 1
+            self._idle.notify_all()
+
+    def _synced(self, target: int, seq: int, trees: dict[int, Any] | None, results: dict[int, dict]) -> dict:
         with self._lock:
             if seq > self._applied_seq:
                 self._version, self._applied_seq = target, seq
+                if trees is not None:  # restart: the weights a new replica i gets (none: unknown)
+                    self._synced_trees = trees
         stats = _combine(list(results.values()))
         return {**stats, "policy_version": target, "replicas": len(results)}
 
@@ -458,9 +614,11 @@ class ReplicaRouter:
                                   replica_params=replica_params).result()
 
     def _gather(self, futures: dict[int, concurrent.futures.Future],
-                finish: Callable[[dict[int, Any]], Any]) -> concurrent.futures.Future:
-        """One Future over per-replica futures. A replica that failed (its `error` set) is
-        dropped and left out; another exception (a bad tree, resume while asleep) fails it."""
+                finish: Callable[[dict[int, Any]], Any],
+                owners: dict[int, Replica]) -> concurrent.futures.Future:
+        """One Future over per-replica futures (`owners`: the replicas they came from). A replica
+        that failed (its `error` set) is dropped and left out; another exception (a bad tree,
+        resume while asleep) fails it."""
         out: concurrent.futures.Future = concurrent.futures.Future()
         left = [len(futures)]
         lock = threading.Lock()
@@ -475,8 +633,8 @@ class ReplicaRouter:
                 error = f.exception()
                 if error is None:
                     results[i] = f.result()
-                elif self._call(i, lambda r: r.error) is not None or i in self._dead:
-                    self._fail_replica(i, error)
+                elif owners[i].error is not None or self.replicas[i] is not owners[i] or i in self._dead:
+                    self._fail_replica(i, error, replica=owners[i])
                 else:
                     errors.append((i, error))
             if errors:
@@ -501,10 +659,10 @@ class ReplicaRouter:
         """`replica.<name>()` on every live replica in parallel (the router's thread pool)."""
         with self._lock:
             self._check_running()
-            live = [i for i in range(len(self.replicas)) if i not in self._dead]
-        futures = {i: self._pool.submit(getattr(self.replicas[i], name)) for i in live}
+            live = {i: self.replicas[i] for i in range(len(self.replicas)) if i not in self._dead}
+        futures = {i: self._pool.submit(getattr(r, name)) for i, r in live.items()}
         return self._gather(futures, lambda results: _combine(
-            [r for r in results.values() if isinstance(r, dict)]))
+            [r for r in results.values() if isinstance(r, dict)]), live)
 
     def suspend(self) -> None:
         """`suspend()` on every live replica; returns once all hold (see RolloutServer.suspend)."""
@@ -563,8 +721,11 @@ class ReplicaRouter:
         read; a retried request counts on each replica it ran on) plus the router's: routed_requests
         (submitted to the router), waited_requests (had to wait in its queue), session_requests /
         sticky_requests (later turns of a known session / those sent to the session's replica),
-        dead_replicas, retried_requests."""
+        dead_replicas (deaths), retried_requests, restarted_replicas, failed_restarts; a replica
+        replaced by a restart keeps counting, its successor's counters added."""
         total = collections.Counter()
+        with self._lock:
+            total.update(self._retired)
         for i, r in enumerate(self.replicas):
             with self._lock:
                 dead = self._dead_stats.get(i)
@@ -587,7 +748,8 @@ class ReplicaRouter:
         the share of later session turns sent to their session's replica in the interval (1 when
         none came); rollout/router/imbalance_requests, /imbalance_tokens: max / mean over the live
         replicas of requests sent / tokens generated in the interval (1 = even; 1 when none);
-        rollout/router/live_replicas, /dead_replicas, /retried_requests (cumulative).
+        rollout/router/live_replicas, /restarting_replicas (now); /dead_replicas (deaths),
+        /retried_requests, /restarted_replicas (restarts back in the balancer): cumulative.
         """
         now = time.perf_counter()
         stats = {i: self._call(i, lambda r: r.stats) or {} for i in self.live_replicas}
@@ -599,6 +761,8 @@ class ReplicaRouter:
                    "rollout/router/live_replicas": float(len(self.replicas) - len(self._dead)),
                    "rollout/router/dead_replicas": float(self._counts["dead_replicas"]),
                    "rollout/router/retried_requests": float(self._counts["retried_requests"]),
+                   "rollout/router/restarted_replicas": float(self._counts["restarted_replicas"]),
+                   "rollout/router/restarting_replicas": float(len(self._restarting)),
                    "rollout/router/stickiness": _rate(interval["sticky_requests"],
                                                       interval["session_requests"], 1.0)}
             tokens, requests = [], []
@@ -624,7 +788,8 @@ class ReplicaRouter:
         for name, xs in (("requests", requests), ("tokens", tokens)):
             out[f"rollout/router/imbalance_{name}"] = _rate(max(xs, default=0), np.mean(xs) if xs else 0, 1.0)
         for i in stats:
-            out[f"rollout/replica/{i}/policy_version"] = float(self.replicas[i].policy_version)
+            version = self._call(i, lambda r: r.policy_version)
+            out[f"rollout/replica/{i}/policy_version"] = float(-1 if version is None else version)
         return out
 
     # ------------------------------------------------------------------ shutdown
@@ -637,8 +802,12 @@ class ReplicaRouter:
             queued, self._queue = list(self._queue), collections.deque()
             for req in queued:
                 self._live.pop(req.request_id, None)
+            self._idle.notify_all()  # a restart waiting for a sync gives up
+            restarts = list(self._restart_threads)
         for req in queued:
             _set_future(req.future, self._abort_output(req))
+        for thread in restarts:  # each closes the replica it built
+            thread.join()
         for f in [self._pool.submit(self._call, i, lambda r: r.close()) for i in range(len(self.replicas))]:
             f.result()
         self._pool.shutdown(wait=True)
