@@ -424,6 +424,10 @@ class Transformer(nnx.Module):
         run (any left and right padding) unless packed; hidden states at padding positions are
         then zero. With xla and splash, hidden states at padding positions are unspecified (never
         read by real tokens).
+
+        When the active sharding rules split the sequence (`mesh.context` > 1 under the train
+        rules), attention runs context-parallel (`_context_parallel`: all-to-all under
+        shard_map, the same kernel kind on whole sequences, masked by segment ids as above).
         """
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)

@@ -102,10 +102,12 @@ def test_context_parallel_gradients_under_each_remat_policy(remat):
     _assert_equal(_logits_and_grads(2, batch, remat=remat), _logits_and_grads(1, batch, remat=remat), batch[1])
 
 
-def test_context_parallel_rolled_attention_equals_xla():
-    """The cuDNN path's CPU stand-in ("rolled": masks by each row's runs) on context shards."""
+@pytest.mark.parametrize("impl", ["rolled", "splash"])
+def test_context_parallel_kernels_equal_xla(impl):
+    """The cuDNN path's CPU stand-in ("rolled": masks by each row's runs) and the TPU splash
+    kernel (interpreted on CPU) on 2 context shards, packed rows."""
     batch = _packed()
-    _assert_equal(_logits_and_grads(2, batch, impl="rolled"), _logits_and_grads(1, batch), batch[1])
+    _assert_equal(_logits_and_grads(2, batch, impl=impl), _logits_and_grads(1, batch), batch[1])
 
 
 def test_the_context_axis_shards_activations_and_parameters():
