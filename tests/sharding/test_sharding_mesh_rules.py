@@ -145,3 +145,14 @@ def test_logical_axis_size_counts_the_parts_a_dim_is_split_into():
     assert sharding.logical_axis_size(mesh, "cache_length", "rollout") == 1
     with pytest.raises(ValueError, match="unknown logical axis"):
         sharding.logical_axis_size(mesh, "nope", sharding.TRAIN_RULES)
+
+
+def test_context_axis_is_a_fourth_entry_placed_between_fsdp_and_tensor():
+    mesh = sharding.make_mesh((1, 2, 2, 2))  # (data, fsdp, tensor, context): MeshConfig's field order
+    assert mesh.axis_names == ("data", "fsdp", "context", "tensor")
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "context": 2, "tensor": 2}
+    assert sharding.make_mesh(MeshConfig(fsdp=-1, context=4)).shape["fsdp"] == 2
+    with pytest.raises(ValueError, match=r"\(data=1, fsdp=2, tensor=1, context=3\) needs 6 devices but 8"):
+        sharding.make_mesh((1, 2, 1, 3))
+    with pytest.raises(ValueError, match=r"must have 3 entries \(data, fsdp, tensor\) or 4"):
+        sharding.make_mesh((1, 8))
