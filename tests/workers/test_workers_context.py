@@ -31,21 +31,25 @@ def _batch(rows=8, p=4, t=4, vocab=20):
             "advantages": rng.normal(size=(rows, t)).astype(np.float32) * response_mask}
 
 
-def _one_update(context: int):
-    run = load_config(f"{QUICKSTART}:tiny,local", [f"mesh.context={context}", "model.dtype=float32"])
+def _one_update(context: int, packed: bool = False):
+    extra = ["actor.use_dynamic_bsz=True", "actor.ppo_max_token_len_per_device=128"] if packed else []
+    run = load_config(f"{QUICKSTART}:tiny,local", [f"mesh.context={context}", "model.dtype=float32", *extra])
     mesh, _ = _host._meshes(run)
     assert mesh.shape["context"] == context and mesh.shape["fsdp"] == 8 // context
     actor = ActorWorker(build_model(run.model, vocab_size=20, mesh=mesh), run.actor, mesh=mesh,
                         total_steps=1, temperature=1.0)
+    assert actor.update_budget[0] == (128 if packed else 0) == actor.log_prob_budget[0]
     batch = _batch()
     batch["old_log_probs"] = actor.compute_log_prob(batch)["old_log_probs"]
     metrics = actor.update(batch, mini_rows=8, seed=0)
     return batch["old_log_probs"], metrics, actor.compute_log_prob(batch)["old_log_probs"]
 
 
-def test_actor_update_with_mesh_context_2_equals_context_1():
-    before, metrics, after = _one_update(2)
-    want_before, want_metrics, want_after = _one_update(1)
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_actor_update_with_mesh_context_2_equals_context_1(packed):
+    """packed: token-budget micro-batches of packed rows (`actor.use_dynamic_bsz`, pack length 128)."""
+    before, metrics, after = _one_update(2, packed)
+    want_before, want_metrics, want_after = _one_update(1, packed)
     np.testing.assert_allclose(before, want_before, atol=1e-5)
     assert np.abs(after - before).max() > 1e-4  # the update moved the policy
     np.testing.assert_allclose(after, want_after, atol=1e-5)
