@@ -131,3 +131,14 @@ def test_a_sequence_length_that_does_not_split_is_named():
     with sharding.use_rules(_mesh(2), "train"), \
             pytest.raises(ValueError, match="sequence length 15 is not a multiple of mesh.context=2"):
         jax.jit(lambda i, m: model(i, attention_mask=m))(ids, mask)
+
+
+@pytest.mark.parametrize("rows, heads, context, match", [
+    (3, 8, 2, "3 rows do not split over the 2 data-parallel devices"),
+    (4, 6, 4, "6 query heads per tensor shard do not split over mesh.context=4"),
+])
+def test_rows_and_heads_that_do_not_split_are_named(rows, heads, context, match):
+    ids, mask, _ = _padded()
+    model = models.CausalLM(CONFIG.replace(num_attention_heads=heads), rngs=nnx.Rngs(params=0))
+    with sharding.use_rules(_mesh(context), "train"), pytest.raises(ValueError, match=match):
+        jax.jit(lambda i, m: model(i, attention_mask=m))(ids[:rows], mask[:rows])
