@@ -1,6 +1,6 @@
 """Sharding for jaxrl-llm: the only place that names mesh axes.
 
-- mesh: `MeshConfig`, `make_mesh` (axes `MESH_AXES` = data, fsdp, tensor).
+- mesh: `MeshConfig`, `make_mesh` (axes `MESH_AXES` = data, fsdp, context, tensor).
 - rules: `TRAIN_RULES` / `ROLLOUT_RULES` map logical dim names to mesh axes;
   `logical_to_spec`, `logical_sharding`, `logical_axis_size`.
 - state: `state_shardings` / `tree_shardings` / `shard_state` / `init_sharded` from the

@@ -69,4 +69,4 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         raise ValueError(f"constrain: logical axes {tuple(logical_axes)} have {len(logical_axes)} "
                          f"entries but the array has shape {x.shape}")
     mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(logical_axes, rules)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh)))

@@ -1,7 +1,17 @@
-"""Device mesh construction from a `(data, fsdp, tensor)` shape.
+"""Device mesh construction from a `(data, fsdp, tensor[, context])` shape.
 
-The mesh always has the three axes of `MESH_AXES`, in that order, whatever their sizes; axes of
+The mesh always has the four axes of `MESH_AXES`, in that order, whatever their sizes; axes of
 size 1 cost nothing. Which tensor dimension goes on which axis is left to `_rules.py`.
+
+Axis order is device locality: `jax.make_mesh` gives the last axes the closest devices (ICI
+neighbours on a TPU slice, one NVLink domain on GPUs). `tensor` is innermost (an all-reduce or
+all-gather per matmul, on the critical path); `context` next (context-parallel attention: four
+all-to-alls per layer and direction); then `fsdp` (a weight all-gather / gradient
+reduce-scatter per layer, overlappable); `data` outermost (one gradient reduction per step).
+
+`context` (default 1) splits the training passes' sequence dim (`length` in the train rules).
+Shapes given as sequences are `(data, fsdp, tensor)` (context 1) or `(data, fsdp, tensor,
+context)`: the `MeshConfig` field order, which keeps every 3-entry shape meaning what it did.
 """
 from __future__ import annotations
 
@@ -14,7 +24,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
+MESH_AXES: tuple[str, str, str, str] = ("data", "fsdp", "context", "tensor")
+# The order of `MeshConfig`'s fields and of a shape given as a sequence (context last, optional).
+CONFIG_AXES: tuple[str, str, str, str] = ("data", "fsdp", "tensor", "context")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +36,7 @@ class MeshConfig:
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    context: int = 1
 
     def __post_init__(self):
         for name in MESH_AXES:
@@ -40,16 +53,18 @@ class MeshConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> MeshConfig:
         """Builds from a mapping (dict or ConfigDict) with keys among `MESH_AXES`."""
         d = dict(d)
-        unknown = sorted(set(d) - set(MESH_AXES))
+        unknown = sorted(set(d) - set(CONFIG_AXES))
         if unknown:
-            raise ValueError(f"MeshConfig: unknown field(s) {unknown}; known fields are {list(MESH_AXES)}")
+            raise ValueError(f"MeshConfig: unknown field(s) {unknown}; known fields are {list(CONFIG_AXES)}")
         return cls(**{k: int(v) for k, v in d.items()})
 
     def describe(self) -> str:
-        return "(" + ", ".join(f"{n}={getattr(self, n)}" for n in MESH_AXES) + ")"
+        names = CONFIG_AXES if self.context != 1 else CONFIG_AXES[:3]
+        return "(" + ", ".join(f"{n}={getattr(self, n)}" for n in names) + ")"
 
-    def resolve(self, num_devices: int) -> tuple[int, int, int]:
-        """The concrete `(data, fsdp, tensor)` shape for `num_devices` devices (fills the -1)."""
+    def resolve(self, num_devices: int) -> tuple[int, int, int, int]:
+        """The concrete shape in `MESH_AXES` order `(data, fsdp, context, tensor)` for
+        `num_devices` devices (fills the -1)."""
         sizes = [getattr(self, n) for n in MESH_AXES]
         fixed = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
@@ -62,22 +77,24 @@ class MeshConfig:
         if math.prod(sizes) != num_devices:
             raise ValueError(
                 f"mesh shape {self.describe()} needs {math.prod(sizes)} devices but {num_devices} devices "
-                f"are available; make the product of data*fsdp*tensor equal the device count or set one "
-                f"axis to -1")
+                f"are available; make the product of data*fsdp*tensor*context equal the device count or set "
+                f"one axis to -1")
         return tuple(sizes)  # type: ignore[return-value]
 
 
 def as_mesh_config(config: MeshConfig | Mapping[str, Any] | Sequence[int]) -> MeshConfig:
-    """Accepts a MeshConfig, a mapping of axis sizes, or a 3-tuple `(data, fsdp, tensor)`."""
+    """Accepts a MeshConfig, a mapping of axis sizes, or a sequence `(data, fsdp, tensor)` (context
+    1) or `(data, fsdp, tensor, context)`."""
     if isinstance(config, MeshConfig):
         return config
     if isinstance(config, Mapping) or hasattr(config, "to_dict"):
         return MeshConfig.from_dict(config.to_dict() if hasattr(config, "to_dict") else config)
     if isinstance(config, Sequence) and not isinstance(config, str):
-        if len(config) != len(MESH_AXES):
-            raise ValueError(f"mesh shape {tuple(config)} must have {len(MESH_AXES)} entries {MESH_AXES}")
+        if len(config) not in (3, 4):
+            raise ValueError(f"mesh shape {tuple(config)} must have 3 entries (data, fsdp, tensor) or 4 "
+                             f"{CONFIG_AXES}")
         return MeshConfig(*(int(c) for c in config))
-    raise TypeError(f"mesh config must be a MeshConfig, dict or 3-tuple, got {type(config).__name__}")
+    raise TypeError(f"mesh config must be a MeshConfig, dict or 3- or 4-tuple, got {type(config).__name__}")
 
 
 def make_mesh(config: MeshConfig | Mapping[str, Any] | Sequence[int],

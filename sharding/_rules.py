@@ -1,8 +1,13 @@
 """Logical-axis rules: which mesh axes each logical tensor dimension is split over.
 
 Models name their dimensions (`embed`, `mlp`, `batch`, …); the two tables here turn those names
-into `PartitionSpec`s. `TRAIN_RULES` is FSDP + tensor parallelism; `ROLLOUT_RULES` keeps the
-tensor split but replicates parameters over `data`/`fsdp`, which is what a decode step wants.
+into `PartitionSpec`s. `TRAIN_RULES` is FSDP + tensor parallelism + context parallelism (the
+sequence dim `length` of activations on `context`; parameters are FSDP-sharded over `fsdp` and
+`context` together, so context-parallel devices do not each hold a copy); `ROLLOUT_RULES` keeps
+the tensor split but replicates parameters over `data`/`fsdp`, which is what a decode step wants.
+
+A mesh whose `context` axis has size 1 (the default) leaves `context` out of every spec made
+for it, so each sharding is exactly what it was before the axis existed.
 """
 from __future__ import annotations
 
@@ -17,14 +22,16 @@ MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 
 _BATCH = ("data", "fsdp")
+# left out of specs on a mesh where it has size 1 (see the module doc)
+_OPTIONAL_AXES = ("context",)
 
 TRAIN_RULES: Rules = (
     # activations
     ("batch", _BATCH),
-    ("length", None),
+    ("length", "context"),
     # parameters (and activation dims of the same name)
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "context")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
@@ -79,9 +86,10 @@ def _as_table(rules: Rules | str) -> dict[str, tuple[str, ...]]:
     return table
 
 
-def _mesh_axes_per_dim(logical_axes: Sequence[str | None],
-                       rules: Rules | str) -> list[tuple[str, ...]]:
-    """The mesh axes of each dim; a mesh axis already used by an earlier dim leaves the dim whole."""
+def _mesh_axes_per_dim(logical_axes: Sequence[str | None], rules: Rules | str,
+                       mesh: Mesh | None = None) -> list[tuple[str, ...]]:
+    """The mesh axes of each dim; a mesh axis already used by an earlier dim leaves the dim whole.
+    With `mesh`, `_OPTIONAL_AXES` of size 1 on it are left out."""
     if isinstance(logical_axes, str):
         raise TypeError(f"logical axes must be a tuple of names, got the string {logical_axes!r}")
     table = _as_table(rules)
@@ -94,6 +102,8 @@ def _mesh_axes_per_dim(logical_axes: Sequence[str | None],
         if name not in table:
             raise ValueError(f"unknown logical axis {name!r}; known logical axes are {sorted(table)}")
         axes = table[name]
+        if mesh is not None:
+            axes = tuple(a for a in axes if not (a in _OPTIONAL_AXES and mesh.shape.get(a, 1) == 1))
         if used.intersection(axes):
             axes = ()
         used.update(axes)
@@ -105,19 +115,21 @@ def _spec_entry(axes: tuple[str, ...]) -> MeshAxes:
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules | str) -> PartitionSpec:
+def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules | str,
+                    mesh: Mesh | None = None) -> PartitionSpec:
     """PartitionSpec for a tensor whose dims are named `logical_axes` (None = unsharded dim).
 
     A mesh axis may appear only once in a spec: a later dim whose rule names a mesh axis already
     used by an earlier dim stays unsharded, e.g. ("batch", "length", "embed") under TRAIN_RULES
-    gives P(("data", "fsdp"), None, None).
+    gives P(("data", "fsdp"), "context", None). With `mesh`, for that mesh (a `context` of size 1
+    left out: P(("data", "fsdp"), None, None)).
     """
-    return PartitionSpec(*(_spec_entry(a) for a in _mesh_axes_per_dim(logical_axes, rules)))
+    return PartitionSpec(*(_spec_entry(a) for a in _mesh_axes_per_dim(logical_axes, rules, mesh)))
 
 
 def logical_axis_size(mesh: Mesh, logical_axis: str, rules: Rules | str) -> int:
     """How many parts `rules` split a dim named `logical_axis` into on `mesh` (1: whole)."""
-    (axes,) = _mesh_axes_per_dim((logical_axis,), rules)
+    (axes,) = _mesh_axes_per_dim((logical_axis,), rules, mesh)
     return math.prod(mesh.shape[a] for a in axes)
 
 
@@ -129,7 +141,7 @@ def logical_sharding(mesh: Mesh, logical_axes: Sequence[str | None], rules: Rule
     With `shape`, checks the rank and that every sharded dim divides evenly over its mesh axes;
     errors name the tensor (`name`), dim index, size, logical name and mesh axes.
     """
-    per_dim = _mesh_axes_per_dim(logical_axes, rules)
+    per_dim = _mesh_axes_per_dim(logical_axes, rules, mesh)
     if shape is not None:
         what = f"{name}: " if name else ""
         if len(shape) != len(per_dim):

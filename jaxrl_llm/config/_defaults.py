@@ -67,8 +67,8 @@ def base_config() -> ConfigDict:
                     model=dict(path="", micro_batch_size_per_device=8, use_dynamic_bsz=False,
                                forward_max_token_len_per_device=32768),
                     overlong_buffer=dict(enable=False, len=0, penalty_factor=1.0))
-    c.mesh = dict(data=1, fsdp=-1, tensor=1)
-    c.placement = dict(mode="colocated", rollout_mesh=dict(data=1, fsdp=1, tensor=1),
+    c.mesh = dict(data=1, fsdp=-1, tensor=1, context=1)
+    c.placement = dict(mode="colocated", rollout_mesh=dict(data=1, fsdp=1, tensor=1, context=1),
                        one_step_off_policy=False)
     c.async_training = dict(enable=False, staleness_threshold=0.0, trigger_parameter_sync_step=1,
                             require_batches=1, partial_rollout=False)

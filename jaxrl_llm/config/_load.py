@@ -254,6 +254,11 @@ def validate(c: RunConfig) -> None:
     """Cross-field checks: each error names the field(s) and the fix."""
     _choice(c.trainer.backend, ("ray", "local"), "trainer.backend")
     _choice(c.placement.mode, ("colocated", "separate"), "placement.mode")
+    if c.mesh.context < 1:
+        raise ConfigError(f"mesh.context must be >= 1 (1 = no context parallelism), got {c.mesh.context}")
+    if c.placement.rollout_mesh.context != 1:
+        raise ConfigError(f"placement.rollout_mesh.context must be 1 (the rollout engine has no "
+                          f"context-parallel path), got {c.placement.rollout_mesh.context}")
     if c.placement.mode == "separate":
         rm = c.placement.rollout_mesh
         if min(rm.data, rm.fsdp, rm.tensor) < 1:

@@ -279,6 +279,7 @@ class MeshSection:
     data: int
     fsdp: int
     tensor: int
+    context: int  # context-parallel axis (training passes only): each sequence's tokens split over this many devices, attention all-to-all under shard_map (docs/scaling.md §2, "Long sequences"); parameters FSDP-sharded over fsdp x context; 1 = off; must be 1 in placement.rollout_mesh
 
 
 @dataclasses.dataclass(frozen=True)

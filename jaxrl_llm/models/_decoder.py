@@ -30,6 +30,7 @@ import sharding
 
 from . import _kernels
 from ._config import ModelConfig
+from ._context_parallel import context_attention, context_parts
 from ._lora import lora_delta
 
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -428,6 +429,10 @@ class Transformer(nnx.Module):
         run (any left and right padding) unless packed; hidden states at padding positions are
         then zero. With xla and splash, hidden states at padding positions are unspecified (never
         read by real tokens).
+
+        When the active sharding rules split the sequence (`mesh.context` > 1 under the train
+        rules), attention runs context-parallel (`_context_parallel`: all-to-all under
+        shard_map, the same kernel kind on whole sequences, masked by segment ids as above).
         """
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
@@ -436,6 +441,14 @@ class Transformer(nnx.Module):
         c = self.config
         impl = _train_attention_impl(c)
         unroll = self._unroll(c.layer_unroll)
+        if context_parts() > 1:  # the rules split the sequence: attention all-to-all over `context`
+            segments = attention_mask.astype(jnp.int32)
+            attention = functools.partial(context_attention, functools.partial(_local_attention, impl), segments)
+            h, _ = self._scan(self.embed(input_ids), positions, lambda i, e, k, v: (k, v, attention(k, v), e),
+                              (), remat=True, unroll=unroll)
+            if impl in ("cudnn", "rolled"):  # as on their own paths: zero at padding
+                h = jnp.where(segments[..., None] != 0, h, 0).astype(h.dtype)
+            return h
         if impl == "splash":
             segments = attention_mask.astype(jnp.int32)
             h, _ = self._scan(self.embed(input_ids), positions,
@@ -565,6 +578,18 @@ def _splash(segment_ids, k, v):
     """The `mask` argument of `DecoderLayers.layer` for the splash path: q -> causal attention
     within segments (segment ids = the attention mask)."""
     return lambda q: _kernels.splash_causal(q, k, v, segment_ids).astype(q.dtype)
+
+
+def _local_attention(impl, segment_ids, q, k, v):
+    """One device's attention over whole sequences for a head slice (the context-parallel path,
+    `_context_parallel`): causal within segment ids (0 padding), by the kind `impl`. cudnn and
+    rolled mask by each row's runs of equal ids (their packed layout; an unpacked row is one run)."""
+    if impl == "splash":
+        return _kernels._splash_local(q, k, v, segment_ids, interpret=_kernels.target_platform() != "tpu")
+    if impl in ("cudnn", "rolled"):
+        offsets, lengths = _segment_runs(segment_ids)
+        return _packed_attention(impl, offsets, lengths, segment_ids != 0, k, v)(q)
+    return attend(q, k, v, causal_padding_mask(segment_ids))
 
 
 def _flash_attention(impl, lengths, k, v):

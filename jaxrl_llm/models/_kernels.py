@@ -46,8 +46,8 @@ def _per_shard(fn, arrays_axes, out_axes, whole=()):
         if parts > 1:
             raise ValueError(f"the Pallas attention kernels need the {axis!r} dim whole on each device, "
                              f"but the sharding rules split it into {parts} parts; map {axis!r} to None")
-    specs = tuple(sharding.logical_to_spec(a, rules) for a in arrays_axes)
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=sharding.logical_to_spec(out_axes, rules),
+    specs = tuple(sharding.logical_to_spec(a, rules, mesh) for a in arrays_axes)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=sharding.logical_to_spec(out_axes, rules, mesh),
                          check_vma=False)
 
 

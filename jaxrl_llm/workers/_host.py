@@ -599,7 +599,7 @@ def _meshes(c: RunConfig, devices=None):
     compile passes a topology's).
     """
     m = c.mesh
-    train_cfg = sharding.MeshConfig(m.data, m.fsdp, m.tensor)
+    train_cfg = sharding.MeshConfig(m.data, m.fsdp, m.tensor, m.context)
     r = c.placement.rollout_mesh
     if c.placement.mode == "colocated":
         mesh = sharding.make_mesh(train_cfg, devices=devices)
@@ -702,7 +702,7 @@ def _split_separate(c: RunConfig, devices=None):
                          "leave some for training (placement.mode='separate'; on CPU, "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=N shows JAX N devices)")
     train_devices = [d for p in sorted(hosts) for d in hosts[p][:-k]]
-    train = sharding.make_mesh(sharding.MeshConfig(m.data, m.fsdp, m.tensor), devices=train_devices)
+    train = sharding.make_mesh(sharding.MeshConfig(m.data, m.fsdp, m.tensor, m.context), devices=train_devices)
     replicas = [sharding.make_mesh(sharding.MeshConfig(r.data, r.fsdp, r.tensor), devices=hosts[p][-k:])
                 for p in sorted(hosts)]
     return train, replicas

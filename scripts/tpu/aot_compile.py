@@ -656,8 +656,9 @@ def markdown_tables(reports: list[dict]) -> str:
     def slice_name(r):
         return f"{r['chip']['name']}-{r['chips'] * (2 if r['chip']['name'] in ('v5p', 'v4') else 1)}"
 
-    def mesh(m):
-        return "x".join(str(m[k]) for k in ("data", "fsdp", "tensor"))
+    def mesh(m):  # a context axis other than 1 as a fourth figure, "cN"
+        ctx = f"xc{m['context']}" if m.get("context", 1) != 1 else ""
+        return "x".join(str(m[k]) for k in ("data", "fsdp", "tensor")) + ctx
 
     lines = ["| model | slice (HBM/chip) | mesh d x f x t (rollout) | resident per chip: actor + Adam, ref, "
              "engine weights, KV cache | " + " | ".join(f"`{p}` peak" for p in _TABLE_PROGRAMS) + " | fits |",

@@ -38,7 +38,7 @@ def ppo(aot):
 def test_tiny_update_and_decode_compile_for_v5e_with_the_pallas_kernels(ppo):
     out = ppo
     assert out["chips"] == 4 and out["chip"]["name"] == "v5e" and out["device_kind"] == "TPU v5 lite"
-    assert out["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1} and out["fits"]
+    assert out["mesh"] == {"data": 1, "fsdp": 4, "context": 1, "tensor": 1} and out["fits"]
     update, generate = out["programs"]["actor_update"], out["programs"]["generate"]
     residents = out["resident_bytes"]
     for p in (update, generate):

@@ -136,7 +136,7 @@ def test_replicas_per_host_split_the_data_axis_and_are_checked(tmp_path):
 
     mesh = sharding.make_mesh(sharding.MeshConfig(4, 1, 2), devices=jax.devices()[:8])
     parts = _host._split_replica(mesh, 2)
-    assert [p.devices.shape for p in parts] == [(2, 1, 2), (2, 1, 2)] and parts[0].axis_names == mesh.axis_names
+    assert [p.devices.shape for p in parts] == [(2, 1, 1, 2)] * 2 and parts[0].axis_names == mesh.axis_names
     assert [d.id for p in parts for d in p.devices.flat] == [d.id for d in mesh.devices.flat]
     with pytest.raises(ValueError, match=r"rollout.replicas_per_host=3 must divide the data axis"):
         _host._split_replica(mesh, 3)

@@ -8,17 +8,21 @@ import sharding
 from sharding import MESH_AXES, MeshConfig
 
 
+def _shape3(mesh):
+    return tuple(mesh.shape[a] for a in ("data", "fsdp", "tensor"))
+
+
 @pytest.mark.parametrize("shape", [(8, 1, 1), (1, 8, 1), (1, 2, 4), (2, 2, 2)])
 def test_make_mesh_has_requested_shape_over_all_devices(shape):
     mesh = sharding.make_mesh(shape)
     assert mesh.axis_names == MESH_AXES
-    assert tuple(mesh.shape[a] for a in MESH_AXES) == shape
+    assert _shape3(mesh) == shape and mesh.shape["context"] == 1  # 3 entries: context 1
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
 
 
 def test_make_mesh_single_device_subset():
     mesh = sharding.make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])
-    assert mesh.devices.shape == (1, 1, 1)
+    assert mesh.devices.shape == (1, 1, 1, 1)
     assert mesh.devices.flat[0] == jax.devices()[0]
 
 
@@ -37,7 +41,7 @@ def test_make_mesh_explicit_device_subset_for_disaggregation():
 ])
 def test_minus_one_fills_the_remaining_devices(config, expected):
     mesh = sharding.make_mesh(config)
-    assert tuple(mesh.shape[a] for a in MESH_AXES) == expected
+    assert _shape3(mesh) == expected
 
 
 def test_mesh_product_mismatch_names_shape_and_device_count():
@@ -78,7 +82,8 @@ def test_mesh_config_from_dict_rejects_unknown_field():
     (("embed", None), P("fsdp", None)),
 ])
 def test_train_rules_resolve_to_fsdp_plus_tensor_specs(axes, expected):
-    assert sharding.logical_to_spec(axes, sharding.TRAIN_RULES) == expected
+    # on a mesh with context 1 (the default) the context axis is left out of every spec
+    assert sharding.logical_to_spec(axes, sharding.TRAIN_RULES, sharding.make_mesh((1, 8, 1))) == expected
 
 
 @pytest.mark.parametrize("axes, expected", [
@@ -140,3 +145,14 @@ def test_logical_axis_size_counts_the_parts_a_dim_is_split_into():
     assert sharding.logical_axis_size(mesh, "cache_length", "rollout") == 1
     with pytest.raises(ValueError, match="unknown logical axis"):
         sharding.logical_axis_size(mesh, "nope", sharding.TRAIN_RULES)
+
+
+def test_context_axis_is_a_fourth_entry_placed_between_fsdp_and_tensor():
+    mesh = sharding.make_mesh((1, 2, 2, 2))  # (data, fsdp, tensor, context): MeshConfig's field order
+    assert mesh.axis_names == ("data", "fsdp", "context", "tensor")
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "context": 2, "tensor": 2}
+    assert sharding.make_mesh(MeshConfig(fsdp=-1, context=4)).shape["fsdp"] == 2
+    with pytest.raises(ValueError, match=r"\(data=1, fsdp=2, tensor=1, context=3\) needs 6 devices but 8"):
+        sharding.make_mesh((1, 2, 1, 3))
+    with pytest.raises(ValueError, match=r"must have 3 entries \(data, fsdp, tensor\) or 4"):
+        sharding.make_mesh((1, 8))

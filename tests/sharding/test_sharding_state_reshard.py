@@ -196,7 +196,7 @@ def test_transfer_to_disjoint_replicas_sends_every_shard_and_casts():
     train = sharding.make_mesh((1, 2, 1), devices=devices[:2])
     replicas = [sharding.make_mesh((1, 1, 2), devices=devices[2 + 2 * i:4 + 2 * i]) for i in range(3)]
     rmesh = sharding.replica_mesh(replicas)
-    assert dict(rmesh.shape) == {sharding.REPLICA_AXIS: 3, "data": 1, "fsdp": 1, "tensor": 2}
+    assert dict(rmesh.shape) == {sharding.REPLICA_AXIS: 3, "data": 1, "fsdp": 1, "context": 1, "tensor": 2}
     values = {"w": np.arange(4 * 6 * 8, dtype=np.float32).reshape(4, 6, 8) / 7,
               "b": np.arange(8, dtype=np.float32)}
     src = {"w": jax.device_put(values["w"], NamedSharding(train, P(None, "fsdp"))),

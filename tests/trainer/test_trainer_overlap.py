@@ -109,8 +109,8 @@ def test_colocated_rollout_mesh_re_meshes_the_training_devices(tiny_run):
     try:
         trainer.call0(HostWorker.start_rl, 1)
         host = trainer.group.workers[0]
-        assert dict(host.mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
-        assert dict(host.rollout_mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 8}
+        assert dict(host.mesh.shape) == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
+        assert dict(host.rollout_mesh.shape) == {"data": 1, "fsdp": 1, "context": 1, "tensor": 8}
         assert set(host.mesh.devices.flat) == set(host.rollout_mesh.devices.flat)
         # the engine's weights are split over heads/mlp/vocab (tensor), none over fsdp
         specs = [str(x.sharding.spec) for x in jax.tree.leaves(host.engine.params)]
