@@ -443,7 +443,9 @@ class Transformer(nnx.Module):
         unroll = self._unroll(c.layer_unroll)
         if context_parts() > 1:  # the rules split the sequence: attention all-to-all over `context`
             segments = attention_mask.astype(jnp.int32)
-            attention = functools.partial(context_attention, functools.partial(_local_attention, impl), segments)
+            runs = 1 if not packed else None if packed is True else int(packed)  # sequences per row
+            attention = functools.partial(context_attention, functools.partial(_local_attention, impl, runs),
+                                          segments)
             h, _ = self._scan(self.embed(input_ids), positions, lambda i, e, k, v: (k, v, attention(k, v), e),
                               (), remat=True, unroll=unroll)
             if impl in ("cudnn", "rolled"):  # as on their own paths: zero at padding
@@ -580,14 +582,15 @@ def _splash(segment_ids, k, v):
     return lambda q: _kernels.splash_causal(q, k, v, segment_ids).astype(q.dtype)
 
 
-def _local_attention(impl, segment_ids, q, k, v):
+def _local_attention(impl, max_runs, segment_ids, q, k, v):
     """One device's attention over whole sequences for a head slice (the context-parallel path,
     `_context_parallel`): causal within segment ids (0 padding), by the kind `impl`. cudnn and
-    rolled mask by each row's runs of equal ids (their packed layout; an unpacked row is one run)."""
+    rolled mask by each row's runs of equal ids (their packed layout; an unpacked row is one run),
+    at most `max_runs` per row (None: the row length)."""
     if impl == "splash":
         return _kernels._splash_local(q, k, v, segment_ids, interpret=_kernels.target_platform() != "tpu")
     if impl in ("cudnn", "rolled"):
-        offsets, lengths = _segment_runs(segment_ids)
+        offsets, lengths = _segment_runs(segment_ids, max_runs)
         return _packed_attention(impl, offsets, lengths, segment_ids != 0, k, v)(q)
     return attend(q, k, v, causal_padding_mask(segment_ids))
 
