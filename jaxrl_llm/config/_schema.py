@@ -57,7 +57,7 @@ class ModelSection:
     remat: str
     train_attention: str  # kernel of the full forward: auto | xla | cudnn | rolled | splash
     decode_attention: str  # kernel of one-token decode: auto | einsum | reduce | cudnn | pallas | triton
-    use_remove_padding: bool  # verl's: every training pass (old/reference log-probs, values, reward-model scores, actor and critic updates) packs each micro-batch's rows into sequences with segment ids instead of padded [p + t] rows; exact, same micro-batches (rows, or a token budget with *.use_dynamic_bsz)
+    use_remove_padding: bool  # verl's: every training pass (old/reference log-probs, values, reward-model scores, actor and critic updates) packs each micro-batch's rows into sequences with segment ids instead of padded [p + t] rows; exact, same micro-batches (rows, or a token budget with *.use_dynamic_bsz); a batch with >= 80% real tokens stays padded (faster there, docs/concepts.md)
 
 
 @dataclasses.dataclass(frozen=True)

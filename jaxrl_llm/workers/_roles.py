@@ -96,6 +96,21 @@ def token_budget(enabled: bool, tokens: int, field: str, fallback: int = 0,
     return (tokens, field) if tokens else (fallback, fallback_field)
 
 
+# `model.use_remove_padding` packs a pass's rows only when under this share of the padded
+# tokens are real. Packed micro-batches cost more per token than padded ones (cuDNN's packed
+# layout; measured on one H200, 1.5B, rows of 512 + 1,024 tokens with no padding: the packed
+# passes took 1.16x (log-probs) and 1.26x (update) the padded time), so a batch with little
+# padding is faster padded; at 44 % real tokens packing made the same passes 3.1-3.6x faster
+# (docs/benchmarks.md, "Packing on a long-tailed workload").
+PACK_BELOW_REAL_FRACTION = 0.8
+
+
+def real_fraction(attention_mask) -> float:
+    """The share of a padded batch's tokens that are real (attention mask != 0)."""
+    mask = np.asarray(attention_mask)
+    return float((mask != 0).sum()) / max(mask.size, 1)
+
+
 def _micro_batches(mesh, arrays, *, rows: int, micro_per_device: int, budget: tuple[int, str],
                    remove_padding: bool):
     """Global micro-batches of `arrays` (padded rows, `rows` of them) -> (plan or None, arrays).
@@ -104,6 +119,8 @@ def _micro_batches(mesh, arrays, *, rows: int, micro_per_device: int, budget: tu
     device; remove_padding: rows packed with segment ids (`use_remove_padding`), else padded. The
     plan maps outputs back to rows (`unpack_rows`); None: plain `[n_micro, micro]` rows."""
     dp, t = data_parallel_size(mesh), arrays["responses"].shape[-1]
+    if remove_padding and real_fraction(arrays["attention_mask"]) >= PACK_BELOW_REAL_FRACTION:
+        remove_padding = False  # little padding to remove: the padded layout is faster here
     if not budget[0] and not remove_padding:
         return None, micro_batches(mesh, arrays, micro_size_for(rows, micro_per_device, dp))
     check_contiguous_mask(arrays["attention_mask"])

@@ -455,3 +455,20 @@ def test_remove_padding_and_reward_model_budget_config_fields():
     with pytest.raises(ConfigError, match="reward.model.forward_max_token_len_per_device must be > 0"):
         load_config(f"{QUICKSTART}:tiny,local", rm)
     load_config(f"{QUICKSTART}:tiny,local", rm[1:])  # no reward model: the field is not read
+
+
+@pytest.mark.parametrize("budget", [(0, ""), (48, "actor.ppo_max_token_len_per_device")])
+def test_remove_padding_keeps_a_batch_with_little_padding_padded(setup, budget):
+    """`model.use_remove_padding` packs only batches with under PACK_BELOW_REAL_FRACTION real
+    tokens: packed micro-batches cost more per token than padded ones, so rows without padding
+    stay in the padded layout (no budget: plain rows; a budget: padded row slots)."""
+    _, mesh, _ = setup
+    keys = _roles._SEQ_KEYS + ("responses",)
+    sparse = {k: v for k, v in _rows(n=8, seed=1).items() if k in keys}
+    dense = dict(sparse, attention_mask=np.ones_like(sparse["attention_mask"]))
+    assert _roles.real_fraction(sparse["attention_mask"]) < _roles.PACK_BELOW_REAL_FRACTION
+    assert _roles.real_fraction(dense["attention_mask"]) == 1.0
+    plan, mb = _roles._micro_batches(mesh, sparse, rows=8, micro_per_device=2, budget=budget, remove_padding=True)
+    assert "token_index" in mb  # packed
+    plan, mb = _roles._micro_batches(mesh, dense, rows=8, micro_per_device=2, budget=budget, remove_padding=True)
+    assert "token_index" not in mb and (plan is None) == (budget[0] == 0)
