@@ -132,6 +132,10 @@ def parse_args(argv=None):
     p.add_argument("--max-token-len", type=int, default=16384,
                    help="packed: actor.ppo_max_token_len_per_device (prompt + response tokens)")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
+    p.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="the device's dense bf16 peak for mfu_real/* (989: H100/H200)")
+    p.add_argument("--add-mfu", default="", metavar="JSON",
+                   help="only add mfu_real/* to the records of a saved --out file (rewritten in place)")
     p.add_argument("--tiny", "--dry-run", dest="tiny", action="store_true",
                    help="tiny model, 2 prompts x 2 samples, 8+8 tokens, fp32, CPU: a smoke run")
     args = p.parse_args(argv)
@@ -322,6 +326,7 @@ def run_model(name: str, args, mode: str = "padded") -> dict:
                 "sync/start_rl_bytes_moved": int(start["bytes_moved"])})
     if not args.sync_only:
         out.update(_steps(worker, cfg, args, prompts, limit))
+        out.update(mfu_real(out, args.peak_tflops))
     if args.sync_repeats:
         out.update(sync_timings(worker, args.sync_repeats, limit, args.sync_trace))
     if info["num_devices"] > 1:
@@ -407,6 +412,40 @@ def _steps(worker, cfg, args, prompts, limit: float) -> dict:
     out.update({f"real_tokens_per_s/{s}": sum(reals) / (timing[s] * len(reals)) if timing.get(s) else None
                 for s in PACKING_STAGES})
     return out
+
+
+# matmul FLOPs per real token, in units of N: the log-prob passes are forward only, the update
+# forward + backward (remat's recomputation not counted)
+_MFU_FLOPS_PER_N = {"old_log_prob": 2.0, "ref": 2.0, "update_actor": 6.0}
+
+
+def mfu_real(record: dict, peak_tflops: float) -> dict:
+    """`mfu_real/<stage>`: model FLOPs utilisation of a stage counted on REAL tokens only (prompt +
+    response tokens in the masks; padding and pack filler add time, no FLOPs): real tokens/s x
+    (2N forward, 6N update) / peak. N: the parameters in matmuls (the embedding lookup left out
+    unless tied, where it is the LM head). Attention's FLOPs are not counted, so this is a lower
+    bound that grows less than the time with long rows."""
+    shape = QWEN25_SHAPES.get(record["model"].removeprefix("qwen2.5-"))
+    if shape is None or not record.get("params"):
+        return {}
+    n = record["params"] - (0 if shape["tie_word_embeddings"] else shape["vocab_size"] * shape["hidden_size"])
+    devices = record.get("num_devices", 1)
+    return {f"mfu_real/{s}": record[f"real_tokens_per_s/{s}"] * k * n / (devices * peak_tflops * 1e12)
+            for s, k in _MFU_FLOPS_PER_N.items() if record.get(f"real_tokens_per_s/{s}")}
+
+
+def add_mfu(path: str, peak_tflops: float) -> list[dict]:
+    """Adds `mfu_real/*` to every stage record of a saved JSON list (rewritten in place)."""
+    import json
+
+    with open(path) as f:
+        records = json.load(f)
+    for r in records:
+        if r.get("bench") == "e2e" and "error" not in r:
+            r.update(mfu_real(r, peak_tflops))
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+    return records
 
 
 def packing_summary(padded: dict, packed: dict) -> dict:
@@ -522,6 +561,8 @@ def main(argv=None) -> list[dict]:
     from jaxrl_llm.metrics import JsonReport
 
     args = parse_args(argv)
+    if args.add_mfu:
+        return add_mfu(args.add_mfu, args.peak_tflops)
     report = JsonReport(args.out)
     for name in args.models:
         by_mode = {}
