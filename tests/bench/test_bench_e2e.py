@@ -23,7 +23,7 @@ def test_bench_e2e_separate_placement_with_overlap_hides_the_rollout(capsys, loa
                       "--overlap", "--steps", "2"])[0]
     assert "error" not in r, r.get("error")
     assert r["overlap"] and r["train_mesh"] == {"data": 1, "fsdp": 4, "context": 1, "tensor": 1}
-    assert r["rollout_mesh"] == {"data": 2, "fsdp": 1, "tensor": 2}
+    assert r["rollout_mesh"] == {"data": 2, "fsdp": 1, "context": 1, "tensor": 2}
     # the rollout ran in the background: its whole duration is reported apart from the wait
     assert r["timing_s/gen_async"] > 0 and r["timing_s/gen"] >= 0 and r["idle_fraction"] is None
     # across meshes every rollout shard arrives from other devices
