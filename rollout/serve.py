@@ -1,8 +1,16 @@
-"""Serve a Hugging Face checkpoint with JetStream's gRPC server (loopback by default).
+"""Serve a Hugging Face checkpoint with JetStream's gRPC server or an OpenAI-compatible HTTP API.
 
-    python -m rollout.serve --checkpoint DIR [--port 9000] [--slots 8] [--max-target-length N]
-        [--max-prefill-length N] [--max-queued-requests 64] [--dtype checkpoint]
-        [--temperature 0] [--host ADDR (--auth-token T | --insecure)]
+    python -m rollout.serve --checkpoint DIR [--api jetstream|openai] [--port 9000] [--slots 8]
+        [--max-target-length N] [--max-prefill-length N] [--max-queued-requests 64]
+        [--dtype checkpoint] [--temperature 0] [--host ADDR (--auth-token T | --insecure)]
+        [--served-model-name NAME] [--tool-parser hermes]
+
+--api openai (see rollout/_openai.py and docs/rollout.md) serves `GET /v1/models`,
+`POST /v1/chat/completions` and `POST /v1/completions` over a `RolloutServer` with the
+checkpoint's tokenizer and chat template; requests carry their own sampling settings (the
+--temperature/--top-k/--top-p/--seed flags are the JetStream server's), tool calls are parsed with
+--tool-parser, and with --auth-token every request needs `Authorization: Bearer <token>`. The rest
+of this text is about the default, --api jetstream.
 
 DIR is a Hugging Face folder (config.json + safetensors + tokenizer); for a training run that is
 `<run>/hf_actor`, which the trainer exports at the end (`trainer.export_hf`), not the orbax
@@ -47,6 +55,16 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m rollout.serve", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True,
                    help="Hugging Face folder (config.json + safetensors), e.g. <run>/hf_actor")
+    p.add_argument("--api", choices=("jetstream", "openai"), default="jetstream",
+                   help="jetstream: JetStream's gRPC (default); openai: OpenAI-compatible HTTP")
+    p.add_argument("--served-model-name", default=None,
+                   help="--api openai: the model name clients send (default: the checkpoint "
+                        "folder's name)")
+    p.add_argument("--tool-parser", default="hermes",
+                   help="--api openai: the tool-call format parsed into tool_calls "
+                        "(hermes, llama3_json, qwen3_coder)")
+    p.add_argument("--max-n", type=int, default=None,
+                   help="--api openai: the largest `n` a request may ask (default: --slots)")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--host", default="127.0.0.1",
                    help="bind address (default loopback; others need --auth-token or --insecure)")
@@ -94,6 +112,16 @@ def _check(p: argparse.ArgumentParser, args) -> None:
             ("--top-p", args.top_p, 0.0 < args.top_p <= 1.0, "in (0, 1]")):
         if not ok:
             p.error(f"{flag} must be {want}, got {value}")
+    if args.api == "openai":
+        from jaxrl_llm.agent import get_tool_parser
+        try:
+            get_tool_parser(args.tool_parser)
+        except ValueError as e:
+            p.error(f"--tool-parser: {e}")
+        if args.max_n is not None and args.max_n < 1:
+            p.error(f"--max-n must be >= 1, got {args.max_n}")
+        if args.served_model_name is None:
+            args.served_model_name = os.path.basename(os.path.normpath(args.checkpoint))
     if args.auth_token == "":
         args.auth_token = None
     if not is_loopback(args.host) and args.auth_token is None and not args.insecure:
@@ -148,7 +176,8 @@ def target_length(path: str, requested: int | None) -> int:
 
 
 def start(args):
-    """Builds the engine and starts the server; returns the `jetstream_adapter.Server`."""
+    """Builds the engine and starts the server; returns the `jetstream_adapter.Server`, or with
+    --api openai the `OpenAIServer` (its `.server` the `RolloutServer`)."""
     from ._engine import Engine
     from .jetstream_adapter import run_server
 
@@ -158,6 +187,23 @@ def start(args):
         max_prefill_length=args.max_prefill_length, max_target_length=args.max_target_length,
         dtype=dtype, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed)
+    if args.api == "openai":
+        from jaxrl_llm.models import load_tokenizer
+
+        from ._openai import OpenAIServer
+        from ._server import RolloutServer
+
+        tokenizer = engine.tokenizer if getattr(engine, "tokenizer", None) is not None \
+            else load_tokenizer(args.checkpoint)
+        server = RolloutServer(engine)
+        try:
+            return OpenAIServer(server, tokenizer, model_name=args.served_model_name,
+                                host=args.host, port=args.port, tool_parser=args.tool_parser,
+                                auth_token=args.auth_token,
+                                max_n=args.max_n if args.max_n is not None else args.slots)
+        except BaseException:
+            server.close()
+            raise
     return run_server(engine, args.port, host=args.host, auth_token=args.auth_token,
                       insecure=args.insecure, max_queued_requests=args.max_queued_requests)
 
@@ -172,6 +218,19 @@ def main(argv=None):
     except OSError as e:  # e.g. the port is taken
         sys.exit(f"error: {e}")
     auth = "token required" if args.auth_token else "no authentication"
+    if args.api == "openai":
+        print(f"OpenAI-compatible API on http://{args.host}:{server.port}/v1 serving "
+              f"{args.checkpoint} as {args.served_model_name!r} (max prefill "
+              f"{args.max_prefill_length}, max target {args.max_target_length} tokens; {auth})",
+              flush=True)
+        try:
+            server.wait()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.close()
+            server.server.close()
+        return
     print(f"JetStream gRPC server on {args.host}:{server.port} serving {args.checkpoint} "
           f"(max prefill {args.max_prefill_length}, max target {args.max_target_length} tokens; "
           f"{auth})", flush=True)

@@ -1,0 +1,538 @@
+"""An OpenAI-compatible HTTP endpoint over a `RolloutServer` (standard library only).
+
+`OpenAIServer(server, tokenizer, ...)` serves, on its own threads (`http.server`, one thread a
+connection):
+
+- `GET /v1/models`: the one model served;
+- `POST /v1/chat/completions`: `messages` rendered with the tokenizer's chat template (as the tool
+  agent loop renders them; `tools` are passed to the template, and an assistant message's
+  `tool_calls` are written back into its text in the configured tool-call format), the reply
+  parsed with that format's parser into `message.tool_calls`;
+- `POST /v1/completions`: `prompt` a string (the tokenizer's BOS prepended when it has one) or a
+  list of token ids.
+
+Fields: `model` (must name the served model), `max_tokens` / `max_completion_tokens` (default:
+what the KV cache leaves after the prompt), `temperature` (default 1), `top_p`, `top_k`
+(extension), `n` (1..max_n; choice i samples the stream (seed, row i)), `seed` (default: a random
+one a request), `stop` (a string or up to 4; the text is cut before the first one, generation
+itself only ends on the model's stop tokens or the budget), `stream` (+ `stream_options.include_usage`),
+`logprobs` (chat: bool, `top_logprobs` must be 0; completions: 0 or 1): the sampled tokens'
+log-probs in OpenAI's shape, plus (extensions, for trainers) `prompt_token_ids` on the response and
+`token_ids` / `policy_versions` on each choice. Streaming sends the finished generation as
+server-sent events (a chunk per token's text, then the tool calls, the finish reason, `[DONE]`):
+the `RolloutServer` returns a request whole, so the first chunk comes when the generation ends.
+
+Errors: a bad request (unknown model, a field of the wrong type or range, a prompt too long for the
+KV cache, token ids outside the vocabulary, an unknown route) answers HTTP 400/404 with OpenAI's
+`{"error": {"message", "type", "param", "code"}}`, a missing or wrong bearer token (when
+`auth_token` is set) 401; the server keeps serving. An `X-Session-Id` header passes the session id
+to the `RolloutServer` (the slot's KV is kept for the session's next turn) and, with a `recorder`,
+files the request's token ids, log-probs and policy versions under that session.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import http.server
+import json
+import random
+import threading
+import time
+import uuid
+from typing import Any
+
+from ._sampling import SamplingParams
+
+_MAX_STOP = 4
+SESSION_HEADER = "X-Session-Id"
+
+
+class RequestError(Exception):
+    """A client error: answered with `status` and OpenAI's error object."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 status: int = 400, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclasses.dataclass
+class RecordedTurn:
+    """One choice of one request: what a trainer needs to rebuild the trajectory."""
+
+    request_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    log_probs: list[float]
+    policy_versions: list[int]
+    finish_reason: str
+    num_cached_tokens: int = 0  # prompt tokens whose KV the session's parked slot supplied
+
+
+class SessionRecorder:
+    """Collects every request's prompt/response token ids, log-probs and policy versions, by the
+    request's session id (requests without one are filed under None). Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._turns: dict[str | None, list[RecordedTurn]] = {}
+
+    def record(self, session_id: str | None, turn: RecordedTurn) -> None:
+        with self._lock:
+            self._turns.setdefault(session_id, []).append(turn)
+
+    def turns(self, session_id: str | None) -> list[RecordedTurn]:
+        with self._lock:
+            return list(self._turns.get(session_id, ()))
+
+    def pop(self, session_id: str | None) -> list[RecordedTurn]:
+        """The session's turns, forgotten here."""
+        with self._lock:
+            return self._turns.pop(session_id, [])
+
+    def sessions(self) -> list[str | None]:
+        with self._lock:
+            return list(self._turns)
+
+
+# ------------------------------------------------------------------ field checks
+def _field(body: dict, name: str, kinds, default=None, *, check=None, want: str = ""):
+    if name not in body or body[name] is None:
+        return default
+    v = body[name]
+    allowed = kinds if isinstance(kinds, tuple) else (kinds,)
+    typed = isinstance(v, allowed) and not (isinstance(v, bool) and bool not in allowed)
+    if not typed or (check is not None and not check(v)):
+        raise RequestError(f"'{name}' must be {want}, got {json.dumps(v)[:80]}", param=name,
+                           code="invalid_value" if typed else "invalid_type")
+    return v
+
+
+def _text_content(content, where: str) -> str:
+    """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise RequestError(f"{where}: only text content parts are supported "
+                                   f"({{'type': 'text', 'text': ...}})", param="messages")
+            out.append(part["text"])
+        return "".join(out)
+    raise RequestError(f"{where}: 'content' must be a string or a list of text parts",
+                       param="messages")
+
+
+class OpenAIServer:
+    """The HTTP endpoint (see the module docstring). `server`: a `RolloutServer` (anything with
+    its `submit`, `release_session` and `engine.max_target_length`); `tokenizer`: the model's
+    (`encode`, `decode`, `apply_chat_template`); `tool_parser`: a format of
+    `jaxrl_llm.agent.get_tool_parser`. Use as a context manager or call `close()`."""
+
+    def __init__(self, server, tokenizer, *, model_name: str, host: str = "127.0.0.1",
+                 port: int = 0, tool_parser: str = "hermes", auth_token: str | None = None,
+                 max_n: int = 16, recorder: SessionRecorder | None = None):
+        from jaxrl_llm.agent import get_tool_parser
+
+        self.server, self.tokenizer, self.model_name = server, tokenizer, model_name
+        self.parser = get_tool_parser(tool_parser)
+        self.auth_token, self.max_n, self.recorder = auth_token, int(max_n), recorder
+        self.max_target_length = int(server.engine.max_target_length)
+        self.created = int(time.time())
+        owner = self
+
+        class Handler(_Handler):
+            api = owner
+
+        self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
+        self._httpd.daemon_threads = True
+        self.host, self.port = self._httpd.server_address[:2]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="OpenAIServer",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()
+
+    def __enter__(self) -> "OpenAIServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    # ------------------------------------------------------------------ routes
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                            "created": self.created, "owned_by": "jaxrl-llm"}]}
+
+    def _common(self, body: dict) -> dict:
+        model = body.get("model")
+        if model != self.model_name:
+            raise RequestError(f"model {json.dumps(model)} is not served here; this server serves "
+                               f"{self.model_name!r} (GET /v1/models)", param="model",
+                               code="model_not_found")
+        temperature = _field(body, "temperature", (int, float), 1.0,
+                             check=lambda v: 0 <= v <= 2, want="a number in [0, 2]")
+        top_p = _field(body, "top_p", (int, float), 1.0, check=lambda v: 0 < v <= 1,
+                       want="a number in (0, 1]")
+        top_k = _field(body, "top_k", int, -1, check=lambda v: v >= -1,
+                       want="an int >= 1 (or -1/0: all tokens)")
+        n = _field(body, "n", int, 1, check=lambda v: 1 <= v <= self.max_n,
+                   want=f"an int in [1, {self.max_n}]")
+        seed = _field(body, "seed", int, None, want="an int")
+        max_tokens = _field(body, "max_tokens", int, None, check=lambda v: v >= 1,
+                            want="an int >= 1")
+        stop = body.get("stop")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not (isinstance(stop, list) and len(stop) <= _MAX_STOP
+                and all(isinstance(s, str) and s for s in stop)):
+            raise RequestError(f"'stop' must be a non-empty string or a list of at most "
+                               f"{_MAX_STOP} of them", param="stop")
+        stream = _field(body, "stream", bool, False, want="a boolean")
+        options = _field(body, "stream_options", dict, {}, want="an object")
+        return dict(sampling=SamplingParams(temperature=float(temperature), top_k=top_k,
+                                            top_p=float(top_p)),
+                    n=n, seed=random.getrandbits(31) if seed is None else seed,
+                    max_tokens=max_tokens, stop=stop, stream=stream,
+                    include_usage=bool(options.get("include_usage")))
+
+    def render_messages(self, messages, tools) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("'messages' must be a non-empty list of messages", param="messages")
+        out = []
+        for i, m in enumerate(messages):
+            where = f"messages[{i}]"
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestError(f"{where} must be an object with a 'role'", param="messages")
+            content = _text_content(m.get("content"), where)
+            calls = m.get("tool_calls") or []
+            if calls:
+                if m["role"] != "assistant" or not isinstance(calls, list):
+                    raise RequestError(f"{where}: 'tool_calls' is a list on assistant messages",
+                                       param="messages")
+                texts = [content] if content else []
+                for call in calls:
+                    fn = call.get("function") if isinstance(call, dict) else None
+                    args = fn.get("arguments") if isinstance(fn, dict) else None
+                    if isinstance(args, str):
+                        try:
+                            args = json.loads(args)
+                        except json.JSONDecodeError:
+                            args = None
+                    if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                            and isinstance(args, dict)):
+                        raise RequestError(f"{where}: each tool call needs 'function' with a "
+                                           f"'name' and JSON-object 'arguments'", param="messages")
+                    texts.append(self.parser.format(fn["name"], args))
+                content = "\n".join(texts)
+            out.append({"role": m["role"], "content": content})
+        kwargs = {"tools": tools} if tools else {}
+        try:
+            text = self.tokenizer.apply_chat_template(out, add_generation_prompt=True, **kwargs)
+            return list(self.tokenizer.encode(text))
+        except (ValueError, TypeError, KeyError) as e:
+            raise RequestError(f"the chat template cannot render these messages: {e}",
+                               param="messages") from None
+
+    def _tools(self, body: dict):
+        tools = body.get("tools")
+        if tools is None:
+            return None, {}
+        if not isinstance(tools, list) or not all(
+                isinstance(t, dict) and t.get("type") == "function"
+                and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str) for t in tools):
+            raise RequestError("'tools' must be a list of {'type': 'function', 'function': "
+                               "{'name', 'description', 'parameters'}}", param="tools")
+        choice = body.get("tool_choice", "auto")
+        if choice not in ("auto", "none"):
+            raise RequestError("'tool_choice' supports 'auto' and 'none' only", param="tool_choice")
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+        return tools, (schemas if choice == "auto" else None)
+
+    def _generate(self, prompt_ids, opts, session_id):
+        if opts["max_tokens"] is None:
+            opts["max_tokens"] = max(1, self.max_target_length - len(prompt_ids))
+        rid = uuid.uuid4().hex
+        futures = []
+        try:
+            for i in range(opts["n"]):
+                futures.append(self.server.submit(
+                    f"{rid}-{i}", prompt_ids, sampling=opts["sampling"],
+                    max_new_tokens=opts["max_tokens"], seed=opts["seed"], row=i,
+                    session_id=session_id if opts["n"] == 1 else None))
+        except (ValueError, TypeError) as e:
+            for f in futures:
+                f.cancel()
+            code = "context_length_exceeded" if "max_target_length" in str(e) else None
+            raise RequestError(str(e), param="messages" if code else None, code=code) from None
+        outs = [f.result() for f in futures]
+        if self.recorder is not None:
+            for o in outs:
+                self.recorder.record(session_id, RecordedTurn(
+                    o.request_id, list(prompt_ids), list(o.token_ids), list(o.log_probs),
+                    list(o.policy_versions), o.finish_reason, int(o.num_cached_tokens)))
+        return rid, outs
+
+    def _finish(self, out, stop: list[str]):
+        """(text, token ids, log-probs, versions, finish_reason) of one output, cut at a stop
+        string (the tokens up to the one that completed it are kept)."""
+        ids, lps, vers = list(out.token_ids), list(out.log_probs), list(out.policy_versions)
+        reason = "stop" if out.finish_reason == "stop" else "length"
+        text = self.tokenizer.decode(ids)
+        if stop:
+            cut = min((text.find(s) for s in stop if s in text), default=-1)
+            if cut >= 0:
+                k = next(k for k in range(1, len(ids) + 1)
+                         if any(s in self.tokenizer.decode(ids[:k]) for s in stop))
+                ids, lps, vers, text, reason = ids[:k], lps[:k], vers[:k], text[:cut], "stop"
+        return text, ids, lps, vers, reason
+
+    def _token_texts(self, ids) -> list[str]:
+        """Each token's share of the decoded text (a token that ends inside a multi-byte
+        character gets "" and the next one the whole character)."""
+        out, prev = [], ""
+        for k in range(1, len(ids) + 1):
+            cur = self.tokenizer.decode(ids[:k])
+            if cur.endswith("\ufffd") and k < len(ids):
+                out.append("")
+                continue
+            out.append(cur[len(prev):] if cur.startswith(prev) else cur)
+            prev = cur
+        return out
+
+    def chat(self, body: dict, session_id: str | None):
+        opts = self._common(body)
+        if body.get("max_completion_tokens") is not None:
+            opts["max_tokens"] = _field(body, "max_completion_tokens", int, check=lambda v: v >= 1,
+                                        want="an int >= 1")
+        logprobs = _field(body, "logprobs", bool, False, want="a boolean")
+        _field(body, "top_logprobs", int, 0, check=lambda v: v == 0,
+               want="0 (only the sampled token's log-prob is returned)")
+        tools, schemas = self._tools(body)
+        prompt_ids = self.render_messages(body.get("messages"), tools)
+        rid, outs = self._generate(prompt_ids, opts, session_id)
+        choices = []
+        for i, out in enumerate(outs):
+            text, ids, lps, vers, reason = self._finish(out, opts["stop"])
+            content, calls = text, []
+            if schemas is not None:
+                content, parsed = self.parser.parse(text, schemas)
+                calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                          "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                         for c in parsed if c.error is None]
+                if calls and reason == "stop":
+                    reason = "tool_calls"
+            message = {"role": "assistant", "content": content if content or not calls else None}
+            if calls:
+                message["tool_calls"] = calls
+            choice = {"index": i, "message": message, "finish_reason": reason, "logprobs": None}
+            if opts["stream"]:
+                choice["_pieces"] = self._token_texts(ids)
+            if logprobs:
+                choice["logprobs"] = {"content": [
+                    {"token": t, "logprob": float(lp), "bytes": list(t.encode()), "top_logprobs": []}
+                    for t, lp in zip(self._token_texts(ids), lps)]}
+                choice["token_ids"], choice["policy_versions"] = ids, vers
+            choices.append(choice)
+        return self._response(f"chatcmpl-{rid}", "chat.completion", prompt_ids, outs, choices,
+                              logprobs)
+
+    def completions(self, body: dict, session_id: str | None):
+        opts = self._common(body)
+        logprobs = _field(body, "logprobs", int, None, check=lambda v: v in (0, 1),
+                          want="0 or 1 (only the sampled token's log-prob is returned)")
+        for name in ("echo", "suffix", "best_of"):
+            if body.get(name) not in (None, False, 1) or (name == "suffix" and body.get(name)):
+                raise RequestError(f"'{name}' is not supported", param=name, code="unsupported")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str) and prompt:
+            prompt_ids = list(self.tokenizer.encode(prompt))
+            bos = getattr(self.tokenizer, "bos_token_id", None)
+            if bos is not None and prompt_ids[:1] != [bos]:
+                prompt_ids = [bos] + prompt_ids
+        elif isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompt_ids = list(prompt)
+        else:
+            raise RequestError("'prompt' must be a non-empty string or a non-empty list of token "
+                               "ids (one prompt a request)", param="prompt")
+        rid, outs = self._generate(prompt_ids, opts, session_id)
+        choices = []
+        for i, out in enumerate(outs):
+            text, ids, lps, vers, reason = self._finish(out, opts["stop"])
+            choice = {"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+            if opts["stream"] and logprobs is None:
+                choice["_pieces"] = self._token_texts(ids)
+            if logprobs is not None:
+                toks = self._token_texts(ids)
+                offsets = [sum(len(t) for t in toks[:j]) for j in range(len(toks))]
+                choice["logprobs"] = {"tokens": toks, "token_logprobs": [float(x) for x in lps],
+                                      "top_logprobs": None, "text_offset": offsets}
+                choice["token_ids"], choice["policy_versions"] = ids, vers
+            choices.append(choice)
+        return self._response(f"cmpl-{rid}", "text_completion", prompt_ids, outs, choices,
+                              logprobs is not None)
+
+    def _response(self, rid, obj, prompt_ids, outs, choices, with_ids) -> dict:
+        completion = sum(len(c.get("token_ids", o.token_ids)) for c, o in zip(choices, outs))
+        resp = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": {
+                    "prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+                    "total_tokens": len(prompt_ids) + completion}}
+        if with_ids:
+            resp["prompt_token_ids"] = list(prompt_ids)
+        return resp
+
+    def chat_chunks(self, resp: dict, include_usage: bool):
+        """The server-sent events of a finished chat completion (each a dict)."""
+        base = {"id": resp["id"], "object": "chat.completion.chunk", "created": resp["created"],
+                "model": resp["model"]}
+        for c in resp["choices"]:
+            i, msg = c["index"], c["message"]
+            yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]}
+            entries = (c["logprobs"] or {}).get("content")
+            pieces = c.pop("_pieces", None) or [msg["content"] or ""]
+            for j, p in _split(msg["content"] or "", pieces):
+                lp = {"content": [entries[j]]} if entries is not None and j >= 0 else None
+                yield {**base, "choices": [{"index": i, "delta": {"content": p},
+                                            "logprobs": lp, "finish_reason": None}]}
+            if msg.get("tool_calls"):
+                yield {**base, "choices": [{"index": i, "delta": {"tool_calls": [
+                    {"index": k, **call} for k, call in enumerate(msg["tool_calls"])]},
+                    "logprobs": None, "finish_reason": None}]}
+            last = {"index": i, "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"]}
+            if "token_ids" in c:
+                last["token_ids"], last["policy_versions"] = c["token_ids"], c["policy_versions"]
+            yield {**base, "choices": [last]}
+        if include_usage:
+            yield {**base, "choices": [], "usage": resp["usage"]}
+
+    def completion_chunks(self, resp: dict, include_usage: bool):
+        base = {"id": resp["id"], "object": "text_completion", "created": resp["created"],
+                "model": resp["model"]}
+        for c in resp["choices"]:
+            pieces = c["logprobs"]["tokens"] if c["logprobs"] else c.pop("_pieces", [c["text"]])
+            for j, p in _split(c["text"], pieces):
+                lp = None if not c["logprobs"] or j < 0 else {
+                    "tokens": [p], "token_logprobs": [c["logprobs"]["token_logprobs"][j]],
+                    "top_logprobs": None, "text_offset": [c["logprobs"]["text_offset"][j]]}
+                yield {**base, "choices": [{"index": c["index"], "text": p, "logprobs": lp,
+                                            "finish_reason": None}]}
+            yield {**base, "choices": [{"index": c["index"], "text": "", "logprobs": None,
+                                        "finish_reason": c["finish_reason"]}]}
+        if include_usage:
+            yield {**base, "choices": [], "usage": resp["usage"]}
+
+
+def _split(content: str, pieces: list[str]):
+    """(token index, piece) while `content` goes on with each token's text, then (-1, the rest):
+    the pieces run past the content where a stop string cut it or tool calls took part of it."""
+    sent = 0
+    for j, p in enumerate(pieces):
+        if not p:
+            continue
+        if not content.startswith(p, sent):
+            break
+        sent += len(p)
+        yield j, p
+    if sent < len(content):
+        yield -1, content[sent:]
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    api: OpenAIServer
+    protocol_version = "HTTP/1.1"
+    server_version = "jaxrl-llm-openai"
+
+    def log_message(self, format, *args):  # no access log on stderr
+        pass
+
+    def _send_json(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_events(self, events) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        for e in events:
+            self.wfile.write(b"data: " + json.dumps(e).encode() + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+        self.close_connection = True
+
+    def _authorized(self) -> bool:
+        token = self.api.auth_token
+        if token is None:
+            return True
+        got = self.headers.get("Authorization", "")
+        return hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
+
+    def _route(self, method: str) -> None:
+        try:
+            if not self._authorized():
+                raise RequestError("missing or wrong 'Authorization: Bearer <token>' header",
+                                   code="invalid_api_key", status=401,
+                                   type="authentication_error")
+            path = self.path.split("?", 1)[0].rstrip("/")
+            if method == "GET" and path == "/v1/models":
+                return self._send_json(200, self.api.models())
+            routes = {"/v1/chat/completions": (self.api.chat, self.api.chat_chunks),
+                      "/v1/completions": (self.api.completions, self.api.completion_chunks)}
+            if method != "POST" or path not in routes:
+                raise RequestError(f"no route {method} {path}; this server has GET /v1/models, "
+                                   f"POST /v1/chat/completions and POST /v1/completions",
+                                   status=404, code="not_found")
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise RequestError(f"the request body is not valid JSON: {e}") from None
+            if not isinstance(body, dict):
+                raise RequestError("the request body must be a JSON object")
+            session = self.headers.get(SESSION_HEADER) or None
+            run, chunks = routes[path]
+            resp = run(body, session)
+            if body.get("stream"):
+                include = bool((body.get("stream_options") or {}).get("include_usage"))
+                return self._send_events(chunks(resp, include))
+            return self._send_json(200, resp)
+        except RequestError as e:
+            return self._send_json(e.status, e.body())
+        except Exception as e:  # the server's fault: answered, and the server keeps serving
+            return self._send_json(500, {"error": {"message": f"{type(e).__name__}: {e}",
+                                                   "type": "server_error", "param": None,
+                                                   "code": None}})
+
+    def do_GET(self):
+        self._route("GET")
+
+    def do_POST(self):
+        self._route("POST")

@@ -1,0 +1,245 @@
+"""The OpenAI-compatible endpoint (rollout/_openai.py) over a RolloutServer on the session's tiny
+engine, driven over loopback HTTP by http.client (and by the official `openai` client when it is
+installed): results equal `RolloutServer.generate`, streaming, tool calls, errors, sessions."""
+import concurrent.futures
+import http.client
+import json
+
+import pytest
+
+import rollout
+from rollout._openai import OpenAIServer, SessionRecorder
+from jaxrl_llm.models._tokenizer import CharTokenizer
+
+MODEL = "tiny"
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return CharTokenizer()  # ids < 96 for letters and most punctuation: fits the tiny vocab
+
+
+@pytest.fixture(scope="module")
+def served(tiny_engine, tok):
+    recorder = SessionRecorder()
+    with rollout.RolloutServer(tiny_engine, steps_per_sync=4) as srv, \
+            OpenAIServer(srv, tok, model_name=MODEL, max_n=4, recorder=recorder) as api:
+        yield api
+
+
+def call(api, method, path, body=None, headers=None, raw=None):
+    conn = http.client.HTTPConnection(api.host, api.port, timeout=120)
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json",
+                                                   **(headers or {})})
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    if resp.getheader("Content-Type") == "text/event-stream":
+        events = [line[len("data: "):] for line in text.split("\n\n") if line]
+        assert events[-1] == "[DONE]"
+        return resp.status, [json.loads(e) for e in events[:-1]]
+    return resp.status, json.loads(text)
+
+
+def chat(api, headers=None, **body):
+    return call(api, "POST", "/v1/chat/completions", {"model": MODEL, **body}, headers=headers)
+
+
+def test_models_lists_the_served_model(served):
+    status, body = call(served, "GET", "/v1/models")
+    assert status == 200 and body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == [MODEL]
+
+
+def test_chat_completion_equals_the_rollout_servers_generate(served, tok):
+    status, body = chat(served, messages=HELLO, max_tokens=8, temperature=1.0, seed=7, n=2,
+                        logprobs=True)
+    assert status == 200 and body["object"] == "chat.completion"
+    prompt = tok.encode(tok.apply_chat_template(HELLO, add_generation_prompt=True))
+    assert body["prompt_token_ids"] == prompt
+    for row, choice in enumerate(body["choices"]):
+        ref = served.server.generate(f"ref-{row}", prompt, sampling=rollout.SamplingParams(1.0),
+                                     max_new_tokens=8, seed=7, row=row)
+        assert choice["index"] == row and choice["token_ids"] == ref.token_ids
+        assert choice["message"]["role"] == "assistant"
+        assert choice["message"]["content"] == tok.decode(ref.token_ids)
+        assert [e["logprob"] for e in choice["logprobs"]["content"]] == pytest.approx(ref.log_probs)
+        assert choice["policy_versions"] == [0] * len(ref.token_ids)
+        assert choice["finish_reason"] == ("stop" if ref.finish_reason == "stop" else "length")
+    n = sum(len(c["token_ids"]) for c in body["choices"])
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": n,
+                             "total_tokens": len(prompt) + n}
+
+
+def test_stream_chunks_concatenate_to_the_non_stream_text(served):
+    for kwargs in ({}, {"logprobs": True}):
+        _, whole = chat(served, messages=HELLO, max_tokens=8, temperature=1.0, seed=3, **kwargs)
+        status, events = chat(served, messages=HELLO, max_tokens=8, temperature=1.0, seed=3,
+                              stream=True, stream_options={"include_usage": True}, **kwargs)
+        assert status == 200
+        assert all(e["object"] == "chat.completion.chunk" for e in events)
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                       if e["choices"])
+        assert text == whole["choices"][0]["message"]["content"]
+        assert len([e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]) > 1
+        finals = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
+        assert finals[-1] == whole["choices"][0]["finish_reason"] and set(finals[:-1]) == {None}
+        assert events[-1]["usage"] == whole["usage"]
+
+
+def test_completions_from_token_ids_and_text_and_stop_strings(served, tok):
+    ids = tok.encode("abc")
+    status, body = call(served, "POST", "/v1/completions",
+                        {"model": MODEL, "prompt": ids, "max_tokens": 8, "temperature": 1.0,
+                         "seed": 11, "logprobs": 1})
+    assert status == 200 and body["object"] == "text_completion"
+    ref = served.server.generate("ref-c", ids, sampling=rollout.SamplingParams(1.0),
+                                 max_new_tokens=8, seed=11)
+    choice = body["choices"][0]
+    assert choice["token_ids"] == ref.token_ids and choice["text"] == tok.decode(ref.token_ids)
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(ref.log_probs)
+    assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+    # the same prompt as text (CharTokenizer has no BOS) gives the same completion
+    _, same = call(served, "POST", "/v1/completions",
+                   {"model": MODEL, "prompt": "abc", "max_tokens": 8, "temperature": 1.0, "seed": 11})
+    assert same["choices"][0]["text"] == choice["text"]
+    # a stop string cuts the text before it; the tokens end with the one that completed it
+    text = choice["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 1]
+    assert stop, "the tiny model's completion is empty"
+    status, cut = call(served, "POST", "/v1/completions",
+                       {"model": MODEL, "prompt": ids, "max_tokens": 8, "temperature": 1.0,
+                        "seed": 11, "stop": [stop], "logprobs": 0})
+    c = cut["choices"][0]
+    assert c["text"] == text[:text.index(stop)] and c["finish_reason"] == "stop"
+    assert c["token_ids"] == ref.token_ids[:len(c["token_ids"])]
+    assert stop in tok.decode(c["token_ids"]) and stop not in tok.decode(c["token_ids"][:-1])
+    _, events = call(served, "POST", "/v1/completions",
+                     {"model": MODEL, "prompt": ids, "max_tokens": 8, "temperature": 1.0,
+                      "seed": 11, "stop": stop, "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in events) == c["text"]
+
+
+class _Scripted:
+    """A stand-in RolloutServer that answers every request with `reply` (+ EOS)."""
+
+    def __init__(self, tok, reply):
+        self.tok, self.reply, self.prompts = tok, reply, []
+        self.engine = type("E", (), {"max_target_length": 512})()
+
+    def submit(self, request_id, prompt_ids, *, sampling, max_new_tokens, seed, row, session_id):
+        self.prompts.append(list(prompt_ids))
+        ids = self.tok.encode(self.reply) + [self.tok.eos_token_id]
+        f = concurrent.futures.Future()
+        f.set_result(rollout.GenerateOutput(request_id, ids, [-0.5] * len(ids), "stop",
+                                            len(prompt_ids), 0, len(prompt_ids), 0, [0] * len(ids)))
+        return f
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calc", "description": "Evaluates.",
+    "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}]
+
+
+def test_tool_calls_are_parsed_and_rendered_back(tok):
+    reply = 'ok<tool_call>{"name": "calc", "arguments": {"expr": "6*7"}}</tool_call>'
+    fake = _Scripted(tok, reply)
+    with OpenAIServer(fake, tok, model_name=MODEL, tool_parser="hermes") as api:
+        status, body = chat(api, messages=[{"role": "user", "content": "6*7?"}], tools=TOOLS)
+        assert status == 200
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "ok"
+        (tc,) = choice["message"]["tool_calls"]
+        assert tc["type"] == "function" and tc["id"].startswith("call_")
+        assert tc["function"]["name"] == "calc"
+        assert json.loads(tc["function"]["arguments"]) == {"expr": "6*7"}
+        _, events = chat(api, messages=[{"role": "user", "content": "6*7?"}], tools=TOOLS,
+                         stream=True)
+        deltas = [e["choices"][0]["delta"] for e in events]
+        assert "".join(d.get("content") or "" for d in deltas) == "ok"
+        assert [d["tool_calls"][0]["function"]["name"] for d in deltas if "tool_calls" in d] == ["calc"]
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        # the call and its result go back into the next prompt in the parser's format
+        history = [{"role": "user", "content": "6*7?"}, choice["message"],
+                   {"role": "tool", "tool_call_id": tc["id"], "content": "42"}]
+        status, _ = chat(api, messages=history, tools=TOOLS)
+        assert status == 200
+        sent = tok.decode(fake.prompts[-1], skip_special_tokens=False)
+        assert sent.endswith('<assistant>ok\n<tool_call>\n{"name": "calc", "arguments": '
+                             '{"expr": "6*7"}}\n</tool_call><eos><tool>42<assistant>')
+        # tool_choice "none": the text is left as the model wrote it
+        _, plain = chat(api, messages=[{"role": "user", "content": "6*7?"}], tools=TOOLS,
+                        tool_choice="none")
+        assert plain["choices"][0]["message"]["content"] == reply
+        assert "tool_calls" not in plain["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"model": "gpt-4", "messages": HELLO}, "model", "model_not_found"),
+    ({"model": MODEL, "messages": HELLO, "temperature": "hot"}, "temperature", "invalid_type"),
+    ({"model": MODEL, "messages": HELLO, "n": 0}, "n", "invalid_value"),
+    ({"model": MODEL, "messages": HELLO, "n": 5}, "n", "invalid_value"),
+    ({"model": MODEL, "messages": HELLO, "max_tokens": True}, "max_tokens", "invalid_type"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi " * 20}], "max_tokens": 8},
+     "messages", "context_length_exceeded"),
+    ({"model": MODEL, "messages": "hello"}, "messages", None),
+    ({"model": MODEL, "messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop", None),
+    ({"model": MODEL, "messages": HELLO, "top_logprobs": 3}, "top_logprobs", "invalid_value"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "}"}]}, None, None),  # id 97 >= vocab
+])
+def test_bad_requests_get_400_with_openais_error_shape_and_the_server_keeps_serving(
+        served, body, param, code):
+    status, err = call(served, "POST", "/v1/chat/completions", body)
+    assert status == 400
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["message"]
+    assert err["error"]["param"] == param and err["error"]["code"] == code
+    status, ok = chat(served, messages=HELLO, max_tokens=2, seed=0)
+    assert status == 200 and ok["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_malformed_bodies_routes_and_completion_prompts(served):
+    status, err = call(served, "POST", "/v1/chat/completions", raw=b"{not json")
+    assert status == 400 and "not valid JSON" in err["error"]["message"]
+    status, err = call(served, "GET", "/v1/nothing")
+    assert status == 404 and err["error"]["code"] == "not_found"
+    for prompt in ("", [], [1, "a"], [[1], [2]]):
+        status, err = call(served, "POST", "/v1/completions", {"model": MODEL, "prompt": prompt})
+        assert status == 400 and err["error"]["param"] == "prompt"
+
+
+def test_auth_token_is_required_when_set(tiny_engine, tok):
+    fake = _Scripted(tok, "x")
+    with OpenAIServer(fake, tok, model_name=MODEL, auth_token="s3cret") as api:
+        status, err = call(api, "GET", "/v1/models")
+        assert status == 401 and err["error"]["code"] == "invalid_api_key"
+        status, _ = call(api, "GET", "/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert status == 401
+        status, body = call(api, "GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert status == 200 and body["data"][0]["id"] == MODEL
+
+
+def test_session_header_reuses_the_kv_and_the_recorder_files_each_turn(served, tok):
+    rec = served.recorder
+    session = {"X-Session-Id": "s-1"}
+    _, first = chat(served, messages=HELLO, max_tokens=3, seed=1, logprobs=True, headers=session)
+    # no special token in the reply, so its text renders back to the same ids
+    assert not set(first["choices"][0]["token_ids"]) & tok.special_ids
+    reply = first["choices"][0]["message"]["content"]
+    convo = HELLO + [{"role": "assistant", "content": reply}, {"role": "user", "content": "more"}]
+    _, second = chat(served, messages=convo, max_tokens=4, seed=1, headers=session)
+    turns = rec.turns("s-1")
+    assert [t.response_ids for t in turns] == [first["choices"][0]["token_ids"],
+                                               turns[1].response_ids]
+    assert turns[0].prompt_ids == first["prompt_token_ids"]
+    assert turns[0].log_probs == pytest.approx(
+        [e["logprob"] for e in first["choices"][0]["logprobs"]["content"]])
+    assert turns[1].prompt_ids == tok.encode(tok.apply_chat_template(convo))
+    assert all(t.policy_versions == [0] * len(t.response_ids) for t in turns)
+    assert tok.decode(turns[1].response_ids) == second["choices"][0]["message"]["content"]
+    # the second turn extends the first's tokens: the parked slot's KV served that prefix
+    assert turns[0].num_cached_tokens == 0 and turns[1].num_cached_tokens > 0
+    assert rec.pop("s-1") == turns and rec.turns("s-1") == []
+    assert None not in rec.sessions() or all(t.request_id for t in rec.turns(None))
