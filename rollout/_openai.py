@@ -253,7 +253,7 @@ class OpenAIServer:
     def _tools(self, body: dict):
         tools = body.get("tools")
         if tools is None:
-            return None, {}
+            return None, None  # no tools: the text is the content as generated
         if not isinstance(tools, list) or not all(
                 isinstance(t, dict) and t.get("type") == "function"
                 and isinstance(t.get("function"), dict)

@@ -243,3 +243,56 @@ def test_session_header_reuses_the_kv_and_the_recorder_files_each_turn(served, t
     assert turns[0].num_cached_tokens == 0 and turns[1].num_cached_tokens > 0
     assert rec.pop("s-1") == turns and rec.turns("s-1") == []
     assert None not in rec.sessions() or all(t.request_id for t in rec.turns(None))
+
+
+SMOLLM = __import__("os").path.join(__import__("os").path.dirname(__file__), "..", "fixtures",
+                                    "models", "smollm2_tiny")
+
+
+def test_serve_cli_flags():
+    from rollout import serve
+
+    args = serve.parse_args(["--checkpoint", SMOLLM])
+    assert args.api == "jetstream"  # the default stays JetStream's gRPC
+    args = serve.parse_args(["--api", "openai", "--checkpoint", SMOLLM])
+    assert args.served_model_name == "smollm2_tiny" and args.tool_parser == "hermes"
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--api", "openai", "--checkpoint", SMOLLM, "--tool-parser", "nope"])
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--api", "openai", "--checkpoint", SMOLLM, "--max-n", "0"])
+
+
+def test_serve_api_openai_answers_the_official_openai_client():
+    """`python -m rollout.serve --api openai` as `main` builds it (a real HF tokenizer and chat
+    template), driven by the `openai` package (the `test` extra)."""
+    openai = pytest.importorskip("openai")
+    from rollout import serve
+
+    api = serve.start(serve.parse_args(["--api", "openai", "--checkpoint", SMOLLM, "--port", "0",
+                                        "--slots", "2", "--max-target-length", "64",
+                                        "--served-model-name", "smol"]))
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{api.port}/v1", api_key="unused",
+                               max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["smol"]
+        messages = [{"role": "user", "content": "Hi"}]
+        got = client.chat.completions.create(model="smol", messages=messages, max_tokens=5,
+                                             temperature=0.0, logprobs=True)
+        ids = api.tokenizer.encode(api.tokenizer.apply_chat_template(messages))
+        ref = api.server.generate("ref", ids, sampling=rollout.SamplingParams(0.0),
+                                  max_new_tokens=5)
+        assert got.choices[0].message.content == api.tokenizer.decode(ref.token_ids)
+        assert [c.logprob for c in got.choices[0].logprobs.content] == pytest.approx(ref.log_probs)
+        assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == len(ref.token_ids)
+        streamed = client.chat.completions.create(model="smol", messages=messages, max_tokens=5,
+                                                  temperature=0.0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+            got.choices[0].message.content
+        text = client.completions.create(model="smol", prompt="Hello", max_tokens=3, temperature=0)
+        assert text.object == "text_completion" and text.choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="gpt-4o", messages=messages)
+        assert e.value.code == "model_not_found"
+    finally:
+        api.close()
+        api.server.close()
