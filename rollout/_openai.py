@@ -204,6 +204,11 @@ class OpenAIServer:
                 and all(isinstance(s, str) and s for s in stop)):
             raise RequestError(f"'stop' must be a non-empty string or a list of at most "
                                f"{_MAX_STOP} of them", param="stop")
+        for name, default in (("presence_penalty", 0), ("frequency_penalty", 0),
+                              ("logit_bias", {}), ("response_format", {"type": "text"})):
+            if body.get(name) not in (None, default):
+                raise RequestError(f"'{name}' is not supported by this server; leave it out",
+                                   param=name, code="unsupported")
         stream = _field(body, "stream", bool, False, want="a boolean")
         options = _field(body, "stream_options", dict, {}, want="an object")
         return dict(sampling=SamplingParams(temperature=float(temperature), top_k=top_k,
@@ -246,7 +251,7 @@ class OpenAIServer:
         try:
             text = self.tokenizer.apply_chat_template(out, add_generation_prompt=True, **kwargs)
             return list(self.tokenizer.encode(text))
-        except (ValueError, TypeError, KeyError) as e:
+        except Exception as e:  # the template's raise_exception, a missing key, encode's refusal
             raise RequestError(f"the chat template cannot render these messages: {e}",
                                param="messages") from None
 

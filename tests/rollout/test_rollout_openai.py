@@ -188,6 +188,10 @@ def test_tool_calls_are_parsed_and_rendered_back(tok):
     ({"model": MODEL, "messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop", None),
     ({"model": MODEL, "messages": HELLO, "top_logprobs": 3}, "top_logprobs", "invalid_value"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "}"}]}, None, None),  # id 97 >= vocab
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, "messages", None),
+    ({"model": MODEL, "messages": HELLO, "presence_penalty": 0.5}, "presence_penalty", "unsupported"),
+    ({"model": MODEL, "messages": HELLO, "response_format": {"type": "json_object"}},
+     "response_format", "unsupported"),
 ])
 def test_bad_requests_get_400_with_openais_error_shape_and_the_server_keeps_serving(
         served, body, param, code):
