@@ -139,13 +139,17 @@ class OpenAIServer:
 
     def __init__(self, server, tokenizer, *, model_name: str, host: str = "127.0.0.1",
                  port: int = 0, tool_parser: str = "hermes", auth_token: str | None = None,
-                 max_n: int = 16, recorder: SessionRecorder | None = None):
+                 max_n: int = 16, recorder: SessionRecorder | None = None,
+                 max_in_flight: int | None = None):
         from jaxrl_llm.agent import get_tool_parser
 
         self.server, self.tokenizer, self.model_name = server, tokenizer, model_name
         self.parser = get_tool_parser(tool_parser)
         self.auth_token, self.max_n, self.recorder = auth_token, int(max_n), recorder
         self.max_target_length = int(server.engine.max_target_length)
+        # choices (n per request) submitted and not finished; past max_in_flight, HTTP 429
+        self.max_in_flight, self._in_flight = max_in_flight, 0
+        self._count = threading.Lock()
         self.created = int(time.time())
         owner = self
 
@@ -274,6 +278,20 @@ class OpenAIServer:
     def _generate(self, prompt_ids, opts, session_id):
         if opts["max_tokens"] is None:
             opts["max_tokens"] = max(1, self.max_target_length - len(prompt_ids))
+        n = opts["n"]
+        with self._count:
+            if self.max_in_flight is not None and self._in_flight + n > self.max_in_flight:
+                raise RequestError(f"the server is at its limit of {self.max_in_flight} requests "
+                                   f"in flight (slots + queue); retry later", status=429,
+                                   code="rate_limit_exceeded", type="rate_limit_error")
+            self._in_flight += n
+        try:
+            return self._submit_all(prompt_ids, opts, session_id)
+        finally:
+            with self._count:
+                self._in_flight -= n
+
+    def _submit_all(self, prompt_ids, opts, session_id):
         rid = uuid.uuid4().hex
         futures = []
         try:

@@ -10,7 +10,8 @@
 checkpoint's tokenizer and chat template; requests carry their own sampling settings (the
 --temperature/--top-k/--top-p/--seed flags are the JetStream server's), tool calls are parsed with
 --tool-parser, and with --auth-token every request needs `Authorization: Bearer <token>`. The rest
-of this text is about the default, --api jetstream.
+past --slots + --max-queued-requests choices in flight a request gets HTTP 429. The rest of this
+text is about the default, --api jetstream.
 
 DIR is a Hugging Face folder (config.json + safetensors + tokenizer); for a training run that is
 `<run>/hf_actor`, which the trainer exports at the end (`trainer.export_hf`), not the orbax
@@ -200,7 +201,8 @@ def start(args):
             return OpenAIServer(server, tokenizer, model_name=args.served_model_name,
                                 host=args.host, port=args.port, tool_parser=args.tool_parser,
                                 auth_token=args.auth_token,
-                                max_n=args.max_n if args.max_n is not None else args.slots)
+                                max_n=args.max_n if args.max_n is not None else args.slots,
+                                max_in_flight=args.slots + args.max_queued_requests)
         except BaseException:
             server.close()
             raise

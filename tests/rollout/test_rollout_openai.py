@@ -214,6 +214,35 @@ def test_malformed_bodies_routes_and_completion_prompts(served):
         assert status == 400 and err["error"]["param"] == "prompt"
 
 
+def test_requests_past_max_in_flight_get_429_and_are_served_after(tok):
+    import threading
+
+    class Held(_Scripted):
+        """Holds each request's result until `release` is set; `submitted` tells it arrived."""
+
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.submitted, self.release = threading.Event(), threading.Event()
+
+        def submit(self, *a, **k):
+            done = super().submit(*a, **k)
+            held = concurrent.futures.Future()
+            threading.Thread(target=lambda: (self.release.wait(), held.set_result(done.result())),
+                             daemon=True).start()
+            self.submitted.set()
+            return held
+
+    fake = Held(tok, "x")
+    with OpenAIServer(fake, tok, model_name=MODEL, max_in_flight=2) as api:
+        first = concurrent.futures.ThreadPoolExecutor(1).submit(chat, api, messages=HELLO, n=2)
+        assert fake.submitted.wait(60)
+        status, err = chat(api, messages=HELLO)
+        assert status == 429 and err["error"]["code"] == "rate_limit_exceeded"
+        fake.release.set()
+        assert first.result(60)[0] == 200
+        assert chat(api, messages=HELLO)[0] == 200  # the count went back down
+
+
 def test_auth_token_is_required_when_set(tiny_engine, tok):
     fake = _Scripted(tok, "x")
     with OpenAIServer(fake, tok, model_name=MODEL, auth_token="s3cret") as api:
