@@ -44,6 +44,7 @@ from typing import Any
 from ._sampling import SamplingParams
 
 _MAX_STOP = 4
+MAX_BODY_BYTES = 64 << 20
 SESSION_HEADER = "X-Session-Id"
 
 
@@ -532,7 +533,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 raise RequestError(f"no route {method} {path}; this server has GET /v1/models, "
                                    f"POST /v1/chat/completions and POST /v1/completions",
                                    status=404, code="not_found")
-            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if not 0 <= length <= MAX_BODY_BYTES:
+                self.close_connection = True  # the body is left unread
+                raise RequestError(f"Content-Length must be an int in [0, {MAX_BODY_BYTES}], "
+                                   f"got {self.headers.get('Content-Length')!r}",
+                                   status=413 if length > MAX_BODY_BYTES else 400)
             raw = self.rfile.read(length) if length else b""
             try:
                 body = json.loads(raw)

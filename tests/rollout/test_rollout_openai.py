@@ -207,6 +207,9 @@ def test_bad_requests_get_400_with_openais_error_shape_and_the_server_keeps_serv
 def test_malformed_bodies_routes_and_completion_prompts(served):
     status, err = call(served, "POST", "/v1/chat/completions", raw=b"{not json")
     assert status == 400 and "not valid JSON" in err["error"]["message"]
+    status, err = call(served, "POST", "/v1/completions", raw=b"{}",
+                       headers={"Content-Length": str(1 << 40)})
+    assert status == 413 and err["error"]["type"] == "invalid_request_error"
     status, err = call(served, "GET", "/v1/nothing")
     assert status == 404 and err["error"]["code"] == "not_found"
     for prompt in ("", [], [1, "a"], [[1], [2]]):
