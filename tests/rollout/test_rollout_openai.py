@@ -332,3 +332,34 @@ def test_serve_api_openai_answers_the_official_openai_client():
     finally:
         api.close()
         api.server.close()
+
+
+def test_tools_render_through_a_real_chat_template_as_the_tool_agent_loop_does():
+    """tokenizer_chatml's Qwen-style template: the request's tools land in the system prompt as
+    the tool agent loop's `render` puts them (same template call), the call comes back parsed."""
+    import os
+
+    from jaxrl_llm.models import load_tokenizer
+
+    bpe = load_tokenizer(os.path.join(os.path.dirname(SMOLLM), "tokenizer_chatml"))
+    call_text = '<tool_call>\n{"name": "calc", "arguments": {"expr": "6*7"}}\n</tool_call>'
+    fake = _Scripted(bpe, call_text)
+    with OpenAIServer(fake, bpe, model_name=MODEL) as api:
+        ask = [{"role": "user", "content": "What is 6*7?"}]
+        status, body = chat(api, messages=ask, tools=TOOLS)
+        assert status == 200 and body["choices"][0]["finish_reason"] == "tool_calls"
+        msg = body["choices"][0]["message"]
+        assert msg["content"] is None and msg["tool_calls"][0]["function"]["name"] == "calc"
+        assert fake.prompts[0] == bpe.encode(bpe.apply_chat_template(ask, add_generation_prompt=True,
+                                                                     tools=TOOLS))
+        assert "<tools>" in bpe.decode(fake.prompts[0], skip_special_tokens=False)
+        # this template has no tool role: its refusal is a 400 naming it
+        history = ask + [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"],
+                               "content": "42"}]
+        status, err = chat(api, messages=history, tools=TOOLS)
+        assert status == 400 and "Unsupported role: tool" in err["error"]["message"]
+        history[-1] = {"role": "user", "content": "42"}
+        assert chat(api, messages=history, tools=TOOLS)[0] == 200
+        as_written = ask + [{"role": "assistant", "content": call_text}, history[-1]]
+        assert fake.prompts[1] == bpe.encode(bpe.apply_chat_template(
+            as_written, add_generation_prompt=True, tools=TOOLS))
