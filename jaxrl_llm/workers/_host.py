@@ -158,7 +158,7 @@ class HostWorker:
                          stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id)
         if c.rollout.replica_backend == "process":  # each replica a child process (no engine here)
             self._start_process_replicas(engine_kw)
-            return self._sync_process_replicas(None, time.perf_counter(), host=self._host_params)
+            return self.sync_weights()  # the children start on zero weights
         layout, sources = "auto", [source]
         if self.replica_mesh is not None:  # this host's replicas, the weights moved onto each
             sources = []
@@ -183,9 +183,10 @@ class HostWorker:
     def _start_process_replicas(self, engine_kw: dict) -> None:
         """rollout.replica_backend="process": this host's replicas, each a `rollout.ProcessReplica`
         whose child builds the engine + server on the devices of the in-process replica it stands
-        for (`_replica_process`), behind a `ReplicaRouter` that restarts a dead one (a new child
-        built with the weights of the last sync, then synced to the router's version) up to
-        rollout.replica_max_restarts times. No engine in this process (`engine`, `driver`: None)."""
+        for (`_replica_process`; zero weights until the first sync), behind a `ReplicaRouter` that
+        restarts a dead one (a new child, synced by the router with the tree of the last sync
+        before it takes requests) up to rollout.replica_max_restarts times. No engine in this
+        process (`engine`, `driver`: None)."""
         c = self.config
         if jax.process_count() > 1 or jax.default_backend() != "cpu":
             raise ConfigError(
@@ -193,13 +194,11 @@ class HostWorker:
                 f"{jax.process_count()} process(es) on {jax.default_backend()}): a replica's child needs "
                 "devices that the trainer's process does not hold, and on GPU/TPU the trainer claims every "
                 "visible device; use rollout.replica_backend='local'")
-        self._host_params = _host_copy(self.actor.rollout_params(self._rollout_dtype()))
         model_config = self._model_config_for_rollout()
         server_kw = dict(steps_per_sync=c.rollout.steps_per_sync, partial_rollout_kv=c.rollout.partial_rollout_kv)
 
-        def start(i: int) -> rollout.ProcessReplica:  # also the router's restart: the latest weights
-            spec = spec_for(self.rollout_meshes[i], model_config=model_config, params=self._host_params,
-                            engine=engine_kw, server=server_kw)
+        def start(i: int) -> rollout.ProcessReplica:  # also the router's restart (it then syncs it)
+            spec = spec_for(self.rollout_meshes[i], model_config=model_config, engine=engine_kw, server=server_kw)
             return rollout.ProcessReplica(functools.partial(build_server, spec), name=f"rollout-replica-{i}")
 
         with concurrent.futures.ThreadPoolExecutor(len(self.rollout_meshes)) as pool:  # children start together
@@ -487,15 +486,14 @@ class HostWorker:
         stats.setdefault("time_s", time.perf_counter() - t0)
         return stats
 
-    def _sync_process_replicas(self, version: int | None, t0: float, host: dict | None = None) -> dict:
-        """One host copy of the rollout weights (`host`: that copy, already made), sent to every
-        replica's child through the router (each child puts it on its devices). A replica still restarting after a death is waited
+    def _sync_process_replicas(self, version: int | None, t0: float) -> dict:
+        """One host copy of the rollout weights, sent to every replica's child through the router
+        (each child puts it on its devices; the router keeps the tree for a restart). A replica still restarting after a death is waited
         for first (up to _RESTART_WAIT_S), so the next rollout starts with every replica at the
         new weights; the router brings a late one to them itself."""
         if not self.server.wait_restarts(timeout=_RESTART_WAIT_S):
             log.warning("a rollout replica is still restarting after %.0f s; syncing the others", _RESTART_WAIT_S)
-        if host is None:
-            self._host_params = host = _host_copy(self.actor.rollout_params(self._rollout_dtype()))
+        host = _host_copy(self.actor.rollout_params(self._rollout_dtype()))
         stats = self.server.update_params(host, version=version)
         stats = {k: v for k, v in stats.items() if isinstance(v, (int, float, bool))}
         stats.setdefault("time_s", time.perf_counter() - t0)

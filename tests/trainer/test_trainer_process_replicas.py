@@ -117,6 +117,8 @@ def test_a_run_goes_on_when_a_replica_process_is_killed_and_trains_as_without_th
     assert all(m["rollout/router/dead_replicas"] == 0 for m in want)
     # ... and changed nothing the run computed: every step's metrics and the trained weights
     assert want[1]["actor/grad_norm"] > 0 and want[0]["num_turns/max"] > 2
+    # the children decode with the trainer's weights (they start on zeros: the syncs reached them)
+    assert all(m["rollout/logprob_abs_diff/max"] < 1e-4 for m in want + got)
     for g, w in zip(got, want):
         g, w = _comparable(g), _comparable(w)
         assert g.keys() == w.keys()
