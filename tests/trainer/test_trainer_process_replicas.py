@@ -4,7 +4,8 @@ step 1's rollout (at the end of a decode loop once it has admitted 4 requests: `
 The run completes; the router warns and counts the death and the restart; the logged metrics
 (rollout lengths, scores, turn counts, the engine's log-probs against the trainer's, losses,
 grad norms) and the trained weights equal those of the same run without the kill: the dead
-child's requests re-ran on the other replica with the same (seed, row, step) keys.
+child's requests re-ran on the other replica with the same (seed, row, step) keys (the engine's
+log-probs of a re-prefilled session: to float32's last bits, see _ATOL).
 
 Cost: two runs of 2 children each plus the restarted one (a child starts in about 3 s)."""
 import functools
@@ -26,6 +27,12 @@ TOOLS = f"{ROOT}/configs/quickstart_tools.py:tiny,local"
 PROCESS = {"rollout.replica_backend": "process", "rollout.replicas_per_host": 2}
 # wall-clock metrics, and the router's per-replica counts (which replica ran what moves with the kill)
 _VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "rollout/router/", "rollout/replica/", "rollout/sync_")
+# The engine's log-probs of a session's later turn whose replica died: prefilled in full on the
+# new replica, where the clean run reused the KV parked turn by turn; the two KV computations
+# differ in float32's last bits, so a few log-probs differ by ~5e-7 (measured: 4 tokens of 2 rows
+# at step 1, the tokens themselves all equal). The metrics comparing them to the trainer's get that
+# slack; every other metric, and the weights (trained on the trainer's own log-probs), are exact.
+_ATOL = {"logprob_abs_diff": 1e-6, "probs_diff": 1e-6}
 _TIMING = ("/generate_s/mean", "/tool_calls_s/mean", "/interaction_s/mean", "/total_s/mean")
 
 
@@ -122,7 +129,7 @@ def test_a_run_goes_on_when_a_replica_process_is_killed_and_trains_as_without_th
     for g, w in zip(got, want):
         g, w = _comparable(g), _comparable(w)
         assert g.keys() == w.keys()
-        assert {k: (g[k], w[k]) for k in w if g[k] != pytest.approx(w[k], rel=1e-6, abs=1e-7)} == {}
+        assert {k: (g[k], w[k]) for k in w if g[k] != pytest.approx(w[k], rel=0, abs=_ATOL.get(k.split("/")[1], 0))} == {}
     for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params)):
         np.testing.assert_array_equal(a, b)
 
