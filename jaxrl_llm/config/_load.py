@@ -310,6 +310,14 @@ def validate(c: RunConfig) -> None:
                           "balances over: set rollout.multi_turn.enable=True (agent loops, e.g. "
                           "single_turn_agent) or an async trainer.v1.trainer_mode (colocate_async, "
                           "separate_async with the rollouter); the batch rollout runs one engine per host")
+    _choice(c.rollout.replica_backend, ("local", "process"), "rollout.replica_backend")
+    _positive(c.rollout.replica_max_restarts, "rollout.replica_max_restarts", allow_zero=True)
+    if c.rollout.replica_backend == "process" and not (
+            c.rollout.multi_turn.enable or c.rollout_source in ("buffer", "colocated_buffer")):
+        raise ConfigError("rollout.replica_backend='process' runs each replica's request-level server in a "
+                          "child process: set rollout.multi_turn.enable=True (agent loops) or an async "
+                          "trainer.v1.trainer_mode, or use replica_backend='local' (the batch rollout runs "
+                          "one engine in the trainer's process)")
     _positive(c.trainer.total_training_steps, "trainer.total_training_steps")
     _positive(c.actor.ppo_epochs, "actor.ppo_epochs")
     _positive(c.actor.optim.lr, "actor.optim.lr")

@@ -9,6 +9,8 @@ numpy and plain Python only; global `jax.Array`s never leave this object. Batche
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import os
 import pickle
@@ -28,9 +30,12 @@ from jaxrl_llm.checkpoint import Checkpointer, checkpoint_root
 from jaxrl_llm.config import ConfigError, RunConfig
 
 from ._common import build_model, model_config_for
+from ._replica_process import build_server, spec_for
+from ._replica_process import host_params as _host_copy
 from ._roles import ActorWorker, CriticWorker, ReferenceWorker, RewardModelWorker, SFTWorker, token_budget
 
 log = logging.getLogger(__name__)
+_RESTART_WAIT_S = 300.0  # sync_weights (process replicas): how long it waits for a replica's restart
 
 
 class HostWorker:
@@ -145,6 +150,15 @@ class HostWorker:
         prefill = rollout.prefill_bucket(c.data.max_prompt_length + (c.data.max_response_length if multi_turn else 0))
         source = ((self.actor.graphdef, self.actor.params) if not lora.enabled
                   else models.merged_model(self.actor.model()))
+        slots = c.rollout.max_concurrent_decodes // len(self.rollout_meshes)  # the host's, split evenly
+        engine_kw = dict(max_concurrent_decodes=slots, max_prefill_length=prefill,
+                         max_target_length=prefill + c.data.max_response_length,
+                         dtype=c.rollout.dtype or c.model.dtype, temperature=c.rollout.temperature,
+                         top_k=c.rollout.top_k, top_p=c.rollout.top_p, seed=c.trainer.seed,
+                         stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id)
+        if c.rollout.replica_backend == "process":  # each replica a child process (no engine here)
+            self._start_process_replicas(engine_kw)
+            return self.sync_weights()  # the children start on zero weights
         layout, sources = "auto", [source]
         if self.replica_mesh is not None:  # this host's replicas, the weights moved onto each
             sources = []
@@ -154,14 +168,8 @@ class HostWorker:
                 sources.append((graphdef, abstract))
             # the layout auto picks on one host for weights on other devices (no sharing there)
             layout = "per_layer"
-        slots = c.rollout.max_concurrent_decodes // len(self.rollout_meshes)  # the host's, split evenly
-        self.engines = [rollout.Engine.from_model(
-            src, mesh=mesh, max_concurrent_decodes=slots,
-            max_prefill_length=prefill, max_target_length=prefill + c.data.max_response_length,
-            dtype=c.rollout.dtype or c.model.dtype, temperature=c.rollout.temperature,
-            top_k=c.rollout.top_k, top_p=c.rollout.top_p, seed=c.trainer.seed,
-            stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id, layer_layout=layout)
-            for src, mesh in zip(sources, self.rollout_meshes)]
+        self.engines = [rollout.Engine.from_model(src, mesh=mesh, layer_layout=layout, **engine_kw)
+                        for src, mesh in zip(sources, self.rollout_meshes)]
         self.engine = self.engines[0]
         self.driver = rollout.RolloutDriver(self.engine, steps_per_sync=c.rollout.steps_per_sync)
         if multi_turn or rollouter:
@@ -171,6 +179,38 @@ class HostWorker:
             self.server = servers[0] if len(servers) == 1 else rollout.ReplicaRouter(
                 servers, max_inflight_per_replica=c.rollout.max_inflight_per_replica or None)
         return self.sync_weights()
+
+    def _start_process_replicas(self, engine_kw: dict) -> None:
+        """rollout.replica_backend="process": this host's replicas, each a `rollout.ProcessReplica`
+        whose child builds the engine + server on the devices of the in-process replica it stands
+        for (`_replica_process`; zero weights until the first sync), behind a `ReplicaRouter` that
+        restarts a dead one (a new child, synced by the router with the tree of the last sync
+        before it takes requests) up to rollout.replica_max_restarts times. No engine in this
+        process (`engine`, `driver`: None)."""
+        c = self.config
+        if jax.process_count() > 1 or jax.default_backend() != "cpu":
+            raise ConfigError(
+                f"rollout.replica_backend='process' runs on one process on CPU for now (this run: "
+                f"{jax.process_count()} process(es) on {jax.default_backend()}): a replica's child needs "
+                "devices that the trainer's process does not hold, and on GPU/TPU the trainer claims every "
+                "visible device; use rollout.replica_backend='local'")
+        model_config = self._model_config_for_rollout()
+        server_kw = dict(steps_per_sync=c.rollout.steps_per_sync, partial_rollout_kv=c.rollout.partial_rollout_kv)
+
+        def start(i: int) -> rollout.ProcessReplica:  # also the router's restart (it then syncs it)
+            spec = spec_for(self.rollout_meshes[i], model_config=model_config, engine=engine_kw, server=server_kw)
+            return rollout.ProcessReplica(functools.partial(build_server, spec), name=f"rollout-replica-{i}")
+
+        with concurrent.futures.ThreadPoolExecutor(len(self.rollout_meshes)) as pool:  # children start together
+            started = [pool.submit(start, i) for i in range(len(self.rollout_meshes))]
+        if any(f.exception() is not None for f in started):
+            for f in started:
+                if f.exception() is None:
+                    f.result().close()
+            raise next(f.exception() for f in started if f.exception() is not None)
+        self.server = rollout.ReplicaRouter(
+            [f.result() for f in started], max_inflight_per_replica=c.rollout.max_inflight_per_replica or None,
+            restart=start, max_restarts=c.rollout.replica_max_restarts)
 
     # -- the RL step's calls -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, sampling: rollout.SamplingParams,
@@ -425,6 +465,8 @@ class HostWorker:
         """The actor's weights into the rollout engine (through the server when there is one,
         which then stamps `version` on new tokens, default: one more than before)."""
         t0 = time.perf_counter()
+        if self.config.rollout.replica_backend == "process":
+            return self._sync_process_replicas(version, t0)
         # through the server when there is one: it pauses its scheduler and drops the sessions'
         # KV (computed with the old weights)
         target = self.server if self.server is not None else self.engine
@@ -440,6 +482,19 @@ class HostWorker:
             stats = target.update_params(params)
         elif not isinstance(self.server, rollout.ReplicaRouter):
             stats = target.update_params(params, version=version)
+        stats = {k: v for k, v in stats.items() if isinstance(v, (int, float, bool))}
+        stats.setdefault("time_s", time.perf_counter() - t0)
+        return stats
+
+    def _sync_process_replicas(self, version: int | None, t0: float) -> dict:
+        """One host copy of the rollout weights, sent to every replica's child through the router
+        (each child puts it on its devices; the router keeps the tree for a restart). A replica still restarting after a death is waited
+        for first (up to _RESTART_WAIT_S), so the next rollout starts with every replica at the
+        new weights; the router brings a late one to them itself."""
+        if not self.server.wait_restarts(timeout=_RESTART_WAIT_S):
+            log.warning("a rollout replica is still restarting after %.0f s; syncing the others", _RESTART_WAIT_S)
+        host = _host_copy(self.actor.rollout_params(self._rollout_dtype()))
+        stats = self.server.update_params(host, version=version)
         stats = {k: v for k, v in stats.items() if isinstance(v, (int, float, bool))}
         stats.setdefault("time_s", time.perf_counter() - t0)
         return stats
