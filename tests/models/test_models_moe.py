@@ -77,15 +77,17 @@ def test_moe_greedy_argmax_reproduces_recorded_hf_generate(name):
         assert buf[row, lengths[row]: lengths[row] + gen["max_new_tokens"]].tolist() == c["output"]
 
 
-@pytest.mark.parametrize("name", MOE)
-def test_moe_rollout_engine_greedy_equals_hf_generate(name):
-    """The engine's prefill/decode (per-layer layout) go through the same SparseMLP."""
+@pytest.mark.parametrize("name,layout", [("qwen3_moe", "per_layer"), ("mixtral", "per_layer"),
+                                         ("qwen3_moe", "per_layer_fused"), ("mixtral", "stacked")])
+def test_moe_rollout_engine_greedy_equals_hf_generate(name, layout):
+    """The engine's prefill/decode (every layer layout) go through the same SparseMLP."""
     import rollout
 
     gen = json.loads(open(os.path.join(fixture(name), "generate.json")).read())
     engine = rollout.Engine.from_pretrained(fixture(name), max_concurrent_decodes=2, max_prefill_length=16,
-                                            max_target_length=32, dtype="float32", temperature=0.0)
-    assert engine.layer_layout == "per_layer"
+                                            max_target_length=32, dtype="float32", temperature=0.0,
+                                            layer_layout=layout)
+    assert engine.layer_layout == layout
     batch = rollout.RolloutDriver(engine, steps_per_sync=4).generate(
         [c["prompt"] for c in gen["cases"]], n=1, max_new_tokens=gen["max_new_tokens"],
         sampling=rollout.SamplingParams(temperature=0.0), seed=0)
@@ -179,3 +181,23 @@ def test_lora_on_moe_attention_only_and_expert_targets_refused():
     models.add_lora(model, models.LoraSpec(rank=2, alpha=4, target_modules=("q_proj", "v_proj")))
     ref = reference("qwen3_moe")
     assert np.abs(forward(model, ref["input_ids"]) - ref["logits"]).max() <= 1e-4  # B = 0 at init
+
+
+def test_moe_forward_is_the_same_on_every_mesh():
+    """Expert weights placed by the train rules (expert dim replicated, `mlp` on tensor)."""
+    import sharding
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    ref = reference("qwen3_moe")
+    ids = np.concatenate([ref["input_ids"]] * 4)  # batch 8
+    want = forward(loaded("qwen3_moe"), ids)
+    rules = sharding.TRAIN_RULES
+    for shape in [(8, 1, 1), (1, 4, 2), (2, 2, 2)]:
+        mesh = sharding.make_mesh(shape)
+        model = models.from_pretrained(fixture("qwen3_moe"), mesh=mesh, rules=rules)
+        graphdef, state = nnx.split(model)
+        with sharding.use_rules(mesh, rules):
+            x = jax.device_put(ids, NamedSharding(mesh, sharding.logical_to_spec(("batch", "length"), rules)))
+            got = np.asarray(jax.jit(lambda s, i: nnx.merge(graphdef, s)(i))(state, x))
+        assert np.abs(got - want).max() <= 1e-5, shape
