@@ -303,6 +303,27 @@ def route(router_logits, top_k: int, normalize: bool):
     return weights, experts.astype(jnp.int32)
 
 
+def load_balancing_loss(router_logits, top_k: int, attention_mask=None):
+    """The Switch/Mixtral router load-balancing loss, as transformers' `load_balancing_loss_func`:
+    E * sum_e f_e * P_e, where P_e is the mean router probability of expert e and f_e the
+    fraction of (token, choice) pairs routed to e (summed over the k choices), both over real
+    tokens of every layer. router_logits [L, b, t, E] (or [..., E]); attention_mask [b, t] (0 =
+    padding; None: every token counts). The top-k choice carries no gradient; P_e does. Not yet
+    added to any loss (no model output returns router logits yet)."""
+    E = router_logits.shape[-1]
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    _, chosen = jax.lax.top_k(probs, top_k)
+    picked = jax.nn.one_hot(chosen, E, dtype=jnp.float32).sum(axis=-2)  # [..., E], counts over k
+    if attention_mask is None:
+        w = jnp.ones(probs.shape[:-1], jnp.float32)
+    else:
+        w = jnp.broadcast_to((attention_mask != 0).astype(jnp.float32), probs.shape[:-1])
+    total = jnp.maximum(jnp.sum(w), 1.0)
+    frac = jnp.sum(picked * w[..., None], axis=tuple(range(picked.ndim - 1))) / total  # [E]
+    mean_prob = jnp.sum(probs * w[..., None], axis=tuple(range(probs.ndim - 1))) / total
+    return E * jnp.sum(jax.lax.stop_gradient(frac) * mean_prob)
+
+
 def grouped_experts(x, experts, kernels):
     """SwiGLU experts on tokens x [T, e] routed to experts int32 [T, k]; kernels (gate [E, e, f],
     up [E, e, f], down [E, f, e]). Capacity-free: the T*k (token, expert) pairs are sorted by

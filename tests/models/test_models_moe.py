@@ -201,3 +201,37 @@ def test_moe_forward_is_the_same_on_every_mesh():
             x = jax.device_put(ids, NamedSharding(mesh, sharding.logical_to_spec(("batch", "length"), rules)))
             got = np.asarray(jax.jit(lambda s, i: nnx.merge(graphdef, s)(i))(state, x))
         assert np.abs(got - want).max() <= 1e-5, shape
+
+
+def _np_balance_loss_and_grad(logits, k, mask):
+    """NumPy: transformers' load_balancing_loss_func and its gradient w.r.t. the logits."""
+    E = logits.shape[-1]
+    flat = logits.reshape(-1, E).astype(np.float64)
+    w = np.broadcast_to(mask, logits.shape[:-1]).reshape(-1).astype(np.float64)
+    p = np.exp(flat - flat.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    top = np.argsort(-p, axis=-1)[:, :k]
+    counts = np.zeros_like(p)
+    for j in range(k):
+        counts[np.arange(len(p)), top[:, j]] += 1
+    frac = (counts * w[:, None]).sum(0) / w.sum()
+    mean_prob = (p * w[:, None]).sum(0) / w.sum()
+    loss = E * np.sum(frac * mean_prob)
+    c = E * frac * w[:, None] / w.sum()  # d loss / d p[t, e]
+    grad = p * (c - (p * c).sum(-1, keepdims=True))  # through the softmax
+    return loss, grad.reshape(logits.shape)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_load_balancing_loss_and_gradient_match_numpy(masked):
+    rng = np.random.default_rng(1)
+    L, b, t, E, k = 2, 3, 5, 4, 2
+    logits = rng.normal(size=(L, b, t, E)).astype(np.float32)
+    mask = (rng.random((b, t)) > 0.3).astype(np.int32) if masked else np.ones((b, t), np.int32)
+    want, want_grad = _np_balance_loss_and_grad(logits, k, mask)
+    fn = lambda x: models.load_balancing_loss(x, k, jnp.asarray(mask) if masked else None)  # noqa: E731
+    loss, grad = jax.value_and_grad(fn)(jnp.asarray(logits))
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-7)
+    # perfectly balanced routing: uniform logits give the minimum, top_k
+    assert abs(float(models.load_balancing_loss(jnp.zeros((1, 2, 8, E)), k)) - k) < 1e-6
