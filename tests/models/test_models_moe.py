@@ -184,7 +184,7 @@ def test_lora_on_moe_attention_only_and_expert_targets_refused():
 
 
 def test_moe_forward_is_the_same_on_every_mesh():
-    """Expert weights placed by the train rules (expert dim replicated, `mlp` on tensor)."""
+    """Expert weights placed by the train and rollout rules (expert dim replicated, `mlp` on tensor)."""
     import sharding
     from flax import nnx
     from jax.sharding import NamedSharding
@@ -192,8 +192,8 @@ def test_moe_forward_is_the_same_on_every_mesh():
     ref = reference("qwen3_moe")
     ids = np.concatenate([ref["input_ids"]] * 4)  # batch 8
     want = forward(loaded("qwen3_moe"), ids)
-    rules = sharding.TRAIN_RULES
-    for shape in [(8, 1, 1), (1, 4, 2), (2, 2, 2)]:
+    for rules, shape in [(sharding.TRAIN_RULES, (8, 1, 1)), (sharding.TRAIN_RULES, (1, 4, 2)),
+                         (sharding.TRAIN_RULES, (2, 2, 2)), (sharding.ROLLOUT_RULES, (2, 2, 2))]:
         mesh = sharding.make_mesh(shape)
         model = models.from_pretrained(fixture("qwen3_moe"), mesh=mesh, rules=rules)
         graphdef, state = nnx.split(model)
@@ -235,3 +235,19 @@ def test_load_balancing_loss_and_gradient_match_numpy(masked):
     np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-7)
     # perfectly balanced routing: uniform logits give the minimum, top_k
     assert abs(float(models.load_balancing_loss(jnp.zeros((1, 2, 8, E)), k)) - k) < 1e-6
+
+
+def test_moe_bf16_and_value_head_round_trip(tmp_path):
+    model = models.from_pretrained(fixture("mixtral"), dtype=jnp.bfloat16)
+    ref = reference("mixtral")
+    assert np.abs(forward(model, ref["input_ids"]) - ref["logits"]).max() < 0.25  # bf16 round-off
+    value = models.from_pretrained(fixture("qwen3_moe"), value_head=True, seed=1)
+    assert isinstance(value, models.ValueModel) and value.config.is_moe
+    models.save_pretrained(value, tmp_path / "v")
+    hf = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert hf["architectures"] == ["Qwen3MoeForTokenClassification"]
+    back = models.from_pretrained(tmp_path / "v")
+    a, b = params(value), params(back)
+    assert a.keys() == b.keys() and "score/kernel" in a
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
