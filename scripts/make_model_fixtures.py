@@ -9,12 +9,14 @@ with transformers' own `save_pretrained` (fp32 safetensors, transformers-5 `conf
     pip install torch==2.13.0 transformers
     HF_HUB_OFFLINE=1 python scripts/make_model_fixtures.py            # writes the fixtures
     python scripts/make_model_fixtures.py --dry-run                    # lists what it would write
+    HF_HUB_OFFLINE=1 python scripts/make_model_fixtures.py --only qwen3_moe mixtral  # just these
 
-Made with torch 2.13.0 (CPU) and transformers 5.24.0.
+Made with torch 2.13.0 (CPU) and transformers 5.24.0 (qwen3_moe and mixtral: torch 2.14.1).
 
 Output, one folder per checkpoint (`qwen2`: biases + GQA; `qwen2_tied`: tied embeddings;
 `qwen3`: q/k norm and head_dim != hidden/heads; `llama3`: llama3 rope scaling; `qwen2_value`:
-Qwen2ForTokenClassification with num_labels=1):
+Qwen2ForTokenClassification with num_labels=1; `qwen3_moe`: Qwen3MoeForCausalLM, 4 experts, top-2,
+norm_topk_prob=false, every layer sparse; `mixtral`: MixtralForCausalLM, 4 experts, top-2):
 - `config.json`, `model.safetensors`: exactly what transformers wrote.
 - `reference.npz`: `input_ids` int32[2, 16] (seeded random ids, no padding) and the fp32 model
   output on them: `logits` float32[2, 16, vocab] (causal LMs) or `values` float32[2, 16]
@@ -59,6 +61,12 @@ CHECKPOINTS = {
                                                high_freq_factor=4.0,
                                                original_max_position_embeddings=64))),
     "qwen2_value": ("Qwen2Config", "Qwen2ForTokenClassification", dict(rope_theta=10000.0, num_labels=1)),
+    # mixture of experts: 4 experts, top-2, every layer sparse
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        rope_theta=1000000.0, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        rope_theta=1000000.0, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
 }
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
@@ -235,6 +243,8 @@ def main():
     parser.add_argument("--out", default=OUT)
     parser.add_argument("--dry-run", action="store_true", help="list the fixtures, build nothing")
     parser.add_argument("--skip-check", action="store_true", help="do not round-trip through jaxrl_llm")
+    parser.add_argument("--only", nargs="+", choices=list(CHECKPOINTS) + ["tokenizer_chatml"],
+                        help="build just these fixtures (the others are left as they are)")
     args = parser.parse_args()
     names = list(CHECKPOINTS) + ["tokenizer_chatml"]
     if args.dry_run:
@@ -248,12 +258,16 @@ def main():
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(1)
     os.makedirs(args.out, exist_ok=True)
-    for seed, name in enumerate(CHECKPOINTS):
-        build_checkpoint(name, args.out, seed)
-    build_tokenizer(args.out)
+    only = set(args.only or names)
+    for seed, name in enumerate(CHECKPOINTS):  # seeds by position: adding a fixture changes no other
+        if name in only:
+            build_checkpoint(name, args.out, seed)
+    if "tokenizer_chatml" in only:
+        build_tokenizer(args.out)
     if not args.skip_check:
         for name in CHECKPOINTS:
-            check_our_save(name, args.out)
+            if name in only:
+                check_our_save(name, args.out)
 
 
 if __name__ == "__main__":

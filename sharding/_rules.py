@@ -36,6 +36,7 @@ TRAIN_RULES: Rules = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
+    ("expert", None),  # the expert dim of MoE weights: replicated (no expert parallelism yet)
     ("layers", None),
     # KV cache
     ("cache_batch", _BATCH),
@@ -51,6 +52,7 @@ ROLLOUT_RULES: Rules = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
+    ("expert", None),  # the expert dim of MoE weights: replicated (no expert parallelism yet)
     ("layers", None),
     ("cache_batch", _BATCH),
     ("cache_length", None),

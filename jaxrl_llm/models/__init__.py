@@ -1,9 +1,10 @@
-"""Flax NNX decoder models (Llama 3, Qwen2/2.5, Qwen3), Hugging Face I/O and tokenizers."""
+"""Flax NNX decoder models (Llama 3, Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral), Hugging Face I/O and
+tokenizers."""
 from ._config import ModelConfig, RopeScaling, to_dtype
 from ._decoder import (LAYER_LAYOUTS, CausalLM, KVCache, Transformer, ValueModel, abstract_model,
                        attend, causal_padding_mask, count_params, default_positions, init_model,
                        rope_inv_freq, segment_positions, stack_layers, unstack_layers, convert_layers,
-                       params_layout)
+                       params_layout, load_balancing_loss)
 from ._lora import (LORA_TARGETS, LoraSpec, add_lora, merge_lora, merged_model, resolve_targets,
                     split_lora)
 from ._peft import load_peft_adapter, read_peft_config, save_peft_adapter

@@ -1,4 +1,5 @@
-"""Model hyper-parameters: one frozen dataclass for the Llama 3 / Qwen2 / Qwen3 decoder family.
+"""Model hyper-parameters: one frozen dataclass for the Llama 3 / Qwen2 / Qwen3 decoder family
+(and its mixture-of-experts members Qwen3-MoE and Mixtral).
 
 Field names follow Hugging Face's `config.json` so a user can read one against the other.
 Conversion from and to `config.json` lives in `_hf.py`; this module only holds and checks values.
@@ -10,7 +11,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 TRAIN_ATTENTIONS = ("auto", "xla", "cudnn", "rolled", "splash")
 DECODE_ATTENTIONS = ("auto", "einsum", "reduce", "cudnn", "pallas", "triton")
@@ -105,6 +107,15 @@ class ModelConfig:
     decode_attention: str = "auto"
     decode_unroll: int = 1
     layer_unroll: int = 1
+    # Mixture of experts (model_type qwen3_moe / mixtral): every layer's MLP is a sparse block of
+    # `num_experts` SwiGLU experts of width `moe_intermediate_size`; each token goes to its
+    # `num_experts_per_tok` highest-scoring experts (softmax router), weighted by the router
+    # probabilities, renormalised over the chosen experts when `norm_topk_prob`. 0 = dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.001  # config.json's value, kept for the round trip (not used yet)
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
@@ -123,6 +134,15 @@ class ModelConfig:
                      "num_attention_heads", "num_key_value_heads"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if (self.model_type in MOE_MODEL_TYPES) != (int(self.num_experts) > 0):
+            raise ValueError(f"model_type={self.model_type!r} with num_experts={self.num_experts}: the "
+                             f"MoE types {MOE_MODEL_TYPES} need num_experts > 0, the dense ones 0")
+        if self.num_experts:
+            if not 0 < int(self.num_experts_per_tok) <= int(self.num_experts):
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                                 f"1..num_experts={self.num_experts}")
+            if int(self.moe_intermediate_size) <= 0:
+                raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -140,6 +160,10 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def num_groups(self) -> int:

@@ -1,4 +1,5 @@
-"""Flax NNX decoder for the Llama 3 / Qwen2 / Qwen3 family, with a causal-LM and a value head.
+"""Flax NNX decoder for the Llama 3 / Qwen2 / Qwen3 family and its mixture-of-experts members
+(Qwen3-MoE, Mixtral: `SparseMLP`), with a causal-LM and a value head.
 
 Layer parameters are stored stacked along a leading `layers` axis and the layers run under
 `jax.lax.scan`, so compile time does not grow with depth and the trainer and the rollout engine
@@ -275,6 +276,99 @@ class MLP(nnx.Module):
         return self._lin(self.down_proj, h, "btf,fe->bte")
 
 
+class _Experts(nnx.Module):
+    """The stacked expert weights of a sparse MLP: `gate_proj`/`up_proj` kernels [E, e, f] and
+    `down_proj` [E, f, e] (a leading `layers` axis when stacked); Mixtral's names w1/w3/w2."""
+
+    def __init__(self, c: ModelConfig, n: int | None, rngs: nnx.Rngs, names: tuple[str, str, str]):
+        E, e, f, pd = c.num_experts, c.hidden_size, c.moe_intermediate_size, c.param_dtype
+        self.names = names
+        gate, up, down = names
+        setattr(self, gate, nnx.Dict(kernel=_param(rngs, *_lead(n, (E, e, f), ("expert", "embed", "mlp")), pd)))
+        setattr(self, up, nnx.Dict(kernel=_param(rngs, *_lead(n, (E, e, f), ("expert", "embed", "mlp")), pd)))
+        setattr(self, down, nnx.Dict(kernel=_param(rngs, *_lead(n, (E, f, e), ("expert", "mlp", "embed")), pd)))
+
+    def kernels(self):
+        return tuple(getattr(self, name)["kernel"][...] for name in self.names)
+
+
+def route(router_logits, top_k: int, normalize: bool):
+    """Top-k softmax routing (transformers' Qwen3-MoE / Mixtral): router_logits [..., E] ->
+    (weights fp32 [..., k], expert ids int32 [..., k]); the softmax is over all experts in fp32,
+    renormalised over the k chosen ones when `normalize`."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def load_balancing_loss(router_logits, top_k: int, attention_mask=None):
+    """The Switch/Mixtral router load-balancing loss, as transformers' `load_balancing_loss_func`:
+    E * sum_e f_e * P_e, where P_e is the mean router probability of expert e and f_e the
+    fraction of (token, choice) pairs routed to e (summed over the k choices), both over real
+    tokens of every layer. router_logits [L, b, t, E] (or [..., E]); attention_mask [b, t] (0 =
+    padding; None: every token counts). The top-k choice carries no gradient; P_e does. Not yet
+    added to any loss (no model output returns router logits yet)."""
+    E = router_logits.shape[-1]
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    _, chosen = jax.lax.top_k(probs, top_k)
+    picked = jax.nn.one_hot(chosen, E, dtype=jnp.float32).sum(axis=-2)  # [..., E], counts over k
+    if attention_mask is None:
+        w = jnp.ones(probs.shape[:-1], jnp.float32)
+    else:
+        w = jnp.broadcast_to((attention_mask != 0).astype(jnp.float32), probs.shape[:-1])
+    total = jnp.maximum(jnp.sum(w), 1.0)
+    frac = jnp.sum(picked * w[..., None], axis=tuple(range(picked.ndim - 1))) / total  # [E]
+    mean_prob = jnp.sum(probs * w[..., None], axis=tuple(range(probs.ndim - 1))) / total
+    return E * jnp.sum(jax.lax.stop_gradient(frac) * mean_prob)
+
+
+def grouped_experts(x, experts, kernels):
+    """SwiGLU experts on tokens x [T, e] routed to experts int32 [T, k]; kernels (gate [E, e, f],
+    up [E, e, f], down [E, f, e]). Capacity-free: the T*k (token, expert) pairs are sorted by
+    expert and each expert's contiguous group is multiplied by its weights with
+    `jax.lax.ragged_dot` (a grouped matmul; XLA on every backend). Returns [T, k, e], output j of
+    token t from expert experts[t, j]."""
+    gate_w, up_w, down_w = (w.astype(x.dtype) for w in kernels)
+    t, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # pair positions grouped by expert
+    sizes = jnp.bincount(flat, length=gate_w.shape[0]).astype(jnp.int32)
+    xs = jnp.take(x, order // k, axis=0)  # [T*k, e]
+    gate = jax.lax.ragged_dot(xs, gate_w, sizes)
+    up = jax.lax.ragged_dot(xs, up_w, sizes)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_w, sizes)  # [T*k, e], sorted
+    unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+    return unsorted.reshape(t, k, -1)
+
+
+class SparseMLP(nnx.Module):
+    """A mixture-of-experts MLP (Qwen3-MoE's `mlp`, Mixtral's `block_sparse_moe`): the router
+    `gate` kernel [e, E], then each token through its top-k experts (`route`, `grouped_experts`),
+    summed with the router weights."""
+
+    def __init__(self, c: ModelConfig, n: int | None, rngs: nnx.Rngs):
+        self.gate = nnx.Dict(kernel=_param(rngs, *_lead(n, (c.hidden_size, c.num_experts), ("embed", "expert")),
+                                           c.param_dtype))
+        names = ("w1", "w3", "w2") if c.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        self.experts = _Experts(c, n, rngs, names)
+        self.top_k, self.normalize = c.num_experts_per_tok, c.norm_topk_prob
+
+    def router_logits(self, x):
+        """[..., E] router logits (fp32 accumulation) of hidden states x [..., e]."""
+        return jnp.einsum("...e,eE->...E", x, self.gate["kernel"][...].astype(x.dtype),
+                          preferred_element_type=jnp.float32)
+
+    def __call__(self, x):
+        b, t, e = x.shape
+        flat = x.reshape(b * t, e)
+        weights, experts = route(self.router_logits(flat), self.top_k, self.normalize)
+        y = grouped_experts(flat, experts, self.experts.kernels())  # [T, k, e]
+        out = jnp.einsum("tke,tk->te", y, weights.astype(x.dtype))
+        return sharding.constrain(out.reshape(b, t, e), ("batch", "length", "embed"))
+
+
 class DecoderLayers(nnx.Module):
     """All decoder layers; every parameter has a leading `layers` axis of size num_hidden_layers.
     With `stacked=False`, one layer without that axis (an element of the per-layer layout)."""
@@ -284,7 +378,10 @@ class DecoderLayers(nnx.Module):
         self.input_layernorm = RMSNorm(*_lead(n, (e,), ("embed",)), c.rms_norm_eps, c.param_dtype)
         self.self_attn = Attention(c, n, rngs, fused=fused)
         self.post_attention_layernorm = RMSNorm(*_lead(n, (e,), ("embed",)), c.rms_norm_eps, c.param_dtype)
-        self.mlp = MLP(c, n, rngs, fused=fused)
+        if c.is_moe:  # under transformers' name: Mixtral's `block_sparse_moe`, Qwen3-MoE's `mlp`
+            setattr(self, "block_sparse_moe" if c.model_type == "mixtral" else "mlp", SparseMLP(c, n, rngs))
+        else:
+            self.mlp = MLP(c, n, rngs, fused=fused)
 
     def layer(self, x, positions, inv_freq, kv_fn):
         """One layer on a per-layer view of the parameters. kv_fn(k, v) -> (k_all, v_all, mask, extra);
@@ -295,7 +392,8 @@ class DecoderLayers(nnx.Module):
         o = mask(q) if callable(mask) else attend(q, k_all, v_all, mask)
         x = x + self.self_attn.out(o)
         x = sharding.constrain(x, ("batch", "length", "embed"))
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        mlp = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        x = x + mlp(self.post_attention_layernorm(x))
         return sharding.constrain(x, ("batch", "length", "embed")), extra
 
 
@@ -720,8 +818,9 @@ def unstack_layers(params: dict) -> dict:
 
 def _fuse_layer(layer: dict) -> dict:
     """One layer's q/k/v -> `qkv_proj` and gate/up -> `gate_up_proj`; also a stacked layer dict
-    (leading [L] axis on every leaf: the axes are counted from the end)."""
-    attn, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
+    (leading [L] axis on every leaf: the axes are counted from the end). A sparse MLP's experts
+    are left as they are (only attention is fused)."""
+    attn, mlp = dict(layer["self_attn"]), dict(layer.get("mlp", {}))
     q, k, v = attn.pop("q_proj"), attn.pop("k_proj"), attn.pop("v_proj")
     kvh = k["kernel"].shape[-2]
 
@@ -732,14 +831,16 @@ def _fuse_layer(layer: dict) -> dict:
                                      axis=-2)}
     if "bias" in q:
         qkv["bias"] = jnp.concatenate([group(q["bias"]), k["bias"][..., None, :], v["bias"][..., None, :]], axis=-2)
+    if "gate_proj" not in mlp:  # a sparse MLP (or Mixtral's block_sparse_moe): experts stay as they are
+        return {**layer, "self_attn": {"qkv_proj": qkv, **attn}}
     gate, up = mlp.pop("gate_proj"), mlp.pop("up_proj")
     return {**layer, "self_attn": {"qkv_proj": qkv, **attn},
             "mlp": {"gate_up_proj": {"kernel": jnp.stack([gate["kernel"], up["kernel"]], axis=-2)}, **mlp}}
 
 
 def _unfuse_layer(layer: dict) -> dict:
-    attn, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
-    qkv, gate_up = attn.pop("qkv_proj"), mlp.pop("gate_up_proj")["kernel"]
+    attn, mlp = dict(layer["self_attn"]), dict(layer.get("mlp", {}))
+    qkv = attn.pop("qkv_proj")
     g = qkv["kernel"].shape[2] - 2
 
     def heads(x):  # [..., kvh, g, d] -> [..., h, d]
@@ -751,6 +852,9 @@ def _unfuse_layer(layer: dict) -> dict:
     if "bias" in qkv:
         bias = qkv["bias"]
         out["q_proj"]["bias"], out["k_proj"]["bias"], out["v_proj"]["bias"] = heads(bias[:, :g]), bias[:, g], bias[:, g + 1]
+    if "gate_up_proj" not in mlp:  # a sparse MLP: never fused
+        return {**layer, "self_attn": {**out, **attn}}
+    gate_up = mlp.pop("gate_up_proj")["kernel"]
     return {**layer, "self_attn": {**out, **attn},
             "mlp": {"gate_proj": {"kernel": gate_up[:, 0]}, "up_proj": {"kernel": gate_up[:, 1]}, **mlp}}
 

@@ -50,8 +50,10 @@ _ARCH = {  # architecture -> (model_type, value_head)
     "LlamaForCausalLM": ("llama", False), "LlamaForTokenClassification": ("llama", True),
     "Qwen2ForCausalLM": ("qwen2", False), "Qwen2ForTokenClassification": ("qwen2", True),
     "Qwen3ForCausalLM": ("qwen3", False), "Qwen3ForTokenClassification": ("qwen3", True),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False), "Qwen3MoeForTokenClassification": ("qwen3_moe", True),
+    "MixtralForCausalLM": ("mixtral", False), "MixtralForTokenClassification": ("mixtral", True),
 }
-_ARCH_NAME = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_ARCH_NAME = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
 _TORCH_DTYPE = {jnp.float32: "float32", jnp.bfloat16: "bfloat16", jnp.float16: "float16"}
 
 
@@ -109,6 +111,38 @@ def _require(hf: dict, name: str):
     return hf[name]
 
 
+def _moe_fields(hf: dict, model_type: str) -> dict:
+    """The ModelConfig MoE fields of a Qwen3-MoE / Mixtral config.json ({} for dense types).
+    Every layer must be sparse: Qwen3-MoE's dense layers (`mlp_only_layers`, `decoder_sparse_step`
+    > 1) would need a second MLP kind inside the one layer scan, which is not built yet."""
+    if model_type == "mixtral":
+        if hf.get("sliding_window") is not None:
+            raise ValueError(f"config.json: sliding_window={hf['sliding_window']} is not supported "
+                             f"(sliding-window attention); it must be null")
+        experts = _require(hf, "num_local_experts")
+        width = int(_require(hf, "intermediate_size"))
+        normalize = True  # Mixtral always renormalises over the chosen experts
+    elif model_type == "qwen3_moe":
+        experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 writes the latter
+        if experts is None:
+            raise ValueError("config.json: missing field 'num_experts' (or 'num_local_experts')")
+        width = int(_require(hf, "moe_intermediate_size"))
+        normalize = bool(hf.get("norm_topk_prob", False))
+        step, dense = int(hf.get("decoder_sparse_step", 1)), sorted(hf.get("mlp_only_layers") or [])
+        layers = int(_require(hf, "num_hidden_layers"))
+        dense = sorted(set(dense) | {i for i in range(layers) if (i + 1) % max(step, 1)})
+        if dense:
+            raise ValueError(f"config.json: layers {dense} have a dense MLP (mlp_only_layers="
+                             f"{hf.get('mlp_only_layers') or []}, decoder_sparse_step={step}); mixing "
+                             f"dense and sparse layers is not supported yet: every layer must be sparse "
+                             f"(mlp_only_layers=[], decoder_sparse_step=1)")
+    else:
+        return {}
+    return dict(num_experts=int(experts), num_experts_per_tok=int(_require(hf, "num_experts_per_tok")),
+                moe_intermediate_size=width, norm_topk_prob=normalize,
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+
+
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """`ModelConfig` from a Hugging Face `config.json` dict. `overrides` replace fields (e.g. dtype)."""
     model_type, value_head = _architecture(hf)
@@ -124,6 +158,7 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
                          f"{len(hf.get('id2label') or {})} entries)")
     theta, scaling = _rope(hf)
     heads = int(_require(hf, "num_attention_heads"))
+    moe = _moe_fields(hf, model_type)
     eos = hf.get("eos_token_id")
     fields = dict(
         vocab_size=int(_require(hf, "vocab_size")),
@@ -140,10 +175,11 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
         pad_token_id=hf.get("pad_token_id"),
+        **moe,
     )
     fields.update(overrides)
     return ModelConfig(**fields)
@@ -158,9 +194,13 @@ def config_to_hf(config: ModelConfig, *, value_head: bool = False) -> dict:
             raise ValueError("a qwen2 config must have attention_bias=True (HF Qwen2 always has q/k/v biases)")
         if c.head_dim != c.hidden_size // c.num_attention_heads:
             raise ValueError("qwen2 needs head_dim == hidden_size // num_attention_heads; use qwen3 or llama")
-    if c.qk_norm != (c.model_type == "qwen3"):
+    if c.qk_norm != (c.model_type in ("qwen3", "qwen3_moe")):
         raise ValueError(f"qk_norm={c.qk_norm} cannot be expressed for model_type={c.model_type!r}")
-    if c.attention_bias and c.model_type == "qwen3":
+    if c.model_type == "mixtral" and c.moe_intermediate_size != c.intermediate_size:
+        raise ValueError("mixtral needs moe_intermediate_size == intermediate_size (its experts' width)")
+    if c.model_type == "mixtral" and not c.norm_topk_prob:
+        raise ValueError("mixtral always renormalises the top-k router weights: norm_topk_prob must be True")
+    if c.attention_bias and c.model_type in ("qwen3", "qwen3_moe", "mixtral"):
         raise ValueError("HF Qwen3 attention_bias adds an o_proj bias that this decoder lacks")
     arch = _ARCH_NAME[c.model_type] + ("ForTokenClassification" if value_head else "ForCausalLM")
     dtype_name = _TORCH_DTYPE.get(c.param_dtype, "float32")
@@ -189,6 +229,18 @@ def config_to_hf(config: ModelConfig, *, value_head: bool = False) -> dict:
         del hf["head_dim"]  # transformers' Qwen2 derives it from hidden_size / num_attention_heads
     if c.model_type == "llama":
         hf.update(attention_bias=c.attention_bias, mlp_bias=False, pretraining_tp=1)
+    elif c.is_moe:
+        hf.update(num_local_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                  output_router_logits=False, router_aux_loss_coef=c.router_aux_loss_coef,
+                  sliding_window=None)
+        if c.model_type == "mixtral":
+            hf.update(router_jitter_noise=0.0)
+            if c.head_dim == c.hidden_size // c.num_attention_heads:
+                hf["head_dim"] = None  # as transformers writes it (derived from hidden / heads)
+        else:
+            hf.update(num_experts=c.num_experts, moe_intermediate_size=c.moe_intermediate_size,
+                      norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+                      attention_bias=False, use_sliding_window=False)
     else:
         hf.update(use_sliding_window=False, sliding_window=None,
                   max_window_layers=28,
@@ -283,16 +335,22 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 class _Entry:
-    """One parameter of ours and the HF tensor(s) it comes from (one per layer when stacked)."""
+    """One parameter of ours and the HF tensor(s) it comes from: one per layer when stacked, and
+    one per expert for the stacked expert weights of a sparse MLP (`...experts.{j}.<name>`); the
+    leading dims that index those tensors are `lead_shape`, the rest is one tensor's shape."""
 
-    def __init__(self, path: tuple[str, ...], shape: tuple[int, ...], stacked: bool):
+    def __init__(self, path: tuple[str, ...], shape: tuple[int, ...], stacked: bool, experts: bool = False):
         self.path, self.stacked = path, stacked
-        self.layer_shape = shape[1:] if stacked else shape
+        lead = int(stacked) + int(experts)
+        self.lead_shape, self.layer_shape = tuple(shape[:lead]), tuple(shape[lead:])
         parts = list(path)
         leaf = parts.pop()
         self.kind = leaf
         self.n_in = 2 if parts[-1:] == ["o_proj"] else 1
         suffix = "bias" if leaf == "bias" else "weight"
+        if experts:
+            at = parts.index("experts") + 1
+            parts = parts[:at] + ["{j}"] + parts[at:]
         if stacked:
             rest = parts[parts.index("layers") + 1:]
             self.template = ".".join(["model.layers.{i}"] + rest + [suffix])
@@ -307,10 +365,16 @@ class _Entry:
         else:
             self.hf_shape = (math.prod(s),)
 
+    def lead_indices(self) -> list[tuple[int, ...]]:
+        """The index into the leading dims of each HF tensor, in `hf_names` order."""
+        return list(np.ndindex(*self.lead_shape)) if self.lead_shape else [()]
+
     def hf_names(self) -> list[str]:
-        if not self.stacked:
-            return [self.template]
-        return [self.template.format(i=i) for i in range(self.num_layers)]
+        names = []
+        for idx in self.lead_indices():
+            keys = dict(zip(("i", "j") if self.stacked else ("j",), idx))
+            names.append(self.template.format(**keys) if keys else self.template)
+        return names
 
     def to_ours(self, w: np.ndarray) -> np.ndarray:
         """One HF tensor -> our per-layer layout (a view when numpy can make one)."""
@@ -330,7 +394,8 @@ def _entries(state: nnx.State) -> list[tuple[_Entry, nnx.Variable]]:
         path = tuple(str(p) for p in path)
         axes = var.get_metadata().get("logical_axes") or ()
         stacked = bool(axes) and axes[0] == "layers"
-        out.append((_Entry(path, tuple(var.get_value().shape), stacked), var))
+        experts = "experts" in path and len(axes) > int(stacked) and axes[int(stacked)] == "expert"
+        out.append((_Entry(path, tuple(var.get_value().shape), stacked, experts), var))
     return out
 
 
@@ -369,17 +434,21 @@ def _check_tensors(entries, files: _SafetensorsFolder, *, fresh_score: bool, ign
 
 
 def _load_array(entry: _Entry, files: _SafetensorsFolder, dtype, sharding_) -> jax.Array:
-    names = entry.hf_names()
-    shape = ((entry.num_layers,) if entry.stacked else ()) + tuple(entry.layer_shape)
+    names = dict(zip(entry.lead_indices(), entry.hf_names()))
+    lead = len(entry.lead_shape)
+    shape = entry.lead_shape + tuple(entry.layer_shape)
 
     def one_layer(name, index):
         return np.asarray(entry.to_ours(files.get(name))[index]).astype(dtype)
 
     def callback(index):
-        if not entry.stacked:
-            return one_layer(names[0], index)
-        layers = range(entry.num_layers)[index[0]]
-        return np.stack([one_layer(names[i], tuple(index[1:])) for i in layers])
+        if not lead:
+            return one_layer(names[()], index)
+        ranges = [range(n)[sl] for n, sl in zip(entry.lead_shape, index[:lead])]
+        out = np.empty(tuple(map(len, ranges)) + one_layer(names[(0,) * lead], tuple(index[lead:])).shape, dtype)
+        for pos in np.ndindex(*out.shape[:lead]):
+            out[pos] = one_layer(names[tuple(r[p] for r, p in zip(ranges, pos))], tuple(index[lead:]))
+        return out
 
     return jax.make_array_from_callback(shape, sharding_, callback)
 
@@ -393,7 +462,7 @@ def _shardings_for(entries, mesh, rules):
     rules = sharding.TRAIN_RULES if rules is None else rules
     return [sharding.logical_sharding(mesh, var.get_metadata().get("logical_axes") or
                                       (None,) * len(entry.layer_shape), rules,
-                                      var.get_value().shape, name=entry.template.replace("{i}", "*"))
+                                      var.get_value().shape, name=entry.template.replace("{i}", "*").replace("{j}", "*"))
             for entry, var in entries]
 
 
@@ -477,16 +546,16 @@ def save_pretrained(model: CausalLM | ValueModel, path: str, *, max_shard_size: 
     hf = config_to_hf(config, value_head=value_head)
     tensors = []
 
-    def producer(entry, var, i, np_dtype):
-        def produce():  # one layer at a time: sliced on device, then fetched
+    def producer(entry, var, idx, np_dtype):
+        def produce():  # one layer (and expert) at a time: sliced on device, then fetched
             x = var.get_value()
-            return entry.to_hf(to_host(x[i] if entry.stacked else x)).astype(np_dtype)
+            return entry.to_hf(to_host(x[idx] if idx else x)).astype(np_dtype)
         return produce
 
     for entry, var in entries:
         np_dtype = np.dtype(to_dtype(dtype)) if dtype is not None else np.dtype(var.get_value().dtype)
-        for i, name in enumerate(entry.hf_names()):
-            tensors.append((name, entry.hf_shape, np_dtype, producer(entry, var, i, np_dtype)))
+        for idx, name in zip(entry.lead_indices(), entry.hf_names()):
+            tensors.append((name, entry.hf_shape, np_dtype, producer(entry, var, idx, np_dtype)))
     tensors.sort(key=lambda t: _hf_sort_key(t[0]))
     limit = _parse_size(max_shard_size)
     shards: list[list] = [[]]

@@ -110,6 +110,11 @@ def add_lora(model, spec: LoraSpec, *, seed: int = 0, mesh=None, rules: Any = No
     training rules) from its logical axes, like the kernel it adapts."""
     if model.lora_spec is not None:
         raise ValueError("add_lora: the model already has LoRA adapters")
+    mlp_targets = [n for n in spec.target_modules if LORA_TARGETS[n][0] == "mlp"]
+    if model.config.is_moe and mlp_targets:
+        raise ValueError(f"add_lora: target_modules {mlp_targets} are MLP projections, which a mixture-of-"
+                         f"experts model ({model.config.model_type}) holds per expert; LoRA on experts is "
+                         f"not supported yet: target only q_proj, k_proj, v_proj, o_proj")
     key = jax.random.key(seed)
     for li, layer in enumerate(_layer_modules(model)):
         for name in spec.target_modules:
