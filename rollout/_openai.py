@@ -165,7 +165,7 @@ class OpenAIServer:
         class Handler(_Handler):
             api = owner
 
-        self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
+        self._httpd = _HTTPServer((host, port), Handler)
         self._httpd.daemon_threads = True
         self.host, self.port = self._httpd.server_address[:2]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="OpenAIServer",
@@ -524,6 +524,12 @@ def _split(content: str, pieces: list[str]):
         yield j, p
     if sent < len(content):
         yield -1, content[sent:]
+
+
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    # the listen backlog: socketserver's default of 5 resets connections when a trainer's many
+    # agents (a batch of trajectories) connect at once
+    request_queue_size = 1024
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
