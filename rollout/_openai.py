@@ -153,7 +153,8 @@ class OpenAIServer:
         # tools, prompt_ids, opts) -> prompt_ids` may replace a session request's prompt ids and
         # its sampling options (opts: sampling, seed, row, max_tokens; max_tokens 0 answers an
         # empty "length" reply without generating); `after(session_id, messages, reply, output)`
-        # sees each result. Called only for requests with a session id; messages is None for
+        # sees each result; `before` may raise `RequestError` to refuse the request. Called for
+        # every request (session_id None without the header); messages is None for
         # /v1/completions, reply the chat message returned (None for completions).
         self.session_hook = session_hook
         # choices (n per request) submitted and not finished; past max_in_flight, HTTP 429
@@ -372,7 +373,7 @@ class OpenAIServer:
         tools, schemas = self._tools(body)
         messages = self.convert_messages(body.get("messages"))
         prompt_ids = self.render(messages, tools)
-        hook = self.session_hook if session_id is not None else None
+        hook = self.session_hook
         if hook is not None:
             prompt_ids = hook.before(session_id, messages, tools, prompt_ids, opts)
         rid, outs = self._generate(prompt_ids, opts, session_id)
@@ -425,7 +426,7 @@ class OpenAIServer:
         else:
             raise RequestError("'prompt' must be a non-empty string or a non-empty list of token "
                                "ids (one prompt a request)", param="prompt")
-        hook = self.session_hook if session_id is not None else None
+        hook = self.session_hook
         if hook is not None:
             prompt_ids = hook.before(session_id, None, None, prompt_ids, opts)
         rid, outs = self._generate(prompt_ids, opts, session_id)

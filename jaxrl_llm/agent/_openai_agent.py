@@ -84,19 +84,24 @@ class _Session:
 
 class _Hook:
     """The endpoint's `session_hook`: the trainer's sampling for the sessions of running
-    trajectories (requests with other session ids are served as they come)."""
+    trajectories; a request without a running trajectory's session id is refused (HTTP 400), so
+    nothing is generated or recorded that no trajectory collects."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.sessions: dict[str, _Session] = {}
 
     def before(self, session_id, messages, tools, prompt_ids, opts):
-        from rollout._openai import RequestError
+        from rollout._openai import SESSION_HEADER, RequestError
 
         with self.lock:
             st = self.sessions.get(session_id)
-        if st is None:
-            return prompt_ids
+        if st is None:  # the endpoint serves the trainer's running trajectories only
+            raise RequestError(
+                f"this endpoint trains agents: each request must carry the header "
+                f"'{SESSION_HEADER}: <session_id>' with the session id the agent function was "
+                f"given (got {session_id!r}: {'no header' if session_id is None else 'no running trajectory has it'})",
+                param=SESSION_HEADER, code="invalid_session")
         ctx = st.loop.ctx
         if opts["n"] != 1:
             raise RequestError("a training session samples one choice a request: send n=1",
@@ -223,9 +228,10 @@ class OpenAIAgentLoop(ToolAgentLoop):
     def _trajectory(self, session: str, turns) -> _Trajectory:
         """The session's recorded requests as one trajectory (the module docstring's rules)."""
         if not turns:
-            raise ValueError(f"openai_agent: the agent made no request in session {session!r}; "
-                             f"every request must carry the header 'X-Session-Id: <session_id>' "
-                             f"(e.g. openai.OpenAI(default_headers={{'X-Session-Id': session_id}}))")
+            raise ValueError(f"openai_agent: the agent returned without a request in session "
+                             f"{session!r}: a trajectory needs at least one, each with the header "
+                             f"'X-Session-Id: <session_id>' (e.g. openai.OpenAI(default_headers="
+                             f"{{'X-Session-Id': session_id}}))")
         traj = _Trajectory(list(turns[0].prompt_ids), [])
         context = list(turns[0].prompt_ids)
         for i, t in enumerate(turns):

@@ -85,10 +85,14 @@ def test_openai_client_agent_gives_the_tool_agents_trajectory(request, tokenizer
         assert got["response_mask"][0].sum() < sum(len(tok.encode(r)) + 1 for r in replies)
 
 
-def test_rewritten_history_and_a_missing_session_header_are_clear_errors(char_tok):
+def test_rewritten_history_a_missing_session_header_and_no_request_are_clear_errors(char_tok):
     with pytest.raises(ValueError, match="request 1 of session .* does not extend the conversation"):
         run(char_tok, ["12", "34"], "openai_agent", fn="forgetful_agent", rows=(0,))
-    with pytest.raises(ValueError, match="X-Session-Id"):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="must carry the header 'X-Session-Id"):
         run(char_tok, ["12"], "openai_agent", fn="headerless_agent", rows=(0,))
+    with pytest.raises(ValueError, match="without a request in session"):
+        run(char_tok, ["12"], "openai_agent", fn="idle_agent", rows=(0,))
     with pytest.raises(AttributeError, match="no function 'nope'"):
         run(char_tok, ["12"], "openai_agent", fn="nope", rows=(0,))
