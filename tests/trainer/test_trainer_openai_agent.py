@@ -44,6 +44,8 @@ def test_openai_agent_trajectories_equal_the_tool_agents_on_the_engine(started):
     np.testing.assert_array_equal(got.responses, want.responses)
     np.testing.assert_array_equal(got.response_mask, want.response_mask)
     np.testing.assert_array_equal(got.num_turns, want.num_turns)
+    np.testing.assert_array_equal(got.rollout_versions, want.rollout_versions)
+    assert got.prompt_ids == want.prompt_ids
     np.testing.assert_allclose(got.rollout_log_probs, want.rollout_log_probs, atol=1e-5)
     np.testing.assert_array_equal(got.scores, want.scores)
 
