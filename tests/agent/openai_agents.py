@@ -45,6 +45,25 @@ def calculator_agent(base_url, session_id, row):
     return None
 
 
+async def async_calculator_agent(base_url, session_id, row):
+    """calculator_agent with `openai.AsyncOpenAI`, awaited on the runner's event loop."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0,
+                                default_headers={"X-Session-Id": session_id})
+    messages = [dict(m) for m in row["raw_prompt"]]
+    tools = [CalculatorTool().get_openai_tool_schema().to_dict()]
+    for _ in range(MAX_TURNS):
+        reply = await client.chat.completions.create(model=row["model"], messages=messages,
+                                                     tools=tools)
+        choice = reply.choices[0]
+        messages.append(choice.message.model_dump(exclude_none=True))
+        if choice.finish_reason != "tool_calls":
+            return choice.message.content
+        for call in choice.message.tool_calls:
+            text = await asyncio.to_thread(_calculator, json.loads(call.function.arguments))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+    return None
+
+
 def forgetful_agent(base_url, session_id, row):
     """Asks twice, the second time without the first exchange: history rewritten."""
     client = _client(base_url, session_id)

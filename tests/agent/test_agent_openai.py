@@ -86,6 +86,15 @@ def test_openai_client_agent_gives_the_tool_agents_trajectory(request, tokenizer
         assert got["response_mask"][0].sum() < sum(len(tok.encode(r)) + 1 for r in replies)
 
 
+def test_an_async_agent_function_is_awaited_and_gives_the_same_trajectory(char_tok):
+    replies = [tool_call_text("37*48"), "1776"]
+    want, _ = run(char_tok, replies, "openai_agent")
+    got, s_got = run(char_tok, replies, "openai_agent", fn="async_calculator_agent")
+    for key in ("responses", "response_mask", "rollout_log_probs", "num_turns"):
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert len(s_got.requests) == 4
+
+
 def test_rewritten_history_a_missing_session_header_and_no_request_are_clear_errors(char_tok):
     with pytest.raises(ValueError, match="request 1 of session .* does not extend the conversation"):
         run(char_tok, ["12", "34"], "openai_agent", fn="forgetful_agent", rows=(0,))
