@@ -52,7 +52,8 @@ def load_agent_fn(path: str, name: str) -> Callable:
     if path.endswith(".py") or os.sep in path:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{where}={path!r}: no such file")
-        module_name = "jaxrl_llm_openai_agent_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
+        digest = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
+        module_name = "jaxrl_llm_openai_agent_" + digest
         module = sys.modules.get(module_name)
         if module is None:
             spec = importlib.util.spec_from_file_location(module_name, path)
@@ -97,10 +98,11 @@ class _Hook:
         with self.lock:
             st = self.sessions.get(session_id)
         if st is None:  # the endpoint serves the trainer's running trajectories only
+            why = "no header" if session_id is None else "no running trajectory has it"
             raise RequestError(
                 f"this endpoint trains agents: each request must carry the header "
                 f"'{SESSION_HEADER}: <session_id>' with the session id the agent function was "
-                f"given (got {session_id!r}: {'no header' if session_id is None else 'no running trajectory has it'})",
+                f"given (got {session_id!r}: {why})",
                 param=SESSION_HEADER, code="invalid_session")
         ctx = st.loop.ctx
         if opts["n"] != 1:

@@ -75,7 +75,8 @@ def forgetful_agent(base_url, session_id, row):
 def headerless_agent(base_url, session_id, row):
     """Forgets the session header: nothing is recorded for the trajectory."""
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    return client.chat.completions.create(model=row["model"], messages=row["raw_prompt"]).choices[0].message.content
+    reply = client.chat.completions.create(model=row["model"], messages=row["raw_prompt"])
+    return reply.choices[0].message.content
 
 
 def idle_agent(base_url, session_id, row):

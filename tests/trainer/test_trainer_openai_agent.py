@@ -55,7 +55,8 @@ def test_a_training_step_on_openai_agent_trajectories(started):
     examples = started.train_set.examples
     examples[:] = [dataclasses.replace(e, agent_name="openai_agent") for e in examples]
     m = started.train_step()
-    for key in ("num_turns/mean", "agent/openai_agent/count", "agent/openai_agent/total_s/mean", "actor/pg_loss"):
+    for key in ("num_turns/mean", "agent/openai_agent/count", "agent/openai_agent/total_s/mean",
+                "actor/pg_loss"):
         assert key in m, [k for k in sorted(m) if "agent" in k or "turn" in k]
     assert np.isfinite(m["actor/pg_loss"])
     assert m["agent/openai_agent/count"] >= 1 and "agent/tool_agent/count" not in m
