@@ -140,13 +140,23 @@ class OpenAIServer:
     def __init__(self, server, tokenizer, *, model_name: str, host: str = "127.0.0.1",
                  port: int = 0, tool_parser: str = "hermes", auth_token: str | None = None,
                  max_n: int = 16, recorder: SessionRecorder | None = None,
-                 max_in_flight: int | None = None):
+                 max_in_flight: int | None = None, max_target_length: int | None = None,
+                 session_hook=None):
         from jaxrl_llm.agent import get_tool_parser
 
         self.server, self.tokenizer, self.model_name = server, tokenizer, model_name
         self.parser = get_tool_parser(tool_parser)
         self.auth_token, self.max_n, self.recorder = auth_token, int(max_n), recorder
-        self.max_target_length = int(server.engine.max_target_length)
+        # max_target_length: for servers without `engine` (a `ReplicaRouter`)
+        self.max_target_length = int(max_target_length or server.engine.max_target_length)
+        # session_hook (a trainer's, e.g. the openai_agent loop's): `before(session_id, messages,
+        # tools, prompt_ids, opts) -> prompt_ids` may replace a session request's prompt ids and
+        # its sampling options (opts: sampling, seed, row, max_tokens; max_tokens 0 answers an
+        # empty "length" reply without generating); `after(session_id, messages, reply, output)`
+        # sees each result; `before` may raise `RequestError` to refuse the request. Called for
+        # every request (session_id None without the header); messages is None for
+        # /v1/completions, reply the chat message returned (None for completions).
+        self.session_hook = session_hook
         # choices (n per request) submitted and not finished; past max_in_flight, HTTP 429
         self.max_in_flight, self._in_flight = max_in_flight, 0
         self._count = threading.Lock()
@@ -156,7 +166,7 @@ class OpenAIServer:
         class Handler(_Handler):
             api = owner
 
-        self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
+        self._httpd = _HTTPServer((host, port), Handler)
         self._httpd.daemon_threads = True
         self.host, self.port = self._httpd.server_address[:2]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="OpenAIServer",
@@ -222,6 +232,11 @@ class OpenAIServer:
                     include_usage=bool(options.get("include_usage")))
 
     def render_messages(self, messages, tools) -> list[int]:
+        return self.render(self.convert_messages(messages), tools)
+
+    def convert_messages(self, messages) -> list[dict]:
+        """The request's messages as the template gets them: {"role", "content"} each, an
+        assistant's tool calls written into its content in the parser's format."""
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list of messages", param="messages")
         out = []
@@ -251,6 +266,9 @@ class OpenAIServer:
                     texts.append(self.parser.format(fn["name"], args))
                 content = "\n".join(texts)
             out.append({"role": m["role"], "content": content})
+        return out
+
+    def render(self, out: list[dict], tools) -> list[int]:
         kwargs = {"tools": tools} if tools else {}
         try:
             text = self.tokenizer.apply_chat_template(out, add_generation_prompt=True, **kwargs)
@@ -279,6 +297,9 @@ class OpenAIServer:
         if opts["max_tokens"] is None:
             opts["max_tokens"] = max(1, self.max_target_length - len(prompt_ids))
         n = opts["n"]
+        if opts["max_tokens"] == 0:  # a session hook's "no budget left": nothing is generated
+            rid = uuid.uuid4().hex
+            return rid, [_EmptyOutput(f"{rid}-{i}") for i in range(n)]
         with self._count:
             if self.max_in_flight is not None and self._in_flight + n > self.max_in_flight:
                 raise RequestError(f"the server is at its limit of {self.max_in_flight} requests "
@@ -298,7 +319,8 @@ class OpenAIServer:
             for i in range(opts["n"]):
                 futures.append(self.server.submit(
                     f"{rid}-{i}", prompt_ids, sampling=opts["sampling"],
-                    max_new_tokens=opts["max_tokens"], seed=opts["seed"], row=i,
+                    max_new_tokens=opts["max_tokens"], seed=opts["seed"],
+                    row=opts.get("row", 0) + i,
                     session_id=session_id if opts["n"] == 1 else None))
         except (ValueError, TypeError) as e:
             for f in futures:
@@ -349,7 +371,11 @@ class OpenAIServer:
         _field(body, "top_logprobs", int, 0, check=lambda v: v == 0,
                want="0 (only the sampled token's log-prob is returned)")
         tools, schemas = self._tools(body)
-        prompt_ids = self.render_messages(body.get("messages"), tools)
+        messages = self.convert_messages(body.get("messages"))
+        prompt_ids = self.render(messages, tools)
+        hook = self.session_hook
+        if hook is not None:
+            prompt_ids = hook.before(session_id, messages, tools, prompt_ids, opts)
         rid, outs = self._generate(prompt_ids, opts, session_id)
         choices = []
         for i, out in enumerate(outs):
@@ -374,6 +400,8 @@ class OpenAIServer:
                     for t, lp in zip(self._token_texts(ids), lps)]}
                 choice["token_ids"], choice["policy_versions"] = ids, vers
             choices.append(choice)
+        if hook is not None:
+            hook.after(session_id, messages, choices[0]["message"], outs[0])
         return self._response(f"chatcmpl-{rid}", "chat.completion", prompt_ids, outs, choices,
                               logprobs)
 
@@ -398,7 +426,12 @@ class OpenAIServer:
         else:
             raise RequestError("'prompt' must be a non-empty string or a non-empty list of token "
                                "ids (one prompt a request)", param="prompt")
+        hook = self.session_hook
+        if hook is not None:
+            prompt_ids = hook.before(session_id, None, None, prompt_ids, opts)
         rid, outs = self._generate(prompt_ids, opts, session_id)
+        if hook is not None:
+            hook.after(session_id, None, None, outs[0])
         choices = []
         for i, out in enumerate(outs):
             text, ids, lps, vers, reason = self._finish(out, opts["stop"])
@@ -467,6 +500,18 @@ class OpenAIServer:
             yield {**base, "choices": [], "usage": resp["usage"]}
 
 
+@dataclasses.dataclass
+class _EmptyOutput:
+    """The reply to a session request with no budget left (see `session_hook`)."""
+
+    request_id: str
+    token_ids: tuple = ()
+    log_probs: tuple = ()
+    policy_versions: tuple = ()
+    finish_reason: str = "length"
+    num_cached_tokens: int = 0
+
+
 def _split(content: str, pieces: list[str]):
     """(token index, piece) while `content` goes on with each token's text, then (-1, the rest):
     the pieces run past the content where a stop string cut it or tool calls took part of it."""
@@ -480,6 +525,12 @@ def _split(content: str, pieces: list[str]):
         yield j, p
     if sent < len(content):
         yield -1, content[sent:]
+
+
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    # the listen backlog: socketserver's default of 5 resets connections when a trainer's many
+    # agents (a batch of trajectories) connect at once
+    request_queue_size = 1024
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

@@ -17,6 +17,7 @@ from jaxrl_llm.agent._loop import (
     register_agent_loop,
     truncate_text,
 )
+from jaxrl_llm.agent._openai_agent import OpenAIAgentLoop, close_openai_endpoint
 from jaxrl_llm.agent._parsers import ToolCall, format_tool_call, get_tool_parser
 from jaxrl_llm.agent._replay import dapo_group_filter, off_policy_metrics
 from jaxrl_llm.agent._rollouter import (
@@ -39,6 +40,7 @@ __all__ = [
     "AgentLoopOutput",
     "AgentRunner",
     "AgentSample",
+    "OpenAIAgentLoop",
     "PromptGroup",
     "ReplayBudgetError",
     "Rollouter",
@@ -49,6 +51,7 @@ __all__ = [
     "TrajectoryGroup",
     "TrajectoryQueue",
     "agent_metrics",
+    "close_openai_endpoint",
     "dapo_group_filter",
     "format_tool_call",
     "get_agent_loop",

@@ -74,7 +74,9 @@ class AgentRunner:
         self.tools, self.interactions = dict(tools or {}), dict(interactions or {})
 
     def close(self) -> None:
-        """Stops the tool processes and the reward loop's thread."""
+        """Stops the tool processes, the reward loop's thread and the openai_agent endpoint."""
+        from jaxrl_llm.agent._openai_agent import close_openai_endpoint
+        close_openai_endpoint(self.server)
         for pool in self._pools:
             pool.close()
         self._pools = []

@@ -50,7 +50,8 @@ def base_config() -> ConfigDict:
             tool_response_truncate_side="middle", tool_timeout_s=10.0, tool_memory_limit_gb=4.0,
             tool_workers=2, sandbox="auto", tool_config_path="",
             function_tool_path="", interaction_config_path="", format="hermes",
-            tokenization_sanity_check_mode="strict"))
+            tokenization_sanity_check_mode="strict", openai_agent_path="",
+            openai_agent_name="agent"))
     c.algorithm = dict(
         adv_estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
         use_kl_in_reward=False, kl_penalty="kl",

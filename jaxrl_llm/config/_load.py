@@ -453,6 +453,10 @@ def _check_multi_turn(c: RunConfig) -> None:
     if not mt.default_agent_loop:
         raise ConfigError(f"{where}.default_agent_loop must name an agent loop, e.g. "
                           "'single_turn_agent' or 'tool_agent'")
+    if mt.default_agent_loop == "openai_agent" and not mt.openai_agent_path:
+        raise ConfigError(f"{where}.default_agent_loop='openai_agent' runs a user's agent: set "
+                          f"{where}.openai_agent_path (a .py file or a dotted module) and "
+                          f"{where}.openai_agent_name (its function agent(base_url, session_id, row))")
 
 
 def _check_dapo(c: RunConfig) -> None:

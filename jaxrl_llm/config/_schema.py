@@ -154,6 +154,8 @@ class MultiTurnConfig:
     interaction_config_path: str  # verl interaction config (simulated users)
     format: str  # tool-call format: hermes | llama3_json | qwen3_coder (docs/agents.md)
     tokenization_sanity_check_mode: str  # strict | ignore_strippable | disable
+    openai_agent_path: str = ""  # the openai_agent loop's user agent: a .py file or a dotted module (docs/agents.md)
+    openai_agent_name: str = "agent"  # the function in openai_agent_path: agent(base_url, session_id, row)
 
 
 @dataclasses.dataclass(frozen=True)

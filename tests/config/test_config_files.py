@@ -102,6 +102,7 @@ def test_non_finite_numbers_are_rejected(field, value):
     (["actor.loss_agg_mode=mean"], "actor.loss_agg_mode"),
     (["rollout.top_p=0.0"], "rollout.top_p"),
     (["trainer.backend=slurm"], "trainer.backend"),
+    (["rollout.multi_turn.default_agent_loop=openai_agent"], "rollout.multi_turn.openai_agent_path"),
 ])
 def test_impossible_combination_names_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
