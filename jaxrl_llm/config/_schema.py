@@ -51,7 +51,7 @@ class ModelInitConfig:
 class MoeConfig:
     """Router losses of a mixture-of-experts model (Qwen3-MoE, Mixtral), added to the actor loss."""
 
-    aux_loss_coef: float  # the router load-balancing loss (Switch/Mixtral, transformers' load_balancing_loss_func over all layers and real tokens of a micro-batch) times this, added to the actor loss and logged as actor/moe_aux_loss; the issue's / transformers' "coef" spelling (verl's Megatron path: moe_aux_loss_coeff); 0 = off (the default, as verl's FSDP actor; the checkpoint's router_aux_loss_coef, 0.001 for Qwen3-MoE and Mixtral, is not applied unless set here); > 0 needs a MoE model
+    aux_loss_coef: float  # the router load-balancing loss (Switch/Mixtral, transformers' load_balancing_loss_func over all layers and real tokens of each micro-batch, weighted by its share of response tokens: docs/concepts.md) times this, added to the actor loss and logged as actor/moe_aux_loss; the issue's / transformers' "coef" spelling (verl's Megatron path: moe_aux_loss_coeff); 0 = off (the default, as verl's FSDP actor; the checkpoint's router_aux_loss_coef, 0.001 for Qwen3-MoE and Mixtral, is not applied unless set here); > 0 needs a MoE model
     z_loss_coef: float  # the ST-MoE router z-loss (mean over layers and real tokens of logsumexp(router logits)^2) times this, added to the actor loss and logged as actor/moe_z_loss; 0 = off; > 0 needs a MoE model
 
 
