@@ -100,3 +100,21 @@ def test_z_loss_and_expert_load_match_numpy():
                 counts[layer, e] += 1
     np.testing.assert_allclose(load, counts / counts.sum(-1, keepdims=True), rtol=1e-6)
     np.testing.assert_allclose(load.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_router_logits_gradient_is_the_same_under_remat():
+    model = loaded("qwen3_moe")
+    graphdef, state = nnx.split(model)
+    ids, mask = (jnp.asarray(x) for x in _batch())
+
+    def loss(p, remat):
+        m = nnx.merge(graphdef, p)
+        m.model.config = dataclasses.replace(m.model.config, remat=remat)
+        h, logits = m.hidden_states(ids, attention_mask=mask, router_logits=True)
+        return 1e-3 * jnp.sum(h * (mask[..., None] != 0)) + models.load_balancing_loss(logits, 2, mask) \
+            + models.router_z_loss(logits, mask)
+
+    plain = jax.grad(lambda p: loss(p, "none"))(state)
+    remat = jax.grad(lambda p: loss(p, "full"))(state)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
