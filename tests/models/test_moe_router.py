@@ -32,9 +32,11 @@ def _recorded_router_logits(model, ids, mask, monkeypatch):
         return out
 
     monkeypatch.setattr(_decoder.SparseMLP, "router_logits", record)
-    per.hidden_states(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+    _, per_layer = per.hidden_states(jnp.asarray(ids), attention_mask=jnp.asarray(mask), router_logits=True)
     b, t = ids.shape
-    return np.stack([x.reshape(b, t, -1) for x in seen])
+    recorded = np.stack([x.reshape(b, t, -1) for x in seen])
+    np.testing.assert_array_equal(np.asarray(per_layer), recorded)  # the per-layer loop's output
+    return recorded
 
 
 def _batch():
