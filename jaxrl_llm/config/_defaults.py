@@ -23,6 +23,7 @@ def base_config() -> ConfigDict:
     c.model = dict(
         path="", tokenizer="", dtype="bfloat16", param_dtype="float32", remat="none",
         train_attention="auto", decode_attention="auto", use_remove_padding=False,
+        moe=dict(aux_loss_coef=0.0, z_loss_coef=0.0),
         init=dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0,
                   max_position_embeddings=1024, tie_word_embeddings=True, seed=0))

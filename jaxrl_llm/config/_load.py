@@ -356,6 +356,8 @@ def validate(c: RunConfig) -> None:
             f"and needs rollout.n >= 2 (got {c.rollout.n})")
     _check_rollout_correction(c)
     _check_lora(c)
+    _positive(c.model.moe.aux_loss_coef, "model.moe.aux_loss_coef", allow_zero=True)
+    _positive(c.model.moe.z_loss_coef, "model.moe.z_loss_coef", allow_zero=True)
     _check_multi_turn(c)
     _check_dapo(c)
     _check_async(c)

@@ -48,6 +48,14 @@ class ModelInitConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Router losses of a mixture-of-experts model (Qwen3-MoE, Mixtral), added to the actor loss."""
+
+    aux_loss_coef: float  # the router load-balancing loss (Switch/Mixtral, transformers' load_balancing_loss_func over all layers and real tokens of each micro-batch, weighted by its share of response tokens: docs/concepts.md) times this, added to the actor loss and logged as actor/moe_aux_loss; the issue's / transformers' "coef" spelling (verl's Megatron path: moe_aux_loss_coeff); 0 = off (the default, as verl's FSDP actor; the checkpoint's router_aux_loss_coef, 0.001 for Qwen3-MoE and Mixtral, is not applied unless set here); > 0 needs a MoE model
+    z_loss_coef: float  # the ST-MoE router z-loss (mean over layers and real tokens of logsumexp(router logits)^2) times this, added to the actor loss and logged as actor/moe_z_loss; 0 = off; > 0 needs a MoE model
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSection:
     path: str  # Hugging Face folder; "" = initialise from `init`
     tokenizer: str  # "char" (built-in) or a folder; "" = model.path
@@ -57,6 +65,7 @@ class ModelSection:
     remat: str
     train_attention: str  # kernel of the full forward: auto | xla | cudnn | rolled | splash
     decode_attention: str  # kernel of one-token decode: auto | einsum | reduce | cudnn | pallas | triton
+    moe: MoeConfig
     use_remove_padding: bool  # verl's: every training pass (old/reference log-probs, values, reward-model scores, actor and critic updates) packs each micro-batch's rows into sequences with segment ids instead of padded [p + t] rows; exact, same micro-batches (rows, or a token budget with *.use_dynamic_bsz); a batch with >= 80% real tokens stays padded (faster there, docs/concepts.md)
 
 

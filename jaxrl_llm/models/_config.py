@@ -115,7 +115,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
-    router_aux_loss_coef: float = 0.001  # config.json's value, kept for the round trip (not used yet)
+    router_aux_loss_coef: float = 0.001  # config.json's value, round trip only (actor: model.moe.aux_loss_coef)
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:

@@ -308,8 +308,9 @@ def load_balancing_loss(router_logits, top_k: int, attention_mask=None):
     E * sum_e f_e * P_e, where P_e is the mean router probability of expert e and f_e the
     fraction of (token, choice) pairs routed to e (summed over the k choices), both over real
     tokens of every layer. router_logits [L, b, t, E] (or [..., E]); attention_mask [b, t] (0 =
-    padding; None: every token counts). The top-k choice carries no gradient; P_e does. Not yet
-    added to any loss (no model output returns router logits yet)."""
+    padding; None: every token counts). The top-k choice carries no gradient; P_e does. The
+    actor adds it to its loss (`model.moe.aux_loss_coef`) on the logits of
+    `hidden_states(..., router_logits=True)`."""
     E = router_logits.shape[-1]
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
     _, chosen = jax.lax.top_k(probs, top_k)
@@ -322,6 +323,34 @@ def load_balancing_loss(router_logits, top_k: int, attention_mask=None):
     frac = jnp.sum(picked * w[..., None], axis=tuple(range(picked.ndim - 1))) / total  # [E]
     mean_prob = jnp.sum(probs * w[..., None], axis=tuple(range(probs.ndim - 1))) / total
     return E * jnp.sum(jax.lax.stop_gradient(frac) * mean_prob)
+
+
+def _token_weights(shape, attention_mask):
+    if attention_mask is None:
+        return jnp.ones(shape, jnp.float32)
+    return jnp.broadcast_to((attention_mask != 0).astype(jnp.float32), shape)
+
+
+def router_z_loss(router_logits, attention_mask=None):
+    """The ST-MoE router z-loss: the mean over layers and real tokens of logsumexp(logits)^2
+    (it keeps the router logits small). router_logits [L, b, t, E] (or [..., E]); attention_mask
+    [b, t] as `load_balancing_loss`."""
+    z = jax.nn.logsumexp(router_logits.astype(jnp.float32), axis=-1)
+    w = _token_weights(z.shape, attention_mask)
+    return jnp.sum(w * z * z) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def expert_load(router_logits, top_k: int, attention_mask=None):
+    """Per layer, the fraction of the real tokens' top-k (token, expert) choices that go to each
+    expert: router_logits [L, b, t, E] -> fp32 [L, E], each row summing to 1 (0 when no real
+    token). The same top-k as the forward's routing (`route`), without gradient."""
+    E = router_logits.shape[-1]
+    probs = jax.nn.softmax(jax.lax.stop_gradient(router_logits).astype(jnp.float32), axis=-1)
+    _, chosen = jax.lax.top_k(probs, top_k)  # as `route` (ties in fp32 probs resolve alike)
+    picked = jax.nn.one_hot(chosen, E, dtype=jnp.float32).sum(axis=-2)  # [L, b, t, E]
+    w = _token_weights(picked.shape[:-1], attention_mask)
+    counts = jnp.einsum("lbte,lbt->le", picked, w)
+    return counts / jnp.maximum(counts.sum(-1, keepdims=True), 1.0)
 
 
 def grouped_experts(x, experts, kernels):
@@ -360,13 +389,16 @@ class SparseMLP(nnx.Module):
         return jnp.einsum("...e,eE->...E", x, self.gate["kernel"][...].astype(x.dtype),
                           preferred_element_type=jnp.float32)
 
-    def __call__(self, x):
+    def __call__(self, x, *, return_router_logits: bool = False):
+        """[b, t, e] -> [b, t, e]; with `return_router_logits`, also the router logits fp32 [b, t, E]."""
         b, t, e = x.shape
         flat = x.reshape(b * t, e)
-        weights, experts = route(self.router_logits(flat), self.top_k, self.normalize)
+        logits = self.router_logits(flat)
+        weights, experts = route(logits, self.top_k, self.normalize)
         y = grouped_experts(flat, experts, self.experts.kernels())  # [T, k, e]
         out = jnp.einsum("tke,tk->te", y, weights.astype(x.dtype))
-        return sharding.constrain(out.reshape(b, t, e), ("batch", "length", "embed"))
+        out = sharding.constrain(out.reshape(b, t, e), ("batch", "length", "embed"))
+        return (out, logits.reshape(b, t, -1)) if return_router_logits else out
 
 
 class DecoderLayers(nnx.Module):
@@ -383,9 +415,11 @@ class DecoderLayers(nnx.Module):
         else:
             self.mlp = MLP(c, n, rngs, fused=fused)
 
-    def layer(self, x, positions, inv_freq, kv_fn):
+    def layer(self, x, positions, inv_freq, kv_fn, *, return_router_logits: bool = False):
         """One layer on a per-layer view of the parameters. kv_fn(k, v) -> (k_all, v_all, mask, extra);
-        `mask` may instead be a function q -> attention output (the decode fast paths)."""
+        `mask` may instead be a function q -> attention output (the decode fast paths).
+        Returns (x, extra), or (x, extra, router logits [b, t, E]) with `return_router_logits`
+        (sparse layers only)."""
         h = self.input_layernorm(x)
         q, k, v = self.self_attn.qkv(h, positions, inv_freq)
         k_all, v_all, mask, extra = kv_fn(k, v)
@@ -393,6 +427,9 @@ class DecoderLayers(nnx.Module):
         x = x + self.self_attn.out(o)
         x = sharding.constrain(x, ("batch", "length", "embed"))
         mlp = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        if return_router_logits:
+            y, logits = mlp(self.post_attention_layernorm(x), return_router_logits=True)
+            return sharding.constrain(x + y, ("batch", "length", "embed")), extra, logits
         x = x + mlp(self.post_attention_layernorm(x))
         return sharding.constrain(x, ("batch", "length", "embed")), extra
 
@@ -482,15 +519,22 @@ class Transformer(nnx.Module):
         x = jnp.take(self.embed_tokens["embedding"][...], input_ids, axis=0).astype(self.config.dtype)
         return sharding.constrain(x, ("batch", "length", "embed"))
 
-    def _scan(self, x, positions, kv_fn, carry_extra, remat: bool, unroll: int | bool = 1):
+    def _scan(self, x, positions, kv_fn, carry_extra, remat: bool, unroll: int | bool = 1,
+              router: bool = False):
         """Runs the layers (lax.scan when stacked, a Python loop when per layer).
         kv_fn(layer_index, carry_extra, k, v) -> (k_all, v_all, mask, carry_extra); the index is a
-        traced int32 when stacked, a Python int when per layer."""
+        traced int32 when stacked, a Python int when per layer. `router` (MoE models): also
+        return every layer's router logits, fp32 [L, b, t, E] (the scan's per-layer output)."""
         inv_freq = rope_inv_freq(self.config)
         if self.layer_layout != "stacked":
+            logits = []
             for i, layer in enumerate(self.layers):
-                x, carry_extra = layer.layer(x, positions, inv_freq,
-                                             lambda k, v, i=i, e=carry_extra: kv_fn(i, e, k, v))
+                out = layer.layer(x, positions, inv_freq, lambda k, v, i=i, e=carry_extra: kv_fn(i, e, k, v),
+                                  return_router_logits=router)
+                x, carry_extra = out[:2]
+                logits.append(out[2:])
+            if router:
+                return self.norm(x), carry_extra, jnp.stack([lg[0] for lg in logits])
             return self.norm(x), carry_extra
         graphdef, params = nnx.split(self.layers)
 
@@ -498,16 +542,18 @@ class Transformer(nnx.Module):
             h, extra = carry
             i, p = xs
             layer = nnx.merge(graphdef, p)
-            h, extra = layer.layer(h, positions, inv_freq, lambda k, v: kv_fn(i, extra, k, v))
-            return (h, extra), None
+            out = layer.layer(h, positions, inv_freq, lambda k, v: kv_fn(i, extra, k, v),
+                              return_router_logits=router)
+            return out[:2], (out[2] if router else None)
 
         if remat and self.config.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT[self.config.remat], prevent_cse=False)
         n = self.config.num_hidden_layers
-        (x, carry_extra), _ = jax.lax.scan(body, (x, carry_extra), (jnp.arange(n), params), unroll=unroll)
-        return self.norm(x), carry_extra
+        (x, carry_extra), logits = jax.lax.scan(body, (x, carry_extra), (jnp.arange(n), params), unroll=unroll)
+        return (self.norm(x), carry_extra, logits) if router else (self.norm(x), carry_extra)
 
-    def __call__(self, input_ids, *, attention_mask=None, positions=None, packed: bool | int = False):
+    def __call__(self, input_ids, *, attention_mask=None, positions=None, packed: bool | int = False,
+                 router_logits: bool = False):
         """Final hidden states [b, t, e] of a full causal forward (training / scoring).
 
         attention_mask int[b, t]: 0 padding, else a segment id; a token sees the earlier-or-equal
@@ -531,7 +577,15 @@ class Transformer(nnx.Module):
         When the active sharding rules split the sequence (`mesh.context` > 1 under the train
         rules), attention runs context-parallel (`_context_parallel`: all-to-all under
         shard_map, the same kernel kind on whole sequences, masked by segment ids as above).
+
+        `router_logits` (static; MoE models only): return (hidden, every layer's router logits
+        fp32 [L, b, t, E]) in the input's token order, padding positions included (mask them
+        with `attention_mask != 0`); the same program otherwise (the logits are the layer scan's
+        per-layer output, under the same remat).
         """
+        if router_logits and not self.config.is_moe:
+            raise ValueError(f"router_logits=True needs a mixture-of-experts model; "
+                             f"model_type {self.config.model_type!r} has no router")
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
         if positions is None:
@@ -539,34 +593,36 @@ class Transformer(nnx.Module):
         c = self.config
         impl = _train_attention_impl(c)
         unroll = self._unroll(c.layer_unroll)
+
+        def layers(x, pos, kv_fn):  # -> (hidden, router logits or None)
+            out = self._scan(x, pos, kv_fn, (), remat=True, unroll=unroll, router=router_logits)
+            return out[0], (out[2] if router_logits else None)
+
+        def done(h, logits=None):
+            return (h, logits) if router_logits else h
         if context_parts() > 1:  # the rules split the sequence: attention all-to-all over `context`
             segments = attention_mask.astype(jnp.int32)
             runs = 1 if not packed else None if packed is True else int(packed)  # sequences per row
             attention = functools.partial(context_attention, functools.partial(_local_attention, impl, runs),
                                           segments)
-            h, _ = self._scan(self.embed(input_ids), positions, lambda i, e, k, v: (k, v, attention(k, v), e),
-                              (), remat=True, unroll=unroll)
+            h, lg = layers(self.embed(input_ids), positions, lambda i, e, k, v: (k, v, attention(k, v), e))
             if impl in ("cudnn", "rolled"):  # as on their own paths: zero at padding
                 h = jnp.where(segments[..., None] != 0, h, 0).astype(h.dtype)
-            return h
+            return done(h, lg)
         if impl == "splash":
             segments = attention_mask.astype(jnp.int32)
-            h, _ = self._scan(self.embed(input_ids), positions,
-                              lambda i, e, k, v: (k, v, _splash(segments, k, v), e), (), remat=True,
-                              unroll=unroll)
-            return h
+            h, lg = layers(self.embed(input_ids), positions, lambda i, e, k, v: (k, v, _splash(segments, k, v), e))
+            return done(h, lg)
         if impl == "xla":
             mask = causal_padding_mask(attention_mask)
-            h, _ = self._scan(self.embed(input_ids), positions, lambda i, e, k, v: (k, v, mask, e), (),
-                              remat=True, unroll=unroll)
-            return h
+            h, lg = layers(self.embed(input_ids), positions, lambda i, e, k, v: (k, v, mask, e))
+            return done(h, lg)
         real = attention_mask.astype(jnp.bool_)
         if packed:
             runs = _segment_runs(attention_mask, None if packed is True else int(packed))
             attention = functools.partial(_packed_attention, impl, *runs, real)
-            h, _ = self._scan(self.embed(input_ids), positions, lambda i, e, k, v: (k, v, attention(k, v), e),
-                              (), remat=True, unroll=unroll)
-            return jnp.where(real[..., None], h, 0).astype(h.dtype)
+            h, lg = layers(self.embed(input_ids), positions, lambda i, e, k, v: (k, v, attention(k, v), e))
+            return done(jnp.where(real[..., None], h, 0).astype(h.dtype), lg)
         t = real.shape[1]
         start = jnp.argmax(real, axis=1).astype(jnp.int32)  # first real token (0 for empty rows)
         lengths = real.sum(axis=1, dtype=jnp.int32)
@@ -577,9 +633,10 @@ class Transformer(nnx.Module):
             return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
         attention = functools.partial(_flash_attention, impl, lengths)
-        h, _ = self._scan(self.embed(rot(input_ids, fwd)), rot(positions, fwd),
-                          lambda i, e, k, v: (k, v, attention(k, v), e), (), remat=True, unroll=unroll)
-        return jnp.where(real[..., None], rot(h, back), 0).astype(h.dtype)
+        h, lg = layers(self.embed(rot(input_ids, fwd)), rot(positions, fwd),
+                       lambda i, e, k, v: (k, v, attention(k, v), e))
+        h = jnp.where(real[..., None], rot(h, back), 0).astype(h.dtype)
+        return done(h, None if lg is None else jax.vmap(lambda x: rot(x, back))(lg))
 
     def prefill(self, input_ids, *, attention_mask=None, positions=None):
         """Full forward that also returns the cache. Returns (hidden [b, t, e], KVCache of t tokens
@@ -932,9 +989,12 @@ class CausalLM(nnx.Module):
         out = jnp.einsum(spec, hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
         return sharding.constrain(out, ("batch", "length", "vocab")) if out.ndim == 3 else out
 
-    def hidden_states(self, input_ids, *, attention_mask=None, positions=None, packed: bool | int = False):
-        """Final hidden states [b, t, e]; arguments as `Transformer.__call__`."""
-        return self.model(input_ids, attention_mask=attention_mask, positions=positions, packed=packed)
+    def hidden_states(self, input_ids, *, attention_mask=None, positions=None, packed: bool | int = False,
+                      router_logits: bool = False):
+        """Final hidden states [b, t, e] (and the router logits [L, b, t, E] with `router_logits`,
+        MoE models); arguments as `Transformer.__call__`."""
+        return self.model(input_ids, attention_mask=attention_mask, positions=positions, packed=packed,
+                          router_logits=router_logits)
 
     def __call__(self, input_ids, *, attention_mask=None, positions=None, packed: bool | int = False):
         """Logits (fp32) [b, t, vocab]. attention_mask: 0 padding, else segment ids (several

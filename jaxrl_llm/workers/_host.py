@@ -126,7 +126,7 @@ class HostWorker:
                                  temperature=c.rollout.temperature,
                                  log_prob_max_tokens=c.rollout.log_prob_max_token_len_per_device,
                                  ref_log_prob_max_tokens=c.ref.log_prob_max_token_len_per_device,
-                                 remove_padding=c.model.use_remove_padding)
+                                 remove_padding=c.model.use_remove_padding, moe=c.model.moe)
         if c.use_reference and not lora.enabled:  # under LoRA the actor's base is the reference
             self.ref = ReferenceWorker(graphdef, params, mesh=self.mesh, temperature=c.rollout.temperature,
                                        micro_per_device=c.actor.ppo_micro_batch_size_per_device,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm import algos, models
-from jaxrl_llm.config import ActorConfig, CriticConfig, OptimConfig
+from jaxrl_llm.config import ActorConfig, CriticConfig, MoeConfig, OptimConfig
 
 from sharding import to_host
 
@@ -45,36 +45,68 @@ def rows_per_pack(m) -> int:
     return m["token_index"].shape[0] // m["input_ids"].shape[0]
 
 
-def _packed_log_probs(model, m, temperature, return_entropy):
+def _packed_log_probs(model, m, temperature, return_entropy, router_logits=False):
     """Log-probs (and entropy) at every pack position of the pack's next token, gathered to rows."""
     ids = m["input_ids"]
     # the cudnn / rolled paths take each pack's rows as separate sequences, at most R per pack
     h = model.hidden_states(ids, attention_mask=m["attention_mask"], positions=m["position_ids"],
-                            packed=rows_per_pack(m))
+                            packed=rows_per_pack(m), **({"router_logits": True} if router_logits else {}))
+    if router_logits:
+        h, logits = h
     following = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
     unembed, layout = model.unembed()
     out = algos.token_log_probs_from_hidden(h, unembed.astype(h.dtype), following,
                                             temperature=temperature, return_entropy=return_entropy,
                                             unembed_layout=layout)
-    return jax.tree.map(lambda x: rows_from_packs(x, m), out)
+    out = jax.tree.map(lambda x: rows_from_packs(x, m), out)
+    return (out, logits) if router_logits else out
 
 
-def response_hidden(model, m):
-    """Final hidden states at the positions that predict each response token. [b, t, e]."""
-    h = model.hidden_states(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"])
+def response_hidden(model, m, router_logits=False):
+    """Final hidden states at the positions that predict each response token. [b, t, e]
+    (and, with `router_logits`, a MoE model's router logits [L, b, p + t, E])."""
+    h = model.hidden_states(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"],
+                            **({"router_logits": True} if router_logits else {}))
     t = m["responses"].shape[-1]
+    if router_logits:
+        return h[0][:, -t - 1:-1], h[1]
     return h[:, -t - 1:-1]
 
 
-def response_log_probs(model, m, temperature, return_entropy=False):
-    """Log-probs [b, t] of the response tokens (and entropies); packed micro-batches: [dp * R, t]."""
+def response_log_probs(model, m, temperature, return_entropy=False, router_logits=False):
+    """Log-probs [b, t] of the response tokens (and entropies); packed micro-batches: [dp * R, t].
+    `router_logits` (MoE): returns (that, router logits [L, *m["attention_mask"].shape, E]), the
+    logits of the model's input rows (packs when packed), masked by `m["attention_mask"] != 0`."""
     if is_packed(m):
-        return _packed_log_probs(model, m, temperature, return_entropy)
-    h = response_hidden(model, m)
+        return _packed_log_probs(model, m, temperature, return_entropy, router_logits)
+    h = response_hidden(model, m, router_logits)
+    if router_logits:
+        h, logits = h
     unembed, layout = model.unembed()
-    return algos.token_log_probs_from_hidden(h, unembed.astype(h.dtype), m["responses"],
-                                             temperature=temperature, return_entropy=return_entropy,
-                                             unembed_layout=layout)
+    out = algos.token_log_probs_from_hidden(h, unembed.astype(h.dtype), m["responses"],
+                                            temperature=temperature, return_entropy=return_entropy,
+                                            unembed_layout=layout)
+    return (out, logits) if router_logits else out
+
+
+def moe_router_terms(logits, attention_mask, top_k: int) -> dict[str, jax.Array]:
+    """The router terms of one micro-batch from its router logits [L, b, t, E] (real tokens:
+    attention_mask != 0): `moe_aux_loss` (`models.load_balancing_loss`), `moe_z_loss`
+    (`models.router_z_loss`) and the expert load relative to uniform (E x each expert's share
+    of a layer's top-k choices; 1 = balanced), per layer `moe/expert_load/layer_{i}/{min,max,cv}`
+    (cv: std / mean over experts) and over layers `moe/expert_load/{min,max}` (the extremes)
+    and `moe/expert_load/cv` (the layers' mean)."""
+    aux = models.load_balancing_loss(logits, top_k, attention_mask)
+    z = models.router_z_loss(logits, attention_mask)
+    load = models.expert_load(logits, top_k, attention_mask) * logits.shape[-1]  # [L, E], mean 1
+    lo, hi = load.min(-1), load.max(-1)
+    cv = load.std(-1) / jnp.maximum(load.mean(-1), 1e-9)
+    out = {"moe_aux_loss": aux, "moe_z_loss": z, "moe/expert_load/min": lo.min(),
+           "moe/expert_load/max": hi.max(), "moe/expert_load/cv": cv.mean()}
+    for i in range(load.shape[0]):
+        out.update({f"moe/expert_load/layer_{i}/min": lo[i], f"moe/expert_load/layer_{i}/max": hi[i],
+                    f"moe/expert_load/layer_{i}/cv": cv[i]})
+    return out
 
 
 def _iter_minibatches(batch: dict[str, np.ndarray], mini_rows: int, epochs: int, shuffle: bool, seed: int):
@@ -216,12 +248,21 @@ class ActorWorker(_Trained):
 
     def __init__(self, model, cfg: ActorConfig, *, mesh, total_steps: int, temperature: float,
                  log_prob_max_tokens: int = 0, ref_log_prob_max_tokens: int = 0,
-                 remove_padding: bool = False):
+                 remove_padding: bool = False, moe: MoeConfig | None = None):
         """log_prob_max_tokens / ref_log_prob_max_tokens: the token budgets of the old- and
         reference-log-prob passes under `cfg.use_dynamic_bsz` (`rollout.` and
         `ref.log_prob_max_token_len_per_device`); 0 = `cfg.ppo_max_token_len_per_device`.
-        remove_padding: `model.use_remove_padding` (packed rows on every pass)."""
+        remove_padding: `model.use_remove_padding` (packed rows on every pass).
+        moe: `model.moe` (router losses; None = both coefficients 0). A MoE model's update also
+        logs the router terms and expert load (`moe_router_terms`) whatever the coefficients."""
         self.cfg, self.temperature, self.remove_padding = cfg, temperature, remove_padding
+        self.moe = moe if moe is not None else MoeConfig(aux_loss_coef=0.0, z_loss_coef=0.0)
+        self._router = model.config.is_moe  # the update reads the router logits (metrics, losses)
+        if not self._router:
+            for name in ("aux_loss_coef", "z_loss_coef"):
+                if getattr(self.moe, name):
+                    raise ValueError(f"model.moe.{name}={getattr(self.moe, name)} needs a mixture-of-experts "
+                                     f"model; model_type {model.config.model_type!r} has no router: set it to 0")
         self.micro_per_device = cfg.ppo_micro_batch_size_per_device
         own = (cfg.ppo_max_token_len_per_device, "actor.ppo_max_token_len_per_device")
         self.update_budget = token_budget(cfg.use_dynamic_bsz, *own)
@@ -245,7 +286,11 @@ class ActorWorker(_Trained):
         c = self.cfg
         mask = m["response_mask"]
         glob = dict(global_token_count=denoms["tokens"], global_batch_size=denoms["seqs"])
-        log_prob, entropy = response_log_probs(model, m, self.temperature, return_entropy=True)
+        if self._router:
+            (log_prob, entropy), router_logits = response_log_probs(
+                model, m, self.temperature, return_entropy=True, router_logits=True)
+        else:
+            log_prob, entropy = response_log_probs(model, m, self.temperature, return_entropy=True)
         old_log_prob = m["old_log_probs"]
         if "first_minibatch" in m:
             # On-policy data, first mini-batch: the params are those that computed old_log_probs,
@@ -270,6 +315,19 @@ class ActorWorker(_Trained):
             kl_loss = algos.agg_loss(kld, mask, c.loss_agg_mode, **glob)
             loss = loss + c.kl_loss_coef * kl_loss
             metrics.update(kl_loss=kl_loss, kl_coef=jnp.asarray(c.kl_loss_coef))
+        if self._router:
+            # Per micro-batch (its real prompt + response tokens, packs included), weighted by the
+            # micro-batch's share of the mini-batch's response tokens: the update's gradient sums
+            # micro-batches, so the optimizer sees coef x the token-weighted mean of the micro-batch
+            # losses. The logged values are plain per-micro-batch values, averaged like the other
+            # metrics.
+            terms = moe_router_terms(router_logits, m["attention_mask"], model.config.num_experts_per_tok)
+            share = mask.astype(jnp.float32).sum() / jnp.maximum(denoms["tokens"], 1.0)
+            if self.moe.aux_loss_coef:
+                loss = loss + self.moe.aux_loss_coef * share * terms["moe_aux_loss"]
+            if self.moe.z_loss_coef:
+                loss = loss + self.moe.z_loss_coef * share * terms["moe_z_loss"]
+            metrics.update(jax.tree.map(jax.lax.stop_gradient, terms))
         return loss, metrics
 
     def compute_log_prob(self, batch) -> dict[str, np.ndarray]:
@@ -308,7 +366,8 @@ class ActorWorker(_Trained):
             keys += ("rollout_is_weights",)
         m = self._run_updates(batch, mini_rows, self.cfg.ppo_epochs, self.cfg.shuffle, seed, keys,
                               first_flag="first_minibatch" if on_policy else None)
-        return {f"actor/{k}": v for k, v in m.items() if k != "loss"}
+        # the expert-load metrics keep their own `moe/` prefix; everything else is the actor's
+        return {(k if k.startswith("moe/") else f"actor/{k}"): v for k, v in m.items() if k != "loss"}
 
 
 class ReferenceWorker:
