@@ -1,8 +1,8 @@
 """Replicas on the same device(s): one RolloutServer with S decode slots vs N replicas with S/N slots
 each behind a `rollout.ReplicaRouter`, on the same multi-turn agent workload (issue 30).
 
-    python scripts/bench_replicas.py                          # Qwen2.5-1.5B shape, 64 sessions x 4 turns, 64 slots, N=2
-    python scripts/bench_replicas.py --replicas 1 2 4 --out bench_replicas.json
+    python scripts/bench_replicas.py                          # Qwen2.5-1.5B shape, 64 sessions x 4 turns, 32 slots, N=2, 4
+    python scripts/bench_replicas.py --replicas 2 4 1 --out bench_replicas.json
     python scripts/bench_replicas.py --dry-run                # tiny model on CPU in seconds (tests call it)
 
 Workload (`--seed`): `--sessions` concurrent asyncio sessions of `--turns` turns, mixed lengths.
@@ -27,10 +27,14 @@ tokens as the requests carry them, reused or not), requests/s, wall time, prompt
 computed/reused and the prefix-cache hit rate (reused / (reused + computed)), evictions, for the
 router the `ReplicaRouter.metrics()` of the run (imbalance of requests and tokens: max/mean over
 replicas, 1 = even; stickiness: share of later turns sent to their session's replica) and per
-replica its requests, generated tokens, tokens/s and prefix hit rate, device memory
-(`memory_stats()` where the backend has it), and `tokens_equal`: whether every request generated
-the same token ids as under `server` (a cheap correctness check; `token_match_fraction` is the
-share of requests that did). Then one summary record: per N, the ratios to `server`.
+replica its requests, generated tokens, tokens/s and prefix hit rate; memory: `kv_cache_bytes`
+(all the configuration's engines) and the device's `memory_stats()` where the backend has them
+(None on CPU) before its engines are built, once built (their weight copies and KV caches) and
+after its runs (`peak_bytes_in_use` is the process's peak so far, not this configuration's);
+`tokens_equal`: whether every request generated the same token ids as under `server` (a cheap
+correctness check; `token_match_fraction` is the share of requests that did: under bf16 a
+different decode batch size can flip a near-tie, and the rest of that session then differs).
+Then one summary record: per N, the ratios to `server`. Progress goes to stderr.
 
 What it measures: several replicas on ONE device share its compute and HBM bandwidth, so this
 shows router overhead, balance and prefix-cache stickiness under S/N-slot replicas, not
@@ -42,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import sys
 import time
 
 import jax
@@ -62,18 +67,18 @@ def parse_args(argv=None):
     p.add_argument("--long-frac", type=float, default=0.1,
                    help="share of turns that generate 4 * gen-len tokens (the long tail)")
     p.add_argument("--tool-len", type=int, default=32, help="mean tokens the stub tool returns")
-    p.add_argument("--slots", type=int, default=64, help="total decode slots S (split S/N per replica)")
-    p.add_argument("--replicas", type=int, nargs="+", default=[2],
+    p.add_argument("--slots", type=int, default=32, help="total decode slots S (split S/N per replica)")
+    p.add_argument("--replicas", type=int, nargs="+", default=[2, 4],
                    help="replica counts N to compare with one server (each must divide --slots)")
     p.add_argument("--steps-per-sync", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration, the first compiles")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
     p.add_argument("--dry-run", "--tiny", action="store_true",
-                   help="tiny model, 8 sessions x 3 turns of a few tokens, 4 slots, N=2, fp32: a CPU smoke run")
+                   help="tiny model, 4 sessions x 3 turns of a few tokens, 4 slots, N=2, fp32: a CPU smoke run")
     args = p.parse_args(argv)
     if args.dry_run:
-        args.model, args.sessions, args.turns, args.slots = "tiny", 8, 3, 4
+        args.model, args.sessions, args.turns, args.slots = "tiny", 4, 3, 4
         args.prompt_len, args.gen_len, args.tool_len, args.steps_per_sync = 8, 4, 3, 4
         args.long_frac, args.repeats = 0.25, 2
     for name in ("sessions", "turns", "prompt_len", "gen_len", "tool_len", "slots", "repeats",
@@ -240,13 +245,16 @@ def main(argv=None) -> list[dict]:
     configs = [("server", 1, False)] + [(f"router_{n}", n, True) for n in args.replicas]
     results, base_ids = {}, None
     for name, n, use_router in configs:
-        gc.collect()
+        gc.collect()  # the last configuration's engines (reference cycles) go before these are built
+        memory_before = device_memory()
         engines = build_engines(model, n, args.slots // n, wl)
         memory_built = device_memory()
         runs = []
-        for _ in range(args.repeats):  # the first run compiles
+        for k in range(args.repeats):  # the first run compiles
             gc.collect()
             runs.append(run_once(engines, args, wl, use_router, args.steps_per_sync))
+            print(f"[bench_replicas] {name}: run {k + 1}/{args.repeats} {runs[-1]['wall_s']:.2f} s",
+                  file=sys.stderr, flush=True)
         memory_after = device_memory()
         kv_bytes = sum(e.kv_cache_bytes() for e in engines)
         del engines
@@ -265,7 +273,8 @@ def main(argv=None) -> list[dict]:
              "requests_per_s": r["requests"] / wall,
              "tokens_equal": equal, "token_match_fraction": match, "repeats_tokens_equal": repeats_equal,
              "first_run_wall_s": runs[0]["wall_s"], "run_walls_s": [x["wall_s"] for x in runs],
-             "kv_cache_bytes": kv_bytes, "device_memory_built": memory_built,
+             "kv_cache_bytes": kv_bytes, "device_memory_before": memory_before,
+             "device_memory_built": memory_built,
              "device_memory_after": memory_after}
         results[name] = report.add(r)
     summary = {"summary": True, **base, "tokens_equal": all(r["tokens_equal"] for r in results.values())}
