@@ -1,9 +1,9 @@
 """Replicas on the same device(s): one RolloutServer with S decode slots vs N replicas with S/N slots
 each behind a `rollout.ReplicaRouter`, on the same multi-turn agent workload (issue 30).
 
-    python scripts/bench_replicas.py                          # Qwen2.5-1.5B shape, 64 sessions x 4 turns, 32 slots, N=2, 4
-    python scripts/bench_replicas.py --replicas 2 4 1 --out bench_replicas.json
-    python scripts/bench_replicas.py --dry-run                # tiny model on CPU in seconds (tests call it)
+    python scripts/bench_replicas.py --out bench_replicas.json   # Qwen2.5-1.5B shape, 64 sessions x 4 turns, 64 slots, N=2, 4, 1
+    python scripts/bench_replicas.py --slots 32 --replicas 2     # more sessions than slots: evictions, router queueing
+    python scripts/bench_replicas.py --dry-run                   # tiny model on CPU in seconds (tests call it)
 
 Workload (`--seed`): `--sessions` concurrent asyncio sessions of `--turns` turns, mixed lengths.
 A session's first prompt has a random length in [prompt_len/2, 3*prompt_len/2]; each turn
@@ -70,8 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--long-frac", type=float, default=0.1,
                    help="share of turns that generate 4 * gen-len tokens (the long tail)")
     p.add_argument("--tool-len", type=int, default=32, help="mean tokens the stub tool returns")
-    p.add_argument("--slots", type=int, default=32, help="total decode slots S (split S/N per replica)")
-    p.add_argument("--replicas", type=int, nargs="+", default=[2, 4],
+    p.add_argument("--slots", type=int, default=64, help="total decode slots S (split S/N per replica)")
+    p.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 1],
                    help="replica counts N to compare with one server (each must divide --slots)")
     p.add_argument("--steps-per-sync", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration, the first compiles")
