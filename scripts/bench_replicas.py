@@ -1,9 +1,9 @@
 """Replicas on the same device(s): one RolloutServer with S decode slots vs N replicas with S/N slots
 each behind a `rollout.ReplicaRouter`, on the same multi-turn agent workload (issue 30).
 
-    python scripts/bench_replicas.py --out bench_replicas.json   # Qwen2.5-1.5B shape, 64 sessions x 4 turns, 64 slots, N=2, 4, 1
-    python scripts/bench_replicas.py --slots 32 --replicas 2     # more sessions than slots: evictions, router queueing
-    python scripts/bench_replicas.py --dry-run                   # tiny model on CPU in seconds (tests call it)
+    python scripts/bench_replicas.py --out r.json        # 1.5B shape, 64 sessions x 4 turns, 64 slots, N=2,4,1
+    python scripts/bench_replicas.py --slots 32 --replicas 2   # more sessions than slots: evictions, queueing
+    python scripts/bench_replicas.py --dry-run           # tiny model on CPU in seconds (tests call it)
 
 Workload (`--seed`): `--sessions` concurrent asyncio sessions of `--turns` turns, mixed lengths.
 A session's first prompt has a random length in [prompt_len/2, 3*prompt_len/2]; each turn
@@ -78,7 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
     p.add_argument("--dry-run", "--tiny", action="store_true",
-                   help="tiny model, 4 sessions x 3 turns of a few tokens, 4 slots, N=2, fp32: a CPU smoke run")
+                   help="tiny model, 4 sessions x 3 turns of a few tokens, 4 slots, N=2, fp32: "
+                        "a CPU smoke run")
     args = p.parse_args(argv)
     if args.dry_run:
         args.model, args.sessions, args.turns, args.slots = "tiny", 4, 3, 4
@@ -255,7 +256,7 @@ def main(argv=None) -> list[dict]:
     report = JsonReport(args.out)
     model = build_model(args)
     wl = workload(args, QWEN25_SHAPES[args.model]["vocab_size"])
-    last_prompt, full = conversation_lengths(wl)
+    _, full = conversation_lengths(wl)
     base = {"model": f"qwen2.5-{args.model}", "sessions": args.sessions, "turns": args.turns,
             "prompt_len": args.prompt_len, "gen_len": args.gen_len, "long_frac": args.long_frac,
             "tool_len": args.tool_len, "slots": args.slots, "steps_per_sync": args.steps_per_sync,
@@ -294,7 +295,8 @@ def main(argv=None) -> list[dict]:
              "total_tokens_per_s": (r["generated_tokens"] + r["prompt_tokens"]) / wall,
              "requests_per_s": r["requests"] / wall,
              "tokens_equal": equal, "token_match_fraction": match, "repeats_tokens_equal": repeats_equal,
-             "warm_up_s": warm_s, "first_run_wall_s": runs[0]["wall_s"], "run_walls_s": [x["wall_s"] for x in runs],
+             "warm_up_s": warm_s, "first_run_wall_s": runs[0]["wall_s"],
+             "run_walls_s": [x["wall_s"] for x in runs],
              "kv_cache_bytes": kv_bytes, "device_memory_before": memory_before,
              "device_memory_built": memory_built,
              "device_memory_after": memory_after}
@@ -307,9 +309,11 @@ def main(argv=None) -> list[dict]:
         summary[name] = {"tokens_per_s_ratio": r["tokens_per_s"] / ref["tokens_per_s"],
                          "total_tokens_per_s_ratio": r["total_tokens_per_s"] / ref["total_tokens_per_s"],
                          "wall_s_ratio": r["wall_s"] / ref["wall_s"],
-                         "prefix_hit_rate": r["prefix_hit_rate"], "server_prefix_hit_rate": ref["prefix_hit_rate"],
-                         "imbalance_requests": r["imbalance_requests"], "stickiness": r["stickiness"],
-                         "tokens_equal": r["tokens_equal"]}
+                         "prefix_hit_rate": r["prefix_hit_rate"],
+                         "server_prefix_hit_rate": ref["prefix_hit_rate"],
+                         "imbalance_requests": r["imbalance_requests"],
+                         "imbalance_tokens": r["imbalance_tokens"],
+                         "stickiness": r["stickiness"], "tokens_equal": r["tokens_equal"]}
     report.add(summary)
     return report.records
 

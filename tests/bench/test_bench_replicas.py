@@ -46,7 +46,8 @@ def test_bench_replicas_dry_run_two_replicas_same_tokens_and_both_used(capsys, l
     summary = printed[-1]
     assert summary["summary"] and summary["tokens_equal"] is True
     ratio = summary["router_2"]
-    assert ratio["tokens_per_s_ratio"] == pytest.approx(router["tokens_per_s"] / configs["server"]["tokens_per_s"])
+    server = configs["server"]
+    assert ratio["tokens_per_s_ratio"] == pytest.approx(router["tokens_per_s"] / server["tokens_per_s"])
     assert ratio["tokens_equal"] is True
 
 
