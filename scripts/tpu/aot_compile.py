@@ -200,7 +200,9 @@ def build_programs(run, cfg, mesh, rollout_mesh, wanted, *, n_micro=None):
     groups["actor_params"], groups["actor_opt"] = params, (state.opt_state, state.step)
     if run.use_reference:
         groups["ref_params"] = params
-    actor = types.SimpleNamespace(cfg=run.actor, temperature=run.rollout.temperature)
+    # what ActorWorker._loss reads of its worker (the router terms: a MoE model's update)
+    actor = types.SimpleNamespace(cfg=run.actor, temperature=run.rollout.temperature,
+                                  _router=cfg.is_moe, moe=run.model.moe)
     if "actor_update" in wanted:
         names = ("response_mask", "old_log_probs", "advantages")
         names += ("ref_log_prob",) if run.actor.use_kl_loss else ()
