@@ -11,8 +11,9 @@ Launch (a few minutes on 2 CPU cores):
 Variants: `configs/quickstart.py:local` runs the workers in-process instead of in a Ray actor
 (same run folder, `runs/quickstart/`); `configs/quickstart.py:lora` trains rank-16 LoRA adapters
 (all-linear, alpha 32, lr 1e-3) on the SFT-tuned base instead of every weight, in
-`runs/quickstart-lora/`; `configs/quickstart.py:tiny` is a smoke run with a smaller
-model and data (tests use it) in its own folder, `runs/quickstart-tiny/` (1.5-2 minutes the first
+`runs/quickstart-lora/`; `configs/quickstart.py:moe` makes every MLP a Qwen3-MoE sparse block
+(4 experts, top-2, each half the dense width, load-balancing loss 0.01), in `runs/quickstart-moe/`;
+`configs/quickstart.py:tiny` is a smoke run with a smaller model and data (tests use it) in its own folder, `runs/quickstart-tiny/` (1.5-2 minutes the first
 time on 2 CPU cores, under 30 s once JAX's compilation cache holds its programs).
 """
 from jaxrl_llm.config import base_config
@@ -85,13 +86,21 @@ def get_config(arg: str | None = None):
                 c.actor.lora.rank = 16
                 c.actor.lora.alpha = 32.0
                 c.actor.optim.lr = 1e-3
-            else:
-                raise ValueError(f"unknown quickstart variant {variant!r}; use 'local', 'tiny' "
-                                 "and/or 'lora'")
-    if arg and "tiny" in arg.split(","):  # a different model and data: its own run folder
-        use_run_dir(c, "runs/quickstart-tiny" + ("-lora" if "lora" in arg.split(",") else ""))
-    elif arg and "lora" in arg.split(","):
-        use_run_dir(c, "runs/quickstart-lora")
+            elif variant != "moe":
+                raise ValueError(f"unknown quickstart variant {variant!r}; use 'local', 'tiny', "
+                                 "'lora' and/or 'moe'")
+    variants = arg.split(",") if arg else []
+    if "moe" in variants:  # Qwen3-MoE layers: 4 experts, top-2, as many active MLP weights as dense
+        c.model.init.model_type = "qwen3_moe"
+        c.model.init.num_experts = 4
+        c.model.init.num_experts_per_tok = 2
+        c.model.init.moe_intermediate_size = c.model.init.intermediate_size // 2
+        c.model.moe.aux_loss_coef = 0.01
+    suffix = "".join(f"-{v}" for v in ("lora", "moe") if v in variants)
+    if "tiny" in variants:  # a different model and data: its own run folder
+        use_run_dir(c, "runs/quickstart-tiny" + suffix)
+    elif suffix:
+        use_run_dir(c, "runs/quickstart" + suffix)
     return c
 
 

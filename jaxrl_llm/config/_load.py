@@ -367,6 +367,8 @@ def validate(c: RunConfig) -> None:
                           "tokenizer: 'char' or a folder")
     if c.model.path == "" and c.model.init.num_attention_heads % c.model.init.num_key_value_heads:
         raise ConfigError("model.init.num_attention_heads must be a multiple of model.init.num_key_value_heads")
+    if c.model.path == "":
+        _check_model_init(c.model.init)
     if c.trainer.max_to_keep < 1:
         raise ConfigError(f"trainer.max_to_keep must be >= 1, got {c.trainer.max_to_keep}")
     _positive(c.trainer.max_nonfinite_steps, "trainer.max_nonfinite_steps")
@@ -418,6 +420,26 @@ def _check_data_sources(c: RunConfig) -> None:
         raise ConfigError(f"sft.steps={c.sft.steps} but sft.train_files is empty and data.builtin_task="
                           f"{d.builtin_task!r} has no demonstrations (only {' and '.join(SFT_DEMO_TASKS)} "
                           "do): give sft.train_files, or set sft.steps=0")
+
+
+def _check_model_init(i) -> None:
+    """A model built from `model.init`: MoE fields exactly when model_type is a MoE type."""
+    moe_types = ("qwen3_moe", "mixtral")
+    if i.model_type not in ("llama", "qwen2", "qwen3") + moe_types:
+        raise ConfigError(f"model.init.model_type={i.model_type!r}; choose one of "
+                          f"llama, qwen2, qwen3, {', '.join(moe_types)}")
+    if i.model_type in moe_types:
+        if i.num_experts < 1 or i.moe_intermediate_size < 1:
+            raise ConfigError(f"model.init.model_type={i.model_type!r} is a mixture of experts: set "
+                              f"model.init.num_experts and model.init.moe_intermediate_size (> 0; got "
+                              f"{i.num_experts} and {i.moe_intermediate_size})")
+        if not 1 <= i.num_experts_per_tok <= i.num_experts:
+            raise ConfigError(f"model.init.num_experts_per_tok must be in [1, model.init.num_experts="
+                              f"{i.num_experts}], got {i.num_experts_per_tok}")
+    elif i.num_experts or i.num_experts_per_tok or i.moe_intermediate_size:
+        raise ConfigError(f"model.init.num_experts / num_experts_per_tok / moe_intermediate_size are for "
+                          f"model_type qwen3_moe or mixtral; model.init.model_type is {i.model_type!r} "
+                          f"(set them to 0, or pick a MoE model_type)")
 
 
 def _check_lora(c: RunConfig) -> None:

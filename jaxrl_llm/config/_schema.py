@@ -45,6 +45,10 @@ class ModelInitConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     seed: int
+    num_experts: int  # model_type qwen3_moe / mixtral: sparse MLP experts per layer (every layer); 0 = a dense model (any other model_type)
+    num_experts_per_tok: int  # MoE: experts each token is routed to (top-k of the softmax router), 1..num_experts
+    moe_intermediate_size: int  # MoE: each expert's SwiGLU width (intermediate_size is unused then)
+    norm_topk_prob: bool  # MoE: renormalise the chosen experts' router probabilities to sum to 1 (Qwen3-MoE's option; Mixtral always does)
 
 
 @dataclasses.dataclass(frozen=True)
