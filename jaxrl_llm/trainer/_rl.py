@@ -417,18 +417,12 @@ class RLTrainer:
         `reward.overlong_buffer.enable`. Returns per-row fields for the group filter: `score`
         (the sequence score before the penalty) and the reward function's numeric extras."""
         c = self.config
-        if c.reward.model.path:  # a learned reward model replaces the rule-based scorers
-            batch.token_level_scores = self.call0(HostWorker.compute_rm_score, batch)["rm_scores"]
-            scores, extra = batch.token_level_scores.sum(-1), {}
-        elif gen.scores is not None:  # agent rollouts: scored on the worker as each one finished
-            metrics.update(gen.metrics)
+        if gen.scores is not None:  # agent rollouts: scored on the worker as each one finished
+            metrics.update(gen.metrics)  # (rule, reward model and judge: the streaming reward loop)
             scores, extra = gen.scores, gen.reward_extra
-            batch.token_level_scores = B.token_level_scores(scores, batch.response_mask)
         else:
-            scores, extra, rmetrics = self._score(examples, batch, n)
-            metrics.update(rmetrics)
-            metrics.update({f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extra.items()})
-            batch.token_level_scores = B.token_level_scores(scores, batch.response_mask)
+            scores, extra = self._score_batch(examples, batch, n, metrics)
+        batch.token_level_scores = B.token_level_scores(np.asarray(scores, np.float32), batch.response_mask)
         ob = c.reward.overlong_buffer
         if ob.enable:  # verl's DAPO reward manager: on the response's length with tool tokens
             length = batch.attention_mask[:, batch.prompts.shape[1]:].sum(-1)
@@ -439,6 +433,29 @@ class RLTrainer:
             metrics["reward_extra/overlong_reward/mean"] = float(penalty.mean())
             metrics["reward_extra/overlong/mean"] = float((penalty < 0).mean())
         return {"score": np.asarray(scores, np.float32), **extra}
+
+    def _score_batch(self, examples, batch: data.Batch, n: int, metrics: dict):
+        """The batch rollout's sequence scores f32[b] and extras: the rule scorers and the reward
+        model (one pass over the batch), combined as the streaming reward loop combines them
+        (`rewards.combine_scores`; a source with weight 0 is not run)."""
+        r = self.config.reward
+        weights = rewards.RewardWeights(
+            rule=rewards.resolve_rule_weight(r.rule_weight, has_model=bool(r.model.path), has_judge=False),
+            model=r.model.weight, judge=0.0)
+        rule = rm = None
+        extra: dict = {}
+        if weights.rule != 0 or not r.model.path:
+            rule, extra, rmetrics = self._score(examples, batch, n)
+            metrics.update(rmetrics)
+        if r.model.path:  # the value at each row's last model token (0 elsewhere)
+            rm = self.call0(HostWorker.compute_rm_score, batch)["rm_scores"].sum(-1)
+            extra = {**extra, "rm_score": rm, **({"rule_score": rule} if rule is not None else {})}
+        metrics.update({f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extra.items()})
+        if rm is None:
+            return rule, extra
+        rows = range(len(rm))
+        return np.asarray([rewards.combine_scores(weights, rule=None if rule is None else float(rule[i]),
+                                                  model=float(rm[i])) for i in rows], np.float32), extra
 
     def _greedy_baselines(self, examples, n: int) -> np.ndarray:
         """ReMax (verl): each prompt's greedy response, scored like the samples (overlong penalty
