@@ -440,6 +440,17 @@ def _check_reward_sources(c: RunConfig) -> None:
                           "rollout: set rollout.multi_turn.enable=True (single_turn_agent works for "
                           "single-turn data) or an async trainer.v1.trainer_mode; the batch rollout "
                           f"(trainer.v1.trainer_mode={c.trainer.v1.trainer_mode!r}, here) has no judge")
+    if j.model_path == "policy":  # the judge's requests share the policy engine's KV length
+        from rollout import prefill_bucket
+
+        d = c.data
+        kv = prefill_bucket(d.max_prompt_length + (d.max_response_length if c.rollout.multi_turn.enable else 0)
+                            ) + d.max_response_length
+        if j.max_prompt_length + j.max_tokens > kv:
+            raise ConfigError(f"reward.judge.max_prompt_length={j.max_prompt_length} + reward.judge.max_tokens="
+                              f"{j.max_tokens} exceeds the policy engine's {kv} tokens per request (from "
+                              "data.max_prompt_length / max_response_length): lower them, or give the judge "
+                              "its own reward.judge.model_path")
 
 
 def _check_data_sources(c: RunConfig) -> None:
