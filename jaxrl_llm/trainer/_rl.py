@@ -521,7 +521,7 @@ class RLTrainer:
             else:
                 batch = B.rollout_batch(chunk, gen, n=v.n, pad_token_id=self.pad_id,
                                         max_prompt_length=c.data.max_prompt_length)
-                scores, extra, _ = self._score(chunk, batch, v.n)
+                scores, extra = self._score_batch(chunk, batch, v.n, {})  # rule + reward model, as training
                 prompts = [self.tokenizer.decode(list(e.prompt_ids)) for e in chunk for _ in range(v.n)]
                 lengths = gen.response_mask.sum(-1)
                 rows["turns"] += [None] * len(prompts)  # one completion: prompt and response say it all

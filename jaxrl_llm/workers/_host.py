@@ -495,9 +495,18 @@ class HostWorker:
         return (self.ref if self.ref is not None else self.actor).compute_ref_log_prob(batch)
 
     def compute_rm_score(self, batch: Batch) -> dict[str, np.ndarray]:
-        """{"rm_scores"} [B, t]: the reward model's score on each row's last model token."""
+        """{"rm_scores"} [B, t]: the reward model's score on each row's last model token. B need
+        not divide over the data-parallel devices (a validation chunk): the pass then scores
+        copies of row 0 in the missing rows and drops them."""
         _check_batch(batch, "compute_rm_score")
-        return self.reward_model.compute_rm_score(batch)
+        rm, b = self.reward_model, batch.input_ids.shape[0]
+        dp = data_parallel_size(rm.mesh)
+        if b % dp == 0:
+            return rm.compute_rm_score(batch)
+        keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+        pad = -b % dp
+        fields = {k: np.concatenate([batch[k], np.repeat(batch[k][:1], pad, axis=0)]) for k in keys}
+        return {"rm_scores": rm.compute_rm_score(fields)["rm_scores"][:b]}
 
     def compute_values(self, batch: Batch) -> dict[str, np.ndarray]:
         """{"values"} [B, t]."""

@@ -81,3 +81,33 @@ def test_sync_agent_rollout_scores_with_reward_model_and_a_judge_checkpoint(tmp_
     run = _run(tmp_path, checkpoints, **{"rollout.multi_turn.enable": True,
                                          "reward.judge.model_path": checkpoints[1]})
     _check(_step(run), run)
+
+
+def test_one_step_off_scores_the_batch_with_rule_and_reward_model_combined(tmp_path, checkpoints):
+    """The batch rollout (here one-step-off, which used to refuse a reward model) scores after
+    generation, by the same weighted sum."""
+    run = _run(tmp_path, checkpoints, **{"reward.judge.enable": False, "placement.one_step_off_policy": True,
+                                         "mesh.fsdp": 4, "placement.mode": "separate",
+                                         "placement.rollout_mesh.tensor": 4, "model.init.num_key_value_heads": 4})
+    assert run.rollout_source == "one_step_off"
+    m = _step(run)
+    want = m["reward_extra/rule_score/mean"] + 2.0 * m["reward_extra/rm_score/mean"]
+    assert m["critic/score/mean"] == pytest.approx(want, rel=1e-5, abs=1e-5)
+    assert m["reward_extra/rm_score/mean"] != 0.0 and np.isfinite(m["actor/pg_loss"])
+
+
+def test_batch_validation_scores_with_the_reward_model_not_the_rule(tmp_path, checkpoints):
+    """Validation on the batch rollout combines as training does: with the reward model on and
+    reward.rule_weight auto (0), the rule function (here one that always fails) is not called."""
+    run = _run(tmp_path, checkpoints, **{"reward.judge.enable": False, "reward.rule_weight": -1.0,
+                                         "reward.custom_reward_function.name": "broken",
+                                         "data.builtin_val_size": 4})
+    trainer = RLTrainer(run)
+    try:
+        trainer.call0(HostWorker.start_rl, 1)
+        m = trainer.validate()
+    finally:
+        trainer.close()
+    rewards_ = [v for k, v in m.items() if k.startswith("val-core/") and "/reward/" in k]
+    assert rewards_ and all(np.isfinite(v) for v in rewards_)
+    assert any(k.startswith("val-aux/") and "/rm_score/" in k for k in m)

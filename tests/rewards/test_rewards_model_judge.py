@@ -297,3 +297,14 @@ def test_async_modes_accept_a_reward_model(tmp_path):
     run = _load(tmp_path, **{"reward.judge.enable": True, "reward.judge.score_parser": f"{PARSERS}:reply_length",
                              "reward.judge.max_prompt_length": 32, "reward.judge.max_tokens": 8})
     assert run.reward.judge.model_path == "policy"
+
+
+def test_reward_model_in_the_loop_refuses_several_processes(tmp_path, monkeypatch):
+    """The RM's forward spans the training mesh of every host: per-host streaming would break SPMD."""
+    import types
+
+    from jaxrl_llm.workers import _host
+    run = _load(tmp_path, **{"reward.model.path": str(tmp_path)})
+    monkeypatch.setattr(_host.jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"reward.model.path with agent or asynchronous rollouts .* \(this run: 2\)"):
+        _host.HostWorker._reward_loop(types.SimpleNamespace(config=run), rewards.RewardManager(num_workers=0))
