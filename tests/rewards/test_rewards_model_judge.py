@@ -120,6 +120,25 @@ def test_rm_service_scores_waiting_trajectories_in_one_forward_equal_to_a_full_f
     assert len(set(np.round(want, 5))) == len(rows)  # distinct: each row got its own score
 
 
+def test_rm_service_with_token_budget_and_packing_scores_as_a_full_forward(rm):
+    """reward.model.use_dynamic_bsz and model.use_remove_padding reach the loop's forward: the
+    service calls the same worker, here one with a 40-token budget that packs rows."""
+    model, _ = rm
+    worker = RewardModelWorker(model, mesh=rm[1].mesh, micro_per_device=2, remove_padding=True,
+                               budget=(40, "reward.model.forward_max_token_len_per_device"))
+    rows = [([20, 21, 22], [30, 31]), ([40], [41, 42, 43]), ([50, 51], [52])]
+    service = rm_service(worker)
+    try:
+        got = asyncio.run(_gather(service, rows))
+    finally:
+        service.close()
+    np.testing.assert_allclose(got, [full_forward_score(model, p, r) for p, r in rows], atol=1e-4)
+
+
+async def _gather(service, rows):
+    return list(await asyncio.gather(*(service.score(p, r) for p, r in rows)))
+
+
 def test_rm_service_refuses_a_row_longer_than_the_layout(rm):
     service = rm_service(rm[1])
     try:
