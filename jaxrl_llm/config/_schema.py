@@ -275,13 +275,13 @@ class JudgeConfig:
     tokenizer's chat template) to a rollout server, and `score_parser` reads a score from the reply.
     Needs the request-level rollout (rollout.multi_turn.enable=True or an async trainer mode)."""
 
-    enable: bool
+    enable: bool  # score each finished trajectory with the judge too (the combination: reward.rule_weight)
     model_path: str  # a checkpoint folder: the judge's own engine and server on the rollout devices, its weights never synced ("frozen"; give model.path's folder to judge with the initial policy); "policy": the policy's rollout server with its current weights (each judgement logs the policy version that wrote it)
     prompt_template: str  # str.format template with {question} (the prompt's last user message), {response} (the whole decoded response, every turn) and {ground_truth}; {response} is required, a literal brace is {{ or }}
     score_parser: str  # last_number | regex:PATTERN (the last match's first group, or the whole match) | a function 'path/to/file.py:name' or 'package.module:name' taking the reply text, returning a float or None
     parse_failure_score: float  # the judge score of a reply the parser reads no number from (counted in reward/judge/parse_failures)
     temperature: float  # the judge's sampling temperature (0 = greedy)
-    top_p: float
+    top_p: float  # the judge's nucleus sampling (1.0 = off)
     max_tokens: int  # the judge reply's token budget
     max_prompt_length: int  # judge prompt tokens; a longer prompt keeps its last tokens (reward/judge/truncated_prompts)
     max_concurrent_decodes: int  # decode slots of the judge's own engine (model_path a checkpoint)
