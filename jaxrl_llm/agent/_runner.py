@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.rewards import RewardFunctionError, Trajectory
+from jaxrl_llm.rewards import RewardFunctionError, Trajectory, judgement_metrics, question_of
 
 from jaxrl_llm.agent._loop import AgentContext, AgentLoopOutput, AgentSample, get_agent_loop
 from jaxrl_llm.agent.interactions import load_interactions
@@ -113,7 +113,7 @@ class AgentRunner:
             if "interaction_score" in out.extra_fields:
                 info["interaction_score"] = out.extra_fields["interaction_score"]
             traj = Trajectory(prompt_ids=tuple(out.prompt_ids), response_ids=tuple(out.response_ids),
-                              question=_question(sample.raw_prompt), response_text=info["response_text"])
+                              question=question_of(sample.raw_prompt), response_text=info["response_text"])
             score = await self.reward_loop.score(sample.data_source, texts[-1], sample.ground_truth, info,
                                                  trajectory=traj)
         return name, out, finished, score, (score.scored_at - t0 if score is not None else 0.0)
@@ -174,22 +174,10 @@ class AgentRunner:
                 f"is broken; see the reward warnings in the log for the first failure")
 
 
-def _question(raw_prompt: list[dict]) -> str:
-    """The judge's {question}: the prompt's last user message (all of it joined when none)."""
-    users = [m["content"] for m in raw_prompt if m.get("role") == "user"]
-    return str(users[-1]) if users else "\n".join(str(m.get("content", "")) for m in raw_prompt)
-
-
 def judge_metrics(results) -> dict[str, float]:
-    """reward/judge/*: over the judged trajectories, the mean score, the parse failures, the
-    prompts cut to reward.judge.max_prompt_length and the judgement's length in characters."""
-    judged = [r[3].judgement for r in results if r[3] is not None and r[3].judgement is not None]
-    if not judged:
-        return {}
-    return {"reward/judge/score/mean": float(np.mean([j.score for j in judged])),
-            "reward/judge/parse_failures": float(sum(not j.parsed for j in judged)),
-            "reward/judge/truncated_prompts": float(sum(j.truncated for j in judged)),
-            "reward/judge/judgement_chars/mean": float(np.mean([len(j.text) for j in judged]))}
+    """reward/judge/* over the judged trajectories (`rewards.judgement_metrics`)."""
+    return judgement_metrics([r[3].judgement for r in results
+                              if r[3] is not None and r[3].judgement is not None])
 
 
 def _check_output(out: AgentLoopOutput, t: int) -> None:

@@ -435,11 +435,13 @@ def _check_reward_sources(c: RunConfig) -> None:
     for name in ("max_tokens", "max_prompt_length", "max_concurrent_decodes"):
         _positive(getattr(j, name), f"reward.judge.{name}")
     _positive(j.log_every, "reward.judge.log_every", allow_zero=True)
-    if not (c.rollout.multi_turn.enable or c.rollout_source in ("buffer", "colocated_buffer")):
-        raise ConfigError("reward.judge.enable=True scores in the streaming reward loop of the request-level "
-                          "rollout: set rollout.multi_turn.enable=True (single_turn_agent works for "
-                          "single-turn data) or an async trainer.v1.trainer_mode; the batch rollout "
-                          f"(trainer.v1.trainer_mode={c.trainer.v1.trainer_mode!r}, here) has no judge")
+    request_level = c.rollout.multi_turn.enable or c.rollout_source in ("buffer", "colocated_buffer")
+    if j.model_path == "policy" and not request_level:
+        raise ConfigError("reward.judge.model_path='policy' sends the judge's requests to the policy's request-level "
+                          "server, which the batch rollout (trainer.v1.trainer_mode="
+                          f"{c.trainer.v1.trainer_mode!r} without rollout.multi_turn.enable) does not run: give "
+                          "the judge a checkpoint folder, or set rollout.multi_turn.enable=True (single_turn_agent "
+                          "works for single-turn data)")
     if j.model_path == "policy":  # the judge's requests share the policy engine's KV length
         from rollout import prefill_bucket
 

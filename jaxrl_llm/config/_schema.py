@@ -273,7 +273,8 @@ class JudgeConfig:
     """A generative judge (LLM-as-judge, verl's GenRM): each finished trajectory's question,
     response and ground truth are put into `prompt_template`, sent as one user message (the judge
     tokenizer's chat template) to a rollout server, and `score_parser` reads a score from the reply.
-    Needs the request-level rollout (rollout.multi_turn.enable=True or an async trainer mode)."""
+    Agent and async rollouts judge each trajectory as it finishes; the batch rollout judges the
+    batch after generation (every row's request at once)."""
 
     enable: bool  # score each finished trajectory with the judge too (the combination: reward.rule_weight)
     model_path: str  # a checkpoint folder: the judge's own engine and server on the rollout devices, its weights never synced ("frozen"; give model.path's folder to judge with the initial policy); "policy": the policy's rollout server with its current weights (each judgement logs the policy version that wrote it)

@@ -12,7 +12,9 @@ from jaxrl_llm.rewards._judge import (
     RewardWeights,
     check_template,
     combine_scores,
+    judgement_metrics,
     make_score_parser,
+    question_of,
     resolve_rule_weight,
 )
 from jaxrl_llm.rewards._loop import RewardLoop, RowScore, Trajectory
@@ -48,7 +50,9 @@ __all__ = [
     "Trajectory",
     "check_template",
     "combine_scores",
+    "judgement_metrics",
     "make_score_parser",
+    "question_of",
     "resolve_rule_weight",
     "arithmetic_score",
     "countdown_score",

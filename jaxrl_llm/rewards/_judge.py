@@ -173,6 +173,23 @@ class Judge:
                 f.write(line + "\n")
 
 
+def question_of(raw_prompt: list[dict]) -> str:
+    """The judge's {question}: the prompt's last user message (all messages joined when none)."""
+    users = [m["content"] for m in raw_prompt if m.get("role") == "user"]
+    return str(users[-1]) if users else "\n".join(str(m.get("content", "")) for m in raw_prompt)
+
+
+def judgement_metrics(judged: list[Judgement]) -> dict[str, float]:
+    """reward/judge/*: the mean score, the parse failures, the prompts cut to
+    reward.judge.max_prompt_length and the judgement's mean length in characters."""
+    if not judged:
+        return {}
+    return {"reward/judge/score/mean": sum(j.score for j in judged) / len(judged),
+            "reward/judge/parse_failures": float(sum(not j.parsed for j in judged)),
+            "reward/judge/truncated_prompts": float(sum(j.truncated for j in judged)),
+            "reward/judge/judgement_chars/mean": sum(len(j.text) for j in judged) / len(judged)}
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardWeights:
     """The weights of `combine_scores` (config: reward.rule_weight, reward.model.weight,

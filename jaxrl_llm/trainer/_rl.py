@@ -435,27 +435,38 @@ class RLTrainer:
         return {"score": np.asarray(scores, np.float32), **extra}
 
     def _score_batch(self, examples, batch: data.Batch, n: int, metrics: dict):
-        """The batch rollout's sequence scores f32[b] and extras: the rule scorers and the reward
-        model (one pass over the batch), combined as the streaming reward loop combines them
-        (`rewards.combine_scores`; a source with weight 0 is not run)."""
+        """The batch rollout's sequence scores f32[b] and extras: the rule scorers, the reward
+        model (one pass over the batch) and the judge (every row's request at once), combined as
+        the streaming reward loop combines them (`rewards.combine_scores`; a source with weight 0
+        is not run)."""
         r = self.config.reward
         weights = rewards.RewardWeights(
-            rule=rewards.resolve_rule_weight(r.rule_weight, has_model=bool(r.model.path), has_judge=False),
-            model=r.model.weight, judge=0.0)
-        rule = rm = None
+            rule=rewards.resolve_rule_weight(r.rule_weight, has_model=bool(r.model.path),
+                                             has_judge=r.judge.enable),
+            model=r.model.weight, judge=r.judge.weight)
+        parts: dict[str, np.ndarray] = {}
         extra: dict = {}
-        if weights.rule != 0 or not r.model.path:
-            rule, extra, rmetrics = self._score(examples, batch, n)
+        if weights.rule != 0 or not (r.model.path or r.judge.enable):
+            parts["rule"], extra, rmetrics = self._score(examples, batch, n)
             metrics.update(rmetrics)
         if r.model.path:  # the value at each row's last model token (0 elsewhere)
-            rm = self.call0(HostWorker.compute_rm_score, batch)["rm_scores"].sum(-1)
-            extra = {**extra, "rm_score": rm, **({"rule_score": rule} if rule is not None else {})}
+            parts["model"] = self.call0(HostWorker.compute_rm_score, batch)["rm_scores"].sum(-1)
+        if r.judge.enable:
+            rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+            questions = rep([rewards.question_of(e.raw_prompt) for e in examples])
+            out = self.call0(HostWorker.compute_judge_scores, questions, self._texts(batch),
+                             rep([e.ground_truth for e in examples]))
+            parts["judge"] = out["judge_score"]
+            metrics.update(out["metrics"])
+        if set(parts) != {"rule"}:  # the parts, as the streaming loop reports them
+            names = {"rule": "rule_score", "model": "rm_score", "judge": "judge_score"}
+            extra = {**extra, **{names[k]: np.asarray(v, np.float32) for k, v in parts.items()}}
         metrics.update({f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extra.items()})
-        if rm is None:
-            return rule, extra
-        rows = range(len(rm))
-        return np.asarray([rewards.combine_scores(weights, rule=None if rule is None else float(rule[i]),
-                                                  model=float(rm[i])) for i in rows], np.float32), extra
+        if set(parts) == {"rule"}:
+            return parts["rule"], extra
+        b = len(next(iter(parts.values())))
+        return np.asarray([rewards.combine_scores(weights, **{k: float(v[i]) for k, v in parts.items()})
+                           for i in range(b)], np.float32), extra
 
     def _greedy_baselines(self, examples, n: int) -> np.ndarray:
         """ReMax (verl): each prompt's greedy response, scored like the samples (overlong penalty
@@ -468,9 +479,11 @@ class RLTrainer:
         self._score_rollout(examples, gen, batch, 1, {})
         return np.repeat(batch.token_level_scores.sum(-1), n).astype(np.float32)
 
+    def _texts(self, batch) -> list[str]:
+        return [self.tokenizer.decode(r[:m.sum()].tolist()) for r, m in zip(batch.responses, batch.response_mask)]
+
     def _score(self, examples, batch, n):
-        texts = [self.tokenizer.decode(r[:m.sum()].tolist())
-                 for r, m in zip(batch.responses, batch.response_mask)]
+        texts = self._texts(batch)
         rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
         return self.reward.score_batch(rep([e.data_source for e in examples]), texts,
                                        rep([e.ground_truth for e in examples]),

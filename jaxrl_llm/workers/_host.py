@@ -74,6 +74,7 @@ class HostWorker:
         # the request-level server (a `ReplicaRouter` over several replicas) and agent loops
         self.server = self._agents = None
         self._judge_server = None  # reward.judge's own server (a judge checkpoint), built with the agents
+        self._batch_judge = None  # reward.judge for the batch rollout (`compute_judge_scores`)
         self._rollouter = None  # the asynchronous modes' background producer
         self.checkpointer = Checkpointer(
             checkpoint_root(c.trainer.default_local_dir), max_to_keep=c.trainer.max_to_keep,
@@ -337,10 +338,14 @@ class HostWorker:
             tokenizer = models.load_tokenizer(c.model.tokenizer or c.model.path)
         else:
             bucket = rollout.prefill_bucket(j.max_prompt_length)
-            engine = rollout.Engine.from_pretrained(
-                j.model_path, max_concurrent_decodes=j.max_concurrent_decodes, max_prefill_length=bucket,
-                max_target_length=bucket + j.max_tokens, dtype=c.rollout.dtype or c.model.dtype,
-                temperature=j.temperature, top_p=j.top_p, seed=c.trainer.seed, mesh=self.rollout_mesh)
+            try:
+                engine = rollout.Engine.from_pretrained(
+                    j.model_path, max_concurrent_decodes=j.max_concurrent_decodes, max_prefill_length=bucket,
+                    max_target_length=bucket + j.max_tokens, dtype=c.rollout.dtype or c.model.dtype,
+                    temperature=j.temperature, top_p=j.top_p, seed=c.trainer.seed, mesh=self.rollout_mesh)
+            except ValueError as e:  # e.g. heads that the rollout mesh's tensor axis does not divide
+                raise ConfigError(f"reward.judge.model_path={j.model_path!r} cannot be served on the rollout "
+                                  f"devices ({e})") from None
             server = self._judge_server = rollout.RolloutServer(engine, steps_per_sync=c.rollout.steps_per_sync)
             tokenizer = models.load_tokenizer(j.model_path)
         return rewards.Judge(
@@ -507,6 +512,24 @@ class HostWorker:
         pad = -b % dp
         fields = {k: np.concatenate([batch[k], np.repeat(batch[k][:1], pad, axis=0)]) for k in keys}
         return {"rm_scores": rm.compute_rm_score(fields)["rm_scores"][:b]}
+
+    def compute_judge_scores(self, questions: list[str], responses: list[str],
+                             ground_truths: list) -> dict:
+        """reward.judge on the batch rollout: every row's judgement requested at once from the
+        judge's own server (which batches them). {"judge_score": f32[b], "metrics": reward/judge/*}.
+        Several hosts: each host judges every row on its own judge server (the same requests, so
+        the same judgements: greedy, or sampled by (seed, row))."""
+        if self._batch_judge is None:
+            self._batch_judge = self._judge()
+        judge = self._batch_judge
+
+        async def run():
+            return await asyncio.gather(*(judge.judge(q, r, t)
+                                          for q, r, t in zip(questions, responses, ground_truths)))
+
+        judged = asyncio.run(run())
+        return {"judge_score": np.asarray([j.score for j in judged], np.float32),
+                "metrics": rewards.judgement_metrics(judged)}
 
     def compute_values(self, batch: Batch) -> dict[str, np.ndarray]:
         """{"values"} [B, t]."""

@@ -1,6 +1,7 @@
 """The reward model and the judge inside a training step: the HostWorker's streaming reward loop
 in an async mode (colocate_async, the judge on the policy's own server) and in sync agent rollouts
 (the judge on its own checkpoint's server), the step's score being the documented weighted sum."""
+import dataclasses
 import json
 import os
 
@@ -29,7 +30,8 @@ def checkpoints(tmp_path_factory):
     mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
     rm = sharding.init_sharded(lambda: models.ValueModel(TINY, rngs=nnx.Rngs(params=3)), mesh, "train")
     models.save_pretrained(rm, str(root / "rm"), tokenizer=models.CharTokenizer())
-    models.save_pretrained(models.init_model(TINY, seed=5), str(root / "judge"), tokenizer=models.CharTokenizer())
+    judge = models.init_model(dataclasses.replace(TINY, num_key_value_heads=4), seed=5)  # shards over tensor=4
+    models.save_pretrained(judge, str(root / "judge"), tokenizer=models.CharTokenizer())
     return str(root / "rm"), str(root / "judge")
 
 
@@ -83,17 +85,16 @@ def test_sync_agent_rollout_scores_with_reward_model_and_a_judge_checkpoint(tmp_
     _check(_step(run), run)
 
 
-def test_one_step_off_scores_the_batch_with_rule_and_reward_model_combined(tmp_path, checkpoints):
+def test_one_step_off_scores_the_batch_with_rule_model_and_judge_combined(tmp_path, checkpoints):
     """The batch rollout (here one-step-off, which used to refuse a reward model) scores after
-    generation, by the same weighted sum."""
-    run = _run(tmp_path, checkpoints, **{"reward.judge.enable": False, "placement.one_step_off_policy": True,
+    generation: the reward model over the batch, the judge's requests all at once to its own
+    server, combined by the same weighted sum."""
+    run = _run(tmp_path, checkpoints, **{"reward.judge.model_path": checkpoints[1],
+                                         "placement.one_step_off_policy": True,
                                          "mesh.fsdp": 4, "placement.mode": "separate",
                                          "placement.rollout_mesh.tensor": 4, "model.init.num_key_value_heads": 4})
-    assert run.rollout_source == "one_step_off"
-    m = _step(run)
-    want = m["reward_extra/rule_score/mean"] + 2.0 * m["reward_extra/rm_score/mean"]
-    assert m["critic/score/mean"] == pytest.approx(want, rel=1e-5, abs=1e-5)
-    assert m["reward_extra/rm_score/mean"] != 0.0 and np.isfinite(m["actor/pg_loss"])
+    assert run.rollout_source == "one_step_off" and not run.rollout.multi_turn.enable
+    _check(_step(run), run)
 
 
 def test_batch_validation_scores_with_the_reward_model_not_the_rule(tmp_path, checkpoints):

@@ -293,7 +293,7 @@ def _load(tmp_path, **o):
     ({"reward.judge.score_parser": "regex:(unclosed"}, "reward.judge.score_parser=.*does not compile"),
     ({"reward.judge.score_parser": f"{PARSERS}:missing"}, "reward.judge.score_parser=.*cannot load"),
     ({"reward.judge.model_path": "/no/such/judge"}, "reward.judge.model_path='/no/such/judge' is not a folder"),
-    ({"rollout.multi_turn.enable": False}, "reward.judge.enable=True .* rollout.multi_turn.enable=True"),
+    ({"rollout.multi_turn.enable": False}, "reward.judge.model_path='policy' .* batch rollout .* give the judge a"),
     ({"reward.judge.max_prompt_length": 40, "reward.judge.max_tokens": 1},
      r"reward.judge.max_prompt_length=40 \+ reward.judge.max_tokens=1 exceeds the policy engine's 40"),
     ({"reward.judge.temperature": -1.0}, "reward.judge.temperature must be >= 0"),
