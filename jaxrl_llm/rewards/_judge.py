@@ -25,6 +25,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from jaxrl_llm.rewards._custom import _load
 
 TEMPLATE_FIELDS = ("question", "response", "ground_truth")
@@ -208,11 +210,11 @@ def resolve_rule_weight(rule_weight: float, *, has_model: bool, has_judge: bool)
     return 0.0 if (has_model or has_judge) else 1.0
 
 
-def combine_scores(weights: RewardWeights, *, rule: float | None = None, model: float | None = None,
-                   judge: float | None = None) -> float:
-    """sum of weight x score over the sources that ran (None = that source is off)."""
+def combine_scores(weights: RewardWeights, *, rule=None, model=None, judge=None):
+    """sum of weight x score over the sources that ran (None = that source is off): one row's
+    floats -> a float, or f32[b] arrays (the batch rollout's) -> f32[b]."""
     total = 0.0
     for w, s in ((weights.rule, rule), (weights.model, model), (weights.judge, judge)):
         if s is not None:
-            total += w * s
-    return float(total)
+            total = total + w * (np.asarray(s, np.float64) if np.ndim(s) else float(s))
+    return np.asarray(total, np.float32) if np.ndim(total) else float(total)

@@ -464,9 +464,7 @@ class RLTrainer:
         metrics.update({f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extra.items()})
         if set(parts) == {"rule"}:
             return parts["rule"], extra
-        b = len(next(iter(parts.values())))
-        return np.asarray([rewards.combine_scores(weights, **{k: float(v[i]) for k, v in parts.items()})
-                           for i in range(b)], np.float32), extra
+        return rewards.combine_scores(weights, **parts), extra
 
     def _greedy_baselines(self, examples, n: int) -> np.ndarray:
         """ReMax (verl): each prompt's greedy response, scored like the samples (overlong penalty

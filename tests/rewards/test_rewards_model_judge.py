@@ -78,6 +78,10 @@ def test_combine_scores_is_the_weighted_sum_of_the_sources_that_ran():
     assert rewards.combine_scores(w, rule=1.0, model=0.25, judge=3.0) == pytest.approx(0.5 + 0.5 - 3.0)
     assert rewards.combine_scores(w, rule=1.0, judge=3.0) == pytest.approx(-2.5)  # no model: no term
     assert rewards.combine_scores(w, model=0.25) == pytest.approx(0.5)
+    rows = rewards.combine_scores(w, rule=np.array([1.0, 0.0]), model=np.array([0.25, -1.0]),
+                                  judge=np.array([3.0, 2.0]))
+    np.testing.assert_allclose(rows, [-2.0, -4.0])  # the batch rollout's form: f32[b]
+    assert rows.dtype == np.float32
     # auto (-1): the rule alone, or replaced by a model / judge (verl's rm_scores)
     assert rewards.resolve_rule_weight(-1, has_model=False, has_judge=False) == 1.0
     assert rewards.resolve_rule_weight(-1, has_model=True, has_judge=False) == 0.0
