@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.rewards import RewardFunctionError
+from jaxrl_llm.rewards import RewardFunctionError, Trajectory, judgement_metrics, question_of
 
 from jaxrl_llm.agent._loop import AgentContext, AgentLoopOutput, AgentSample, get_agent_loop
 from jaxrl_llm.agent.interactions import load_interactions
@@ -112,7 +112,10 @@ class AgentRunner:
                     "response_text": self.tokenizer.decode(out.response_ids)}
             if "interaction_score" in out.extra_fields:
                 info["interaction_score"] = out.extra_fields["interaction_score"]
-            score = await self.reward_loop.score(sample.data_source, texts[-1], sample.ground_truth, info)
+            traj = Trajectory(prompt_ids=tuple(out.prompt_ids), response_ids=tuple(out.response_ids),
+                              question=question_of(sample.raw_prompt), response_text=info["response_text"])
+            score = await self.reward_loop.score(sample.data_source, texts[-1], sample.ground_truth, info,
+                                                 trajectory=traj)
         return name, out, finished, score, (score.scored_at - t0 if score is not None else 0.0)
 
     def collate(self, samples, results) -> dict[str, Any]:
@@ -146,7 +149,7 @@ class AgentRunner:
                     extra.setdefault(k, np.zeros(b, np.float32))[i] = v
         self._check_reward_failures(samples, results)
         outs = [r[1] for r in results]
-        metrics = {**agent_metrics(results), **reward_fail,
+        metrics = {**agent_metrics(results), **reward_fail, **judge_metrics(results),
                    **{f"reward_extra/{k}/mean": float(v.mean()) for k, v in extra.items()}}
         return {"prompt_ids": [o.prompt_ids for o in outs], "responses": responses,
                 "response_mask": mask, "response_attention_mask": attn, "rollout_log_probs": logp,
@@ -169,6 +172,12 @@ class AgentRunner:
                 f"reward.max_error_fraction={self.max_error_fraction}: "
                 f"{self.reward_loop.manager.describe()} (data_source {samples[i].data_source!r}) "
                 f"is broken; see the reward warnings in the log for the first failure")
+
+
+def judge_metrics(results) -> dict[str, float]:
+    """reward/judge/* over the judged trajectories (`rewards.judgement_metrics`)."""
+    return judgement_metrics([r[3].judgement for r in results
+                              if r[3] is not None and r[3].judgement is not None])
 
 
 def _check_output(out: AgentLoopOutput, t: int) -> None:

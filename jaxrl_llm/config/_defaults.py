@@ -7,6 +7,12 @@ from __future__ import annotations
 
 from ml_collections import ConfigDict
 
+# reward.judge.prompt_template's default: a 0-10 grade read by the "last_number" parser
+JUDGE_TEMPLATE = ("Grade the response to the question below against the reference answer.\n\n"
+                  "Question: {question}\n\nReference answer: {ground_truth}\n\nResponse: {response}\n\n"
+                  "Reply with a short reason, then end with the grade: an integer from 0 (wrong) "
+                  "to 10 (fully correct).")
+
 
 def _optim(lr: float) -> dict:
     return dict(lr=lr, weight_decay=0.01, weight_decay_1d=False, betas=(0.9, 0.999), eps=1e-8,
@@ -67,8 +73,13 @@ def base_config() -> ConfigDict:
                     max_consecutive_timeouts=8, max_consecutive_worker_deaths=5,
                     memory_limit_gb=8.0, sandbox="auto",
                     custom_reward_function=dict(path="", name="compute_score"),
-                    model=dict(path="", micro_batch_size_per_device=8, use_dynamic_bsz=False,
+                    rule_weight=-1.0,
+                    model=dict(path="", weight=1.0, micro_batch_size_per_device=8, use_dynamic_bsz=False,
                                forward_max_token_len_per_device=32768),
+                    judge=dict(enable=False, model_path="policy", prompt_template=JUDGE_TEMPLATE,
+                               score_parser="last_number", parse_failure_score=0.0, temperature=0.0,
+                               top_p=1.0, max_tokens=256, max_prompt_length=2048,
+                               max_concurrent_decodes=16, weight=1.0, log_every=16),
                     overlong_buffer=dict(enable=False, len=0, penalty_factor=1.0))
     c.mesh = dict(data=1, fsdp=-1, tensor=1, context=1)
     c.placement = dict(mode="colocated", rollout_mesh=dict(data=1, fsdp=1, tensor=1, context=1),

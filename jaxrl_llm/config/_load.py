@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -361,6 +362,7 @@ def validate(c: RunConfig) -> None:
     _check_multi_turn(c)
     _check_dapo(c)
     _check_async(c)
+    _check_reward_sources(c)
     _check_data_sources(c)
     if not c.model.path and not c.model.tokenizer:
         raise ConfigError("model.path is empty (train from scratch), so model.tokenizer must name a "
@@ -401,6 +403,58 @@ def _check_token_budgets(c: RunConfig) -> None:
     if c.reward.model.path and c.reward.model.use_dynamic_bsz:
         _positive(c.reward.model.forward_max_token_len_per_device,
                   "reward.model.forward_max_token_len_per_device")
+
+
+def _check_reward_sources(c: RunConfig) -> None:
+    """reward.rule_weight / reward.model / reward.judge: which sources score, and the judge's
+    template, parser, sampling and budgets."""
+    r, j = c.reward, c.reward.judge
+    if r.rule_weight < 0 and r.rule_weight != -1:
+        raise ConfigError(f"reward.rule_weight must be >= 0, or -1 (auto: 0 with a reward model or "
+                          f"judge, else 1), got {r.rule_weight}")
+    if r.rule_weight == 0 and not r.model.path and not j.enable:
+        raise ConfigError("reward.rule_weight=0 turns the rule scorers off, and there is no reward.model.path "
+                          "and no reward.judge.enable: nothing would score the responses")
+    if not j.enable:
+        return
+    from jaxrl_llm.rewards import check_template, make_score_parser
+
+    try:
+        check_template(j.prompt_template, "reward.judge.prompt_template")
+        make_score_parser(j.score_parser, "reward.judge.score_parser")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not j.model_path:
+        raise ConfigError("reward.judge.model_path is empty: give the judge's checkpoint folder, or "
+                          "'policy' to judge with the policy's own rollout server")
+    if j.model_path != "policy" and not os.path.isdir(j.model_path):
+        raise ConfigError(f"reward.judge.model_path={j.model_path!r} is not a folder: give the judge's "
+                          "checkpoint folder (config.json + safetensors + tokenizer), or 'policy'")
+    if j.temperature < 0:
+        raise ConfigError(f"reward.judge.temperature must be >= 0 (0 = greedy), got {j.temperature}")
+    if not 0 < j.top_p <= 1:
+        raise ConfigError(f"reward.judge.top_p must be in (0, 1], got {j.top_p}")
+    for name in ("max_tokens", "max_prompt_length", "max_concurrent_decodes"):
+        _positive(getattr(j, name), f"reward.judge.{name}")
+    _positive(j.log_every, "reward.judge.log_every", allow_zero=True)
+    request_level = c.rollout.multi_turn.enable or c.rollout_source in ("buffer", "colocated_buffer")
+    if j.model_path == "policy" and not request_level:
+        raise ConfigError("reward.judge.model_path='policy' sends the judge's requests to the policy's request-level "
+                          "server, which the batch rollout (trainer.v1.trainer_mode="
+                          f"{c.trainer.v1.trainer_mode!r} without rollout.multi_turn.enable) does not run: give "
+                          "the judge a checkpoint folder, or set rollout.multi_turn.enable=True (single_turn_agent "
+                          "works for single-turn data)")
+    if j.model_path == "policy":  # the judge's requests share the policy engine's KV length
+        from rollout import prefill_bucket
+
+        d = c.data
+        kv = prefill_bucket(d.max_prompt_length + (d.max_response_length if c.rollout.multi_turn.enable else 0)
+                            ) + d.max_response_length
+        if j.max_prompt_length + j.max_tokens > kv:
+            raise ConfigError(f"reward.judge.max_prompt_length={j.max_prompt_length} + reward.judge.max_tokens="
+                              f"{j.max_tokens} exceeds the policy engine's {kv} tokens per request (from "
+                              "data.max_prompt_length / max_response_length): lower them, or give the judge "
+                              "its own reward.judge.model_path")
 
 
 def _check_data_sources(c: RunConfig) -> None:
@@ -590,11 +644,9 @@ def _check_async(c: RunConfig) -> None:
         raise ConfigError(f"critic.ppo_mini_batch_size={c.critic.ppo_mini_batch_size} must divide "
                           f"data.train_batch_size={c.data.train_batch_size}")
     mode = f"trainer.v1.trainer_mode={v1.trainer_mode!r}"
-    for bad, why in ((c.algorithm.adv_estimator == "remax", "algorithm.adv_estimator='remax'"),
-                     (bool(c.reward.model.path), "reward.model.path (a learned reward model)")):
-        if bad:
-            raise ConfigError(f"{mode} cannot be combined with {why} yet: the asynchronous rollout scores "
-                              "each group with the rule-based reward loop as it finishes")
+    if c.algorithm.adv_estimator == "remax":
+        raise ConfigError(f"{mode} cannot be combined with algorithm.adv_estimator='remax' yet: the "
+                          "asynchronous rollout has no greedy baseline pass")
 
 
 def _check_rollout_correction(c: RunConfig) -> None:

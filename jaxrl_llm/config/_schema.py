@@ -258,13 +258,40 @@ class CustomRewardConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RewardModelConfig:
-    """A learned reward model (value-head checkpoint). When `path` is set its score replaces the
-    rule-based scorers, as verl's `rm_scores` do. It must share the actor's tokenizer."""
+    """A learned reward model (value-head checkpoint), verl's discriminative RM. Its score is the
+    value at each response's last token; it combines with the rule and judge scores by
+    reward.rule_weight / reward.model.weight / reward.judge.weight (by default it replaces the rule
+    scorers, as verl's `rm_scores` do). It must share the actor's tokenizer. Agent and async
+    rollouts score each trajectory in the streaming reward loop as it finishes (one forward over
+    the trajectories that finished together); the batch rollout scores the batch after generation."""
 
     path: str  # "" = no reward model
+    weight: float  # the reward model's weight in the combined score (reward.rule_weight's docs)
     micro_batch_size_per_device: int
     use_dynamic_bsz: bool  # verl's: scoring micro-batches up to forward_max_token_len_per_device tokens instead of micro_batch_size_per_device rows (packed under model.use_remove_padding)
     forward_max_token_len_per_device: int  # use_dynamic_bsz: tokens (prompt + response) per device per scoring micro-batch; every row must fit (verl's forward_max_token_len_per_gpu)
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeConfig:
+    """A generative judge (LLM-as-judge, verl's GenRM): each finished trajectory's question,
+    response and ground truth are put into `prompt_template`, sent as one user message (the judge
+    tokenizer's chat template) to a rollout server, and `score_parser` reads a score from the reply.
+    Agent and async rollouts judge each trajectory as it finishes; the batch rollout judges the
+    batch after generation (every row's request at once)."""
+
+    enable: bool  # score each finished trajectory with the judge too (the combination: reward.rule_weight)
+    model_path: str  # a checkpoint folder: the judge's own engine and server on the rollout devices, its weights never synced ("frozen"; give model.path's folder to judge with the initial policy); "policy": the policy's rollout server with its current weights (each judgement logs the policy version that wrote it)
+    prompt_template: str  # str.format template with {question} (the prompt's last user message), {response} (the whole decoded response, every turn) and {ground_truth}; {response} is required, a literal brace is {{ or }}
+    score_parser: str  # last_number | regex:PATTERN (the last match's first group, or the whole match) | a function 'path/to/file.py:name' or 'package.module:name' taking the reply text, returning a float or None
+    parse_failure_score: float  # the judge score of a reply the parser reads no number from (counted in reward/judge/parse_failures)
+    temperature: float  # the judge's sampling temperature (0 = greedy)
+    top_p: float  # the judge's nucleus sampling (1.0 = off)
+    max_tokens: int  # the judge reply's token budget
+    max_prompt_length: int  # judge prompt tokens; a longer prompt keeps its last tokens (reward/judge/truncated_prompts)
+    max_concurrent_decodes: int  # decode slots of the judge's own engine (model_path a checkpoint)
+    weight: float  # the judge's weight in the combined score (reward.rule_weight's docs)
+    log_every: int  # every N-th judgement (prompt, reply, score, policy version) appended to <trainer.default_local_dir>/judge_generations.jsonl; 0 = none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,7 +314,9 @@ class RewardConfig:
     memory_limit_gb: float  # address-space limit of each scoring process; 0 = none
     sandbox: str  # auto | bwrap | process: contains the scoring processes (num_workers=0: built-ins in-process, uncontained)
     custom_reward_function: CustomRewardConfig
+    rule_weight: float  # the rule scorers' / custom function's weight: score = rule_weight x rule + model.weight x reward model + judge.weight x judge (the sources that are on); 0 = the rule scorers are not called; -1 = auto: 1 without a reward model or judge, else 0 (they replace the rule, as verl's rm_scores do)
     model: RewardModelConfig
+    judge: JudgeConfig
     overlong_buffer: OverlongBufferConfig
 
 

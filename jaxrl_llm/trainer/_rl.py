@@ -417,18 +417,12 @@ class RLTrainer:
         `reward.overlong_buffer.enable`. Returns per-row fields for the group filter: `score`
         (the sequence score before the penalty) and the reward function's numeric extras."""
         c = self.config
-        if c.reward.model.path:  # a learned reward model replaces the rule-based scorers
-            batch.token_level_scores = self.call0(HostWorker.compute_rm_score, batch)["rm_scores"]
-            scores, extra = batch.token_level_scores.sum(-1), {}
-        elif gen.scores is not None:  # agent rollouts: scored on the worker as each one finished
-            metrics.update(gen.metrics)
+        if gen.scores is not None:  # agent rollouts: scored on the worker as each one finished
+            metrics.update(gen.metrics)  # (rule, reward model and judge: the streaming reward loop)
             scores, extra = gen.scores, gen.reward_extra
-            batch.token_level_scores = B.token_level_scores(scores, batch.response_mask)
         else:
-            scores, extra, rmetrics = self._score(examples, batch, n)
-            metrics.update(rmetrics)
-            metrics.update({f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extra.items()})
-            batch.token_level_scores = B.token_level_scores(scores, batch.response_mask)
+            scores, extra = self._score_batch(examples, batch, n, metrics)
+        batch.token_level_scores = B.token_level_scores(np.asarray(scores, np.float32), batch.response_mask)
         ob = c.reward.overlong_buffer
         if ob.enable:  # verl's DAPO reward manager: on the response's length with tool tokens
             length = batch.attention_mask[:, batch.prompts.shape[1]:].sum(-1)
@@ -439,6 +433,38 @@ class RLTrainer:
             metrics["reward_extra/overlong_reward/mean"] = float(penalty.mean())
             metrics["reward_extra/overlong/mean"] = float((penalty < 0).mean())
         return {"score": np.asarray(scores, np.float32), **extra}
+
+    def _score_batch(self, examples, batch: data.Batch, n: int, metrics: dict):
+        """The batch rollout's sequence scores f32[b] and extras: the rule scorers, the reward
+        model (one pass over the batch) and the judge (every row's request at once), combined as
+        the streaming reward loop combines them (`rewards.combine_scores`; a source with weight 0
+        is not run)."""
+        r = self.config.reward
+        weights = rewards.RewardWeights(
+            rule=rewards.resolve_rule_weight(r.rule_weight, has_model=bool(r.model.path),
+                                             has_judge=r.judge.enable),
+            model=r.model.weight, judge=r.judge.weight)
+        parts: dict[str, np.ndarray] = {}
+        extra: dict = {}
+        if weights.rule != 0 or not (r.model.path or r.judge.enable):
+            parts["rule"], extra, rmetrics = self._score(examples, batch, n)
+            metrics.update(rmetrics)
+        if r.model.path:  # the value at each row's last model token (0 elsewhere)
+            parts["model"] = self.call0(HostWorker.compute_rm_score, batch)["rm_scores"].sum(-1)
+        if r.judge.enable:
+            rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+            questions = rep([rewards.question_of(e.raw_prompt) for e in examples])
+            out = self.call0(HostWorker.compute_judge_scores, questions, self._texts(batch),
+                             rep([e.ground_truth for e in examples]))
+            parts["judge"] = out["judge_score"]
+            metrics.update(out["metrics"])
+        if set(parts) != {"rule"}:  # the parts, as the streaming loop reports them
+            names = {"rule": "rule_score", "model": "rm_score", "judge": "judge_score"}
+            extra = {**extra, **{names[k]: np.asarray(v, np.float32) for k, v in parts.items()}}
+        metrics.update({f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extra.items()})
+        if set(parts) == {"rule"}:
+            return parts["rule"], extra
+        return rewards.combine_scores(weights, **parts), extra
 
     def _greedy_baselines(self, examples, n: int) -> np.ndarray:
         """ReMax (verl): each prompt's greedy response, scored like the samples (overlong penalty
@@ -451,9 +477,11 @@ class RLTrainer:
         self._score_rollout(examples, gen, batch, 1, {})
         return np.repeat(batch.token_level_scores.sum(-1), n).astype(np.float32)
 
+    def _texts(self, batch) -> list[str]:
+        return [self.tokenizer.decode(r[:m.sum()].tolist()) for r, m in zip(batch.responses, batch.response_mask)]
+
     def _score(self, examples, batch, n):
-        texts = [self.tokenizer.decode(r[:m.sum()].tolist())
-                 for r, m in zip(batch.responses, batch.response_mask)]
+        texts = self._texts(batch)
         rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
         return self.reward.score_batch(rep([e.data_source for e in examples]), texts,
                                        rep([e.ground_truth for e in examples]),
@@ -504,7 +532,7 @@ class RLTrainer:
             else:
                 batch = B.rollout_batch(chunk, gen, n=v.n, pad_token_id=self.pad_id,
                                         max_prompt_length=c.data.max_prompt_length)
-                scores, extra, _ = self._score(chunk, batch, v.n)
+                scores, extra = self._score_batch(chunk, batch, v.n, {})  # rule + reward model, as training
                 prompts = [self.tokenizer.decode(list(e.prompt_ids)) for e in chunk for _ in range(v.n)]
                 lengths = gen.response_mask.sum(-1)
                 rows["turns"] += [None] * len(prompts)  # one completion: prompt and response say it all

@@ -29,7 +29,7 @@ from jaxrl_llm.data import Batch, RolloutResult
 from jaxrl_llm.checkpoint import Checkpointer, checkpoint_root
 from jaxrl_llm.config import ConfigError, RunConfig
 
-from ._common import build_model, model_config_for
+from ._common import build_model, data_parallel_size, model_config_for
 from ._replica_process import build_server, spec_for
 from ._replica_process import host_params as _host_copy
 from ._roles import ActorWorker, CriticWorker, ReferenceWorker, RewardModelWorker, SFTWorker, token_budget
@@ -73,6 +73,8 @@ class HostWorker:
         self.engines: list = []  # one per replica of this host; `engine` is the first
         # the request-level server (a `ReplicaRouter` over several replicas) and agent loops
         self.server = self._agents = None
+        self._judge_server = None  # reward.judge's own server (a judge checkpoint), built with the agents
+        self._batch_judge = None  # reward.judge for the batch rollout (`compute_judge_scores`)
         self._rollouter = None  # the asynchronous modes' background producer
         self.checkpointer = Checkpointer(
             checkpoint_root(c.trainer.default_local_dir), max_to_keep=c.trainer.max_to_keep,
@@ -296,8 +298,62 @@ class HostWorker:
                 self.server, models.load_tokenizer(c.model.tokenizer or c.model.path),
                 c.rollout.multi_turn, max_prompt_length=c.data.max_prompt_length,
                 max_response_length=c.data.max_response_length, pad_token_id=self.pad_token_id,
-                reward_loop=rewards.RewardLoop(manager), max_error_fraction=r.max_error_fraction)
+                reward_loop=self._reward_loop(manager), max_error_fraction=r.max_error_fraction)
         return self._agents
+
+    def _reward_loop(self, manager: "rewards.RewardManager") -> "rewards.RewardLoop":
+        """The streaming reward loop: the rule scorers (`manager`), the reward model as a
+        scoring service over this host's `RewardModelWorker` (one forward per set of trajectories
+        that finished together) and the judge, combined by reward.rule_weight / model.weight /
+        judge.weight."""
+        r = self.config.reward
+        weights = rewards.RewardWeights(
+            rule=rewards.resolve_rule_weight(r.rule_weight, has_model=bool(r.model.path),
+                                             has_judge=r.judge.enable),
+            model=r.model.weight, judge=r.judge.weight)
+        model = judge = None
+        if r.model.path:
+            if jax.process_count() > 1:
+                raise ConfigError(
+                    "reward.model.path with agent or asynchronous rollouts scores each trajectory as it "
+                    f"finishes, on one process for now (this run: {jax.process_count()}): the reward "
+                    "model's forward spans the training mesh of every host; use the batch rollout "
+                    "(rollout.multi_turn.enable=False, trainer.v1.trainer_mode='sync')")
+            rm = self.reward_model
+            model = rewards.RewardModelService(
+                lambda batch: rm.compute_rm_score(batch)["rm_scores"].sum(-1),
+                max_prompt_length=self.config.data.max_prompt_length,
+                max_response_length=self.config.data.max_response_length, pad_token_id=self.pad_token_id,
+                row_multiple=data_parallel_size(rm.mesh) * rm.micro_per_device)
+        if r.judge.enable:
+            judge = self._judge()
+        return rewards.RewardLoop(manager, model=model, judge=judge, weights=weights)
+
+    def _judge(self) -> "rewards.Judge":
+        """reward.judge: requests to the policy's server (model_path 'policy') or to a server of
+        its own over the judge checkpoint on this host's rollout devices (never synced)."""
+        c, j = self.config, self.config.reward.judge
+        if j.model_path == "policy":
+            server = self.server
+            tokenizer = models.load_tokenizer(c.model.tokenizer or c.model.path)
+        else:
+            bucket = rollout.prefill_bucket(j.max_prompt_length)
+            try:
+                engine = rollout.Engine.from_pretrained(
+                    j.model_path, max_concurrent_decodes=j.max_concurrent_decodes, max_prefill_length=bucket,
+                    max_target_length=bucket + j.max_tokens, dtype=c.rollout.dtype or c.model.dtype,
+                    temperature=j.temperature, top_p=j.top_p, seed=c.trainer.seed, mesh=self.rollout_mesh)
+            except ValueError as e:  # e.g. heads that the rollout mesh's tensor axis does not divide
+                raise ConfigError(f"reward.judge.model_path={j.model_path!r} cannot be served on the rollout "
+                                  f"devices ({e})") from None
+            server = self._judge_server = rollout.RolloutServer(engine, steps_per_sync=c.rollout.steps_per_sync)
+            tokenizer = models.load_tokenizer(j.model_path)
+        return rewards.Judge(
+            server, tokenizer, template=j.prompt_template, parser=rewards.make_score_parser(j.score_parser),
+            sampling=rollout.SamplingParams(temperature=j.temperature, top_p=j.top_p),
+            max_new_tokens=j.max_tokens, max_prompt_length=j.max_prompt_length, seed=c.trainer.seed,
+            failure_score=j.parse_failure_score, log_every=j.log_every,
+            log_path=os.path.join(c.trainer.default_local_dir, "judge_generations.jsonl"))
 
     # -- fully asynchronous training (async_training) --------------------------------------------
     def _async(self) -> "agent.Rollouter":
@@ -444,9 +500,36 @@ class HostWorker:
         return (self.ref if self.ref is not None else self.actor).compute_ref_log_prob(batch)
 
     def compute_rm_score(self, batch: Batch) -> dict[str, np.ndarray]:
-        """{"rm_scores"} [B, t]: the reward model's score on each row's last model token."""
+        """{"rm_scores"} [B, t]: the reward model's score on each row's last model token. B need
+        not divide over the data-parallel devices (a validation chunk): the pass then scores
+        copies of row 0 in the missing rows and drops them."""
         _check_batch(batch, "compute_rm_score")
-        return self.reward_model.compute_rm_score(batch)
+        rm, b = self.reward_model, batch.input_ids.shape[0]
+        dp = data_parallel_size(rm.mesh)
+        if b % dp == 0:
+            return rm.compute_rm_score(batch)
+        keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+        pad = -b % dp
+        fields = {k: np.concatenate([batch[k], np.repeat(batch[k][:1], pad, axis=0)]) for k in keys}
+        return {"rm_scores": rm.compute_rm_score(fields)["rm_scores"][:b]}
+
+    def compute_judge_scores(self, questions: list[str], responses: list[str],
+                             ground_truths: list) -> dict:
+        """reward.judge on the batch rollout: every row's judgement requested at once from the
+        judge's own server (which batches them). {"judge_score": f32[b], "metrics": reward/judge/*}.
+        Several hosts: each host judges every row on its own judge server (the same requests, so
+        the same judgements: greedy, or sampled by (seed, row))."""
+        if self._batch_judge is None:
+            self._batch_judge = self._judge()
+        judge = self._batch_judge
+
+        async def run():
+            return await asyncio.gather(*(judge.judge(q, r, t)
+                                          for q, r, t in zip(questions, responses, ground_truths)))
+
+        judged = asyncio.run(run())
+        return {"judge_score": np.asarray([j.score for j in judged], np.float32),
+                "metrics": rewards.judgement_metrics(judged)}
 
     def compute_values(self, batch: Batch) -> dict[str, np.ndarray]:
         """{"values"} [B, t]."""
@@ -631,6 +714,8 @@ class HostWorker:
             self._agents.close()
             if self._agents.reward_loop is not None:
                 self._agents.reward_loop.manager.close()
+        if self._judge_server is not None:
+            self._judge_server.close()
         if self.server is not None:
             self.server.close()
         self.checkpointer.wait()

@@ -148,7 +148,7 @@ class FlakyReward:
     """A reward loop whose scoring fails (an error counted, as the reward manager reports it) for
     samples with `extra_info["reward_fails"]`; the score is the response's length."""
 
-    async def score(self, data_source, text, ground_truth, info):
+    async def score(self, data_source, text, ground_truth, info, trajectory=None):
         return RowScore(score=float(len(text)), extra={}, num_errors=int(bool(info.get("reward_fails"))),
                         num_timeouts=0, scored_at=0.0)
 
