@@ -4,6 +4,7 @@ each behind a `rollout.ReplicaRouter`, on the same multi-turn agent workload (is
     python scripts/bench_replicas.py --out r.json        # 1.5B shape, 64 sessions x 4 turns, 64 slots, N=2,4,1
     python scripts/bench_replicas.py --slots 32 --replicas 2   # more sessions than slots: evictions, queueing
     python scripts/bench_replicas.py --dry-run           # tiny model on CPU in seconds (tests call it)
+    python scripts/bench_replicas.py --dry-run --sessions 8 --replicas 1 2   # more sessions than slots
 
 Workload (`--seed`): `--sessions` concurrent asyncio sessions of `--turns` turns, mixed lengths.
 A session's first prompt has a random length in [prompt_len/2, 3*prompt_len/2]; each turn
@@ -79,12 +80,14 @@ def parse_args(argv=None):
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
     p.add_argument("--dry-run", "--tiny", action="store_true",
                    help="tiny model, 4 sessions x 3 turns of a few tokens, 4 slots, N=2, fp32: "
-                        "a CPU smoke run")
+                        "a CPU smoke run (flags given explicitly keep their values)")
     args = p.parse_args(argv)
-    if args.dry_run:
-        args.model, args.sessions, args.turns, args.slots = "tiny", 4, 3, 4
-        args.prompt_len, args.gen_len, args.tool_len, args.steps_per_sync = 8, 4, 3, 4
-        args.long_frac, args.repeats, args.replicas = 0.25, 2, [2]
+    if args.dry_run:  # the tiny settings, except those given on the command line
+        tiny = dict(model="tiny", sessions=4, turns=3, slots=4, prompt_len=8, gen_len=4, tool_len=3,
+                    steps_per_sync=4, long_frac=0.25, repeats=2, replicas=[2])
+        for name, value in tiny.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
     for name in ("sessions", "turns", "prompt_len", "gen_len", "tool_len", "slots", "repeats",
                  "steps_per_sync"):
         if getattr(args, name) < 1:
