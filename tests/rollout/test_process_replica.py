@@ -139,6 +139,8 @@ def test_a_killed_replica_process_hands_its_requests_over_and_restarts_at_the_cu
             assert router.replicas[0] is new and router.live_replicas == [0, 1]
             assert new.policy_version == 3 == router.policy_version
             placed.clear()
+            for session in ["chat"] + [c["session_id"] for c in calls if c["session_id"]]:
+                router.release_session(session)  # else their parked slots keep new requests off replica 1
             for i, out in enumerate(spread("back-")):  # the new child serves, with the weights of v3
                 assert out.token_ids == greedy_reference(other_weights, prompts[i], 6, (stop_id,)), i
             assert placed == ["back-0"]
@@ -282,6 +284,16 @@ def test_a_late_failure_of_a_replaced_replica_leaves_its_successor_alone(engines
 def test_a_factory_that_does_not_build_a_server_fails_the_start_with_its_reason():
     with pytest.raises(RuntimeError, match=r"failed to start:(.|\n)*returned int, not a RolloutServer"):
         rollout.ProcessReplica(_replica_child.not_a_server)
+
+
+def test_a_child_that_never_reports_ready_fails_the_start_naming_the_timeout():
+    """The factory never returns: after start_timeout_s the child is killed and reaped and the
+    start fails with one error naming the limit (before, the constructor waited for good)."""
+    with pytest.raises(RuntimeError, match=r"did not report ready within start_timeout_s=0.5 s and was "
+                                           r"killed \(exit code -9\).*raise ProcessReplica's start_timeout_s"):
+        rollout.ProcessReplica(_replica_child.never_ready, start_timeout_s=0.5)
+    with pytest.raises(ValueError, match="start_timeout_s must be"):
+        rollout.ProcessReplica(_replica_child.never_ready, start_timeout_s=0)
 
 
 def test_a_replica_restarted_without_restart_params_gets_the_tree_of_the_sync_it_missed(
