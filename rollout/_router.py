@@ -69,16 +69,12 @@ waiting future fails with one error naming each replica's failure, and later cal
 Request errors (validation: empty prompt, too long, bad sampling, a duplicate live request id,
 ...) raise in the caller at `submit`, as on the server, and are never retried.
 
-Restart (`restart=`, off by default): a dead replica is closed and rebuilt by `restart(index)` on
-a thread of its own (at most `max_restarts` times per index), synced to the router's policy
-version with `restart_params(index)` or the tree that index got at the last applied sync (the
-router keeps a reference to it only when restarting without `restart_params`; no copy), synced
-again if a sync ran meanwhile, suspended or put to sleep like the others, then put back in the
-balancer under the same index. While it restarts, requests that no live replica can take wait in
-the queue. A failed restart, or a death past max_restarts, drops the replica with a warning.
+Restart (`restart=`, off by default): a dead replica is rebuilt and put back under its index;
+see rollout/_router_restart.py.
 
-Left to others: starting replicas (HostWorker, from the config; its replicas are in-process, so
-it does not set `restart`), and replicas on other hosts (an RPC or Ray-actor `Replica`).
+Left to others: starting replicas (HostWorker, from the config: in-process replicas without
+`restart`, or `ProcessReplica`s with it), and replicas on other hosts (an RPC or Ray-actor
+`Replica`).
 """
 from __future__ import annotations
 
@@ -98,6 +94,7 @@ import numpy as np
 
 from ._engine import Engine
 from ._replica import LocalReplica, Replica
+from ._router_restart import RestartMixin
 from ._sampling import SamplingParams
 from ._server import GenerateOutput, RolloutServer, _set_future
 
@@ -123,10 +120,6 @@ class _Routed:
         return self.kwargs["session_id"]
 
 
-class _Closing(Exception):
-    """The router closed while a replica was restarting."""
-
-
 def _combine(results: list[dict]) -> dict:
     """Per-replica result dicts -> one: numbers summed, `*_s` durations max-ed, flags true when
     true on every replica (zero_copy), except weights_released: true when true on any (a sync is
@@ -147,7 +140,7 @@ def _rate(num: float, den: float, empty: float) -> float:
     return float(num) / float(den) if den else empty
 
 
-class ReplicaRouter:
+class ReplicaRouter(RestartMixin):
     """Serves requests over `replicas` (see the module docstring): same API as `RolloutServer`.
 
     replicas: `Replica`s or `RolloutServer`s (wrapped in `LocalReplica`), all at the same
@@ -473,15 +466,7 @@ class ReplicaRouter:
             self._queue = collections.deque(sorted([*retried, *self._queue], key=lambda r: r.seq))
             self._counts["dead_replicas"] += 1
             self._counts["retried_requests"] += len(retried)
-            restart = (self._restart is not None and not self._closing
-                       and self._restarts[i] < self._max_restarts)
-            if restart:
-                self._restarts[i] += 1
-                self._restarting.add(i)
-                thread = threading.Thread(target=self._restart_replica, args=(i,), daemon=True,
-                                          name=f"ReplicaRouter-restart-{i}")
-                self._restart_threads.append(thread)  # close() joins it
-                thread.start()
+            restart = self._start_restart(i)
             left = self._fail_if_none_left()
         log.warning("rollout replica %d failed (%r): %d in-flight requests retried on the %d live "
                     "replicas; %s", i, error, len(retried), len(self.replicas) - len(self._dead),
@@ -524,80 +509,6 @@ class ReplicaRouter:
                     self._queue.remove(req)
         for req in reqs:
             _set_future(req.future, self._abort_output(req))
-
-    # ------------------------------------------------------------------ restart
-    def _restart_replica(self, i: int) -> None:
-        """On its own thread: closes dead replica i (reaps a process), builds its successor with
-        `restart(i)`, brings it to the router's weights and state, and puts it back in the
-        balancer. A failure drops replica i for good, with a warning."""
-        new = None
-        self._call(i, lambda r: r.close())
-        try:
-            if self._closing:
-                raise _Closing()
-            new = self._restart(i)
-            new = LocalReplica(new) if isinstance(new, RolloutServer) else new
-            if not isinstance(new, Replica):
-                raise TypeError(f"restart({i}) returned {type(new).__name__}, neither a RolloutServer "
-                                f"nor a rollout.Replica")
-            self._bring_up(i, new)
-        except Exception as error:  # noqa: BLE001 - the replica is dropped; the run goes on
-            if not isinstance(error, _Closing):
-                log.warning("rollout replica %d: restart failed (%r); dropped for good", i, error)
-            if new is not None:
-                self._call_on(new, lambda r: r.close())
-            with self._idle:
-                self._restarting.discard(i)
-                self._idle.notify_all()
-                self._counts["failed_restarts"] += not isinstance(error, _Closing)
-                left = self._fail_if_none_left()
-            for req in left:
-                _set_future(req.future, error=self._error)
-
-    def _bring_up(self, i: int, new: Replica) -> None:
-        """Syncs `new` to the router's version (again if a sync ran meanwhile), matches suspend /
-        sleep, and puts it in place of dead replica i once no sync is running (under the lock, so
-        every later sync includes it)."""
-        while True:
-            with self._idle:
-                while self._syncs_running and not self._closing:
-                    self._idle.wait()
-                if self._closing:
-                    raise _Closing()
-                gen, version = self._sync_gen, self._version
-                tree = self._synced_trees.get(i)
-            if new.policy_version != version:
-                if self._restart_params is not None:
-                    tree = self._restart_params(i)
-                if tree is None:
-                    raise RuntimeError(f"the router is at policy version {version} but has no weights "
-                                       f"for the restarted replica {i} (at {new.policy_version}); pass "
-                                       f"restart_params to ReplicaRouter")
-                new.submit_update(tree, version=version, in_flight="hold").result()
-            if self.asleep:
-                new.sleep()
-            elif self.suspended:
-                new.suspend()
-            with self._idle:
-                if self._closing:
-                    raise _Closing()
-                if gen != self._sync_gen or self._syncs_running:
-                    continue  # a sync started meanwhile: sync again
-                self._retired.update(self._dead_stats.pop(i, {}))
-                self.replicas[i], self._last_stats[i] = new, {}
-                del self._dead[i]
-                self._restarting.discard(i)
-                self._counts["restarted_replicas"] += 1
-                self._idle.notify_all()
-            break
-        log.warning("rollout replica %d restarted at policy version %d and back in the balancer", i, version)
-        self._pump()
-
-    def wait_restarts(self, timeout: float | None = None) -> bool:
-        """Blocks until no replica is restarting (each back in the balancer or dropped); False
-        if `timeout` seconds passed first."""
-        with self._idle:
-            return self._idle.wait_for(lambda: not self._restarting, timeout)
 
     @staticmethod
     def _call_on(replica: Replica, fn: Callable[[Replica], Any]) -> Any:
