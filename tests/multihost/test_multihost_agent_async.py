@@ -187,9 +187,10 @@ def test_colocate_async_with_two_replicas_matches_one(tmp_path):
 # num_warmup_batches=0 lets the rollouter start exactly one step's groups per sync interval
 # (batch b at step b, generated with the weights of sync b-1), so which groups train at which
 # step does not depend on timing. That needs partial_rollout off (the config's check: with no
-# run-ahead no request is in flight at a sync); with run-ahead (the quickstart's 0.5) a group's
-# start and finish relative to a sync, hence its policy versions and which step trains it, depend
-# on how fast each host decodes, and 1 process of 8 and 2 of 4 would differ by timing, not bugs.
+# run-ahead no request is in flight at a sync). With run-ahead (the quickstart's 0.5) more groups
+# run than a step takes, a take hands out the first to finish, and a group running at a sync goes
+# on with the new weights: which step trains a group and its tokens' policy versions depend on how
+# fast each host decodes, so 1 process of 8 and 2 of 4 could differ by timing, not bugs.
 # Separate placement as the one-step-off test: 4 training devices (fsdp=4 over both hosts) and 2
 # per host for that host's replica (tensor=2); 1 process: one engine of data=2 x tensor=2.
 ASYNC_QUICKSTART = f"{ROOT}/configs/quickstart_async.py:tiny,local"
