@@ -39,8 +39,10 @@ while in_flight + min(parked, reserve) < capacity, so the `reserve` most recentl
 sessions keep their KV until their next turn (which needs only the bound) or their release.
 The reserve is below the capacity, so a replica with nothing in flight always takes a new
 request: a caller that waits for every first turn before sending second turns still progresses
-(then up to `reserve` slots sit parked while it waits: the price of the reuse; parked_reserve=0
-turns it off).
+(then up to `reserve` slots sit parked while it waits: the price of the reuse). With a reserve,
+requests that need a new slot are not sent past the replica's capacity even when
+`max_inflight_per_replica` is larger (in the replica's own queue they would evict the next
+session to park); parked_reserve=0 turns the reserve off and the bound alone applies.
 
 Sampling is keyed by (seed, row) and the step, so a request gives the same tokens on any replica
 with the same weights: where a request runs never changes what it samples.
@@ -303,9 +305,11 @@ class ReplicaRouter(RestartMixin):
 
     def _takes_new(self, i: int) -> bool:
         """Whether replica i can take a request that needs a slot of its own without going past
-        its bound or evicting a session within its parked reserve. Under the lock."""
-        n = len(self._inflight[i])
-        return n < self.bounds[i] and n + min(len(self._parked[i]), self.reserves[i]) < self.slots[i]
+        its bound or evicting a session within its parked reserve (with a reserve, not past its
+        slots either: a request waiting in the replica's own queue would evict the next session
+        that parks). Under the lock."""
+        n, reserve = len(self._inflight[i]), self.reserves[i]
+        return n < self.bounds[i] and (not reserve or n + min(len(self._parked[i]), reserve) < self.slots[i])
 
     def _target(self, req: _Routed) -> int | None:
         """The replica `req` goes to now, or None (it waits). Under the lock."""

@@ -340,6 +340,21 @@ def test_a_new_request_prefers_a_replica_with_a_free_slot(engines, prompts):
         rollout.ReplicaRouter(replicas, parked_reserve=-1)
 
 
+def test_the_reserve_keeps_new_requests_within_the_slots_and_zero_turns_it_off(engines, prompts):
+    """max_inflight_per_replica=6 on a replica of 4 slots: with the reserve on, 4 requests are
+    sent (a fifth would wait in the replica's own queue and, admitted as a session parks, evict
+    it); parked_reserve=0 sends 6, as the bound says."""
+    for reserve, sent in ((None, 4), (0, 6)):
+        router, replicas, placed = make_router(engines, n=1, max_inflight_per_replica=6, parked_reserve=reserve)
+        with router:
+            router.suspend()
+            futures = [router.submit(**c) for c in mixed_calls(prompts, 8)]
+            assert router.in_flight() == [sent] and len(placed) == sent
+            router.resume()
+            assert all(f.result().finish_reason in ("stop", "length") for f in futures)
+        assert replicas[0].peak == sent
+
+
 def test_a_caller_waiting_for_every_first_turn_still_progresses(engines, prompts):
     """6 sessions on one replica of 4 slots, the caller waiting for all 6 first turns before any
     second turn (a batch-style loop): the reserve (2 slots) never blocks a replica with nothing in
