@@ -726,7 +726,8 @@ class ReplicaRouter(RestartMixin):
         rollout/replica/{i}/in_flight: requests dispatched to replica i and not yet resolved;
         rollout/replica/{i}/queue: requests waiting in the router for replica i (their session is
         there); rollout/replica/{i}/parked: sessions parked there as the router counts them (turn
-        ended, not released; see "Eviction-aware placement"); rollout/replica/{i}/requests: requests sent to it in the interval;
+        ended, not released; see "Eviction-aware placement"); rollout/replica/{i}/requests:
+        requests sent to it in the interval;
         rollout/replica/{i}/tokens_per_s: tokens of the requests it finished in the interval /
         the interval; rollout/replica/{i}/prefix_hit_rate: reused_tokens / (reused_tokens +
         prefill_tokens) in the interval (0 when it computed no prompt); rollout/replica/{i}/alive
