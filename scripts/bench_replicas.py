@@ -20,7 +20,8 @@ copy and KV cache, all on the default device):
 - `server`: one `RolloutServer` on one engine with `--slots` S slots (the baseline);
 - `router_N` for each N in `--replicas`: N engines with S/N slots each, a `RolloutServer` on
   each, behind one `ReplicaRouter` (sticky by session, least in flight otherwise, bound = the
-  replica's slots). N=1 measures the router's own overhead against `server`.
+  replica's slots, `--parked-reserve` slots kept for parked sessions: default half, 0 off).
+  N=1 measures the router's own overhead against `server`.
 Each configuration first sends one short session through each engine in turn (`warm_up`: with a
 persistent compilation cache, replicas of one shape then share the main programs instead of all
 compiling them at once), then runs `--repeats` times (the first compiles the remaining shapes; the
@@ -75,6 +76,9 @@ def parse_args(argv=None):
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 1],
                    help="replica counts N to compare with one server (each must divide --slots)")
     p.add_argument("--steps-per-sync", type=int, default=16)
+    p.add_argument("--parked-reserve", type=int, default=None,
+                   help="the router's parked_reserve (slots per replica kept for parked sessions' next "
+                        "turns; default: half the replica's slots; 0: off)")
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration, the first compiles")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
@@ -189,7 +193,7 @@ def run_once(engines, args, wl, use_router: bool, steps_per_sync: int) -> dict:
     sp = rollout.SamplingParams(temperature=1.0)
     servers = [rollout.RolloutServer(e, steps_per_sync=steps_per_sync, reuse_prefix=True)
                for e in (engines if use_router else engines[:1])]
-    front = rollout.ReplicaRouter(servers) if use_router else servers[0]
+    front = rollout.ReplicaRouter(servers, parked_reserve=args.parked_reserve) if use_router else servers[0]
     prompt_tokens = [0]
 
     async def session(i):
@@ -263,6 +267,7 @@ def main(argv=None) -> list[dict]:
     base = {"model": f"qwen2.5-{args.model}", "sessions": args.sessions, "turns": args.turns,
             "prompt_len": args.prompt_len, "gen_len": args.gen_len, "long_frac": args.long_frac,
             "tool_len": args.tool_len, "slots": args.slots, "steps_per_sync": args.steps_per_sync,
+            "parked_reserve": args.parked_reserve,
             "longest_conversation": full, "device": str(jax.devices()[0].device_kind),
             "devices": jax.device_count()}
     configs = [("server", 1, False)] + [(f"router_{n}", n, True) for n in args.replicas]
