@@ -4,7 +4,7 @@ each behind a `rollout.ReplicaRouter`, on the same multi-turn agent workload (is
     python scripts/bench_replicas.py --out r.json        # 1.5B shape, 64 sessions x 4 turns, 64 slots, N=2,4,1
     python scripts/bench_replicas.py --slots 32 --replicas 2   # more sessions than slots: evictions, queueing
     python scripts/bench_replicas.py --dry-run           # tiny model on CPU in seconds (tests call it)
-    python scripts/bench_replicas.py --dry-run --sessions 8 --replicas 1 2   # more sessions than slots
+    python scripts/bench_replicas.py --dry-run --sessions 8 --replicas 1 2   # sessions > slots
 
 Workload (`--seed`): `--sessions` concurrent asyncio sessions of `--turns` turns, mixed lengths.
 A session's first prompt has a random length in [prompt_len/2, 3*prompt_len/2]; each turn
