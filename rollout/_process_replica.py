@@ -76,6 +76,7 @@ from ._server import RolloutServer, _set_future
 log = logging.getLogger(__name__)
 
 _CLOSE_WAIT_S = 60.0  # close(): how long the child may take to exit before it is killed
+START_TIMEOUT_S = 600.0  # the default start_timeout_s: a child building a large engine compiles for minutes
 
 
 class _RemoteError(RuntimeError):
@@ -181,12 +182,19 @@ class ProcessReplica:
 
     factory: picklable, called in the child, returns the `RolloutServer` (it builds the engine on
     the child's devices). env: environment variables set in the child before `factory` runs.
-    The constructor starts the child and waits until its server is up (raises RuntimeError with
-    the child's traceback if the factory fails).
+    The constructor starts the child and waits until its server is up: it raises RuntimeError
+    with the child's traceback if the factory fails, and, if the child has not reported ready
+    within `start_timeout_s` seconds (None: no limit), kills and reaps it and raises RuntimeError
+    naming the timeout (a factory stuck on a device, a lock, a download).
     """
 
     def __init__(self, factory: Callable[[], RolloutServer], *, env: dict[str, str] | None = None,
-                 name: str = "rollout-replica"):
+                 name: str = "rollout-replica", start_timeout_s: float | None = START_TIMEOUT_S):
+        if start_timeout_s is not None and (isinstance(start_timeout_s, bool)
+                                            or not isinstance(start_timeout_s, (int, float))
+                                            or not start_timeout_s > 0):
+            raise ValueError(f"start_timeout_s must be a number of seconds > 0 or None (no limit), "
+                             f"got {start_timeout_s!r}")
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=_child_main, args=(child_conn, factory, dict(env or {})),
@@ -201,7 +209,14 @@ class ProcessReplica:
         self._pending: dict[int, tuple[concurrent.futures.Future, bool]] = {}  # id -> (future, user's)
         self._server_failed = False
         try:
-            ready = self._conn.recv()
+            if self._conn.poll(start_timeout_s):
+                ready = self._conn.recv()
+            else:  # nothing within the limit: the child is stuck
+                self.process.kill()
+                ready = ("failed", f"the child (pid {self.pid}) did not report ready within "
+                                   f"start_timeout_s={start_timeout_s} s and was killed (exit code "
+                                   f"{self._reap()}); if its engine needs longer to build, raise "
+                                   "ProcessReplica's start_timeout_s")
         except (EOFError, OSError):
             ready = ("failed", f"the child exited with code {self._reap()} before reporting")
         if ready[0] != "ready":

@@ -10,15 +10,39 @@ HostWorker run unchanged over several replicas.
 
 Routing (all decisions under one lock, in submit order):
 - a request whose `session_id` the router has seen goes to that session's replica (it holds the
-  session's parked KV), waiting if that replica is at its bound;
-- any other request goes to the live replica with the fewest requests in flight that is below
-  its bound (ties: the lowest index), so a replica held up by long requests gets fewer new ones;
-- a request no replica can take now waits in the router's FIFO queue; whenever a request ends
-  the queue is walked in order and every request that can go somewhere is sent (one waiting for
-  a busy session replica does not hold up the others). `submit` returns the Future at once.
-  `max_inflight_per_replica` (default: each replica's `capacity`, its decode slots) bounds the
-  requests in flight on a replica: a dispatched request gets a slot at once, so the only queue is
-  the router's, where a request can still go to whichever replica frees first.
+  session's parked KV), waiting if that replica is at its bound (or, once the replica evicted
+  that KV, while it cannot take a new request: below);
+- any other request (a new session, or none) goes to a live replica below its bound that can take
+  it without evicting a reserved parked session (below), preferring one with a free slot, then
+  the fewest requests in flight (ties: the lowest index), so a replica held up by long requests
+  gets fewer new ones;
+- a request no replica can take now waits in the router's queue; whenever a request ends (or a
+  session is released) the queue is walked, turns of parked sessions first, then other turns of
+  known sessions, then new requests, each in submit order, and every
+  request that can go somewhere is sent (one waiting for a busy session replica does not hold up
+  the others). `submit` returns the Future at once. `max_inflight_per_replica` (default: each
+  replica's `capacity`, its decode slots) bounds the requests in flight on a replica: a
+  dispatched request gets a slot at once, so the only queue is the router's, where a request can
+  still go to whichever replica frees first.
+
+Eviction-aware placement (the prefix cache behind the router): a replica's slots are running,
+*parked* (a session's turn ended; the slot keeps its KV for the next turn until the session is
+released) or free, and a new request that finds no free slot evicts the least recently parked
+session there, whose next turn is then prefilled in full. Counting only requests in flight, the
+router would send a new session the moment a turn ends, before the agent loop sends that
+session's next turn, and the new session would take the slot just parked: with more sessions
+than slots no KV would ever be reused. So the router tracks the sessions parked on each replica
+(their turn ended, no turn in flight, not released; least recently parked first, dropping the
+oldest as the replica would when a placement overflows its slots) and keeps `parked_reserve`
+slots per replica (default: half its `capacity`) for them: a new request goes to replica i only
+while in_flight + min(parked, reserve) < capacity, so the `reserve` most recently parked
+sessions keep their KV until their next turn (which needs only the bound) or their release.
+The reserve is below the capacity, so a replica with nothing in flight always takes a new
+request: a caller that waits for every first turn before sending second turns still progresses
+(then up to `reserve` slots sit parked while it waits: the price of the reuse). With a reserve,
+requests that need a new slot are not sent past the replica's capacity even when
+`max_inflight_per_replica` is larger (in the replica's own queue they would evict the next
+session to park); parked_reserve=0 turns the reserve off and the bound alone applies.
 
 Sampling is keyed by (seed, row) and the step, so a request gives the same tokens on any replica
 with the same weights: where a request runs never changes what it samples.
@@ -47,16 +71,12 @@ waiting future fails with one error naming each replica's failure, and later cal
 Request errors (validation: empty prompt, too long, bad sampling, a duplicate live request id,
 ...) raise in the caller at `submit`, as on the server, and are never retried.
 
-Restart (`restart=`, off by default): a dead replica is closed and rebuilt by `restart(index)` on
-a thread of its own (at most `max_restarts` times per index), synced to the router's policy
-version with `restart_params(index)` or the tree that index got at the last applied sync (the
-router keeps a reference to it only when restarting without `restart_params`; no copy), synced
-again if a sync ran meanwhile, suspended or put to sleep like the others, then put back in the
-balancer under the same index. While it restarts, requests that no live replica can take wait in
-the queue. A failed restart, or a death past max_restarts, drops the replica with a warning.
+Restart (`restart=`, off by default): a dead replica is rebuilt and put back under its index;
+see rollout/_router_restart.py.
 
-Left to others: starting replicas (HostWorker, from the config; its replicas are in-process, so
-it does not set `restart`), and replicas on other hosts (an RPC or Ray-actor `Replica`).
+Left to others: starting replicas (HostWorker, from the config: in-process replicas without
+`restart`, or `ProcessReplica`s with it), and replicas on other hosts (an RPC or Ray-actor
+`Replica`).
 """
 from __future__ import annotations
 
@@ -76,6 +96,7 @@ import numpy as np
 
 from ._engine import Engine
 from ._replica import LocalReplica, Replica
+from ._router_restart import RestartMixin
 from ._sampling import SamplingParams
 from ._server import GenerateOutput, RolloutServer, _set_future
 
@@ -96,9 +117,9 @@ class _Routed:
     aborted: bool = False
     waited: bool = False  # had to wait in the router's queue (counted once)
 
-
-class _Closing(Exception):
-    """The router closed while a replica was restarting."""
+    @property
+    def session(self) -> str | None:
+        return self.kwargs["session_id"]
 
 
 def _combine(results: list[dict]) -> dict:
@@ -121,7 +142,7 @@ def _rate(num: float, den: float, empty: float) -> float:
     return float(num) / float(den) if den else empty
 
 
-class ReplicaRouter:
+class ReplicaRouter(RestartMixin):
     """Serves requests over `replicas` (see the module docstring): same API as `RolloutServer`.
 
     replicas: `Replica`s or `RolloutServer`s (wrapped in `LocalReplica`), all at the same
@@ -131,12 +152,15 @@ class ReplicaRouter:
     replica is dropped), at most `max_restarts` times per index; the new one is brought to the
     router's weights with `restart_params(index)` (None: the tree that replica index got at the
     last sync, which the router then keeps a reference to; see "Restart" in the module docstring).
+    parked_reserve: slots per replica kept for parked sessions' next turns (None: half each
+    replica's `capacity`; 0: none; must be below every replica's capacity; see "Eviction-aware
+    placement" in the module docstring).
     """
 
     def __init__(self, replicas: Sequence[Replica | RolloutServer], *,
                  max_inflight_per_replica: int | None = None,
                  restart: Callable[[int], Replica | RolloutServer] | None = None, max_restarts: int = 1,
-                 restart_params: Callable[[int], Any] | None = None):
+                 restart_params: Callable[[int], Any] | None = None, parked_reserve: int | None = None):
         if not replicas:
             raise ValueError("ReplicaRouter needs at least one replica")
         self.replicas: list[Replica] = [LocalReplica(r) if isinstance(r, RolloutServer) else r
@@ -150,6 +174,15 @@ class ReplicaRouter:
             raise ValueError(f"max_inflight_per_replica must be an int >= 1 or None (each "
                              f"replica's decode slots), got {bound!r}")
         self.bounds = [int(bound) if bound is not None else r.capacity for r in self.replicas]
+        self.slots = [int(r.capacity) for r in self.replicas]
+        reserve = parked_reserve
+        if reserve is not None and (isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0):
+            raise ValueError(f"parked_reserve must be an int >= 0 or None (half each replica's decode "
+                             f"slots), got {reserve!r}")
+        if reserve is not None and reserve >= min(self.slots):
+            raise ValueError(f"parked_reserve={reserve} must be below every replica's decode slots "
+                             f"(capacity {min(self.slots)}), or new sessions could never start: lower it")
+        self.reserves = [reserve if reserve is not None else s // 2 for s in self.slots]
         if restart is not None and not callable(restart):
             raise TypeError(f"restart must be a callable index -> replica or None, got {restart!r}")
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
@@ -164,6 +197,8 @@ class ReplicaRouter:
         self._live: dict[str, _Routed] = {}
         self._inflight: list[set[_Routed]] = [set() for _ in range(n)]
         self._sessions: dict[str, int] = {}
+        # per replica: sessions parked there (turn ended, none in flight), least recently parked first
+        self._parked: list[collections.OrderedDict[str, None]] = [collections.OrderedDict() for _ in range(n)]
         self._dead: dict[int, BaseException] = {}  # replica -> why it was dropped
         self._dead_stats: dict[int, dict] = {}  # a dead replica's last counters
         self._error: BaseException | None = None  # no live replica left
@@ -235,8 +270,11 @@ class ReplicaRouter:
         """Forgets the session: its replica drops the parked KV; a later turn is a new session."""
         with self._lock:
             i = self._sessions.pop(session_id, None)
+            if i is not None:
+                self._parked[i].pop(session_id, None)
         if i is not None and i not in self._dead:
             self._call(i, lambda r: r.release_session(session_id))
+            self._pump()  # a new request may have waited for that parked slot
 
     def _abort(self, req: _Routed) -> bool:
         with self._lock:
@@ -260,21 +298,44 @@ class ReplicaRouter:
                               policy_version=self._version, policy_versions=[])
 
     # ------------------------------------------------------------------ routing
+    def _home(self, req: _Routed) -> int | None:
+        """The live replica holding `req`'s session, or None (a new request). Under the lock."""
+        home = self._sessions.get(req.session)
+        return home if home is not None and home not in self._dead else None
+
+    def _takes_new(self, i: int) -> bool:
+        """Whether replica i can take a request that needs a slot of its own without going past
+        its bound or evicting a session within its parked reserve (with a reserve, not past its
+        slots either: a request waiting in the replica's own queue would evict the next session
+        that parks). Under the lock."""
+        n, reserve = len(self._inflight[i]), self.reserves[i]
+        return n < self.bounds[i] and (not reserve or n + min(len(self._parked[i]), reserve) < self.slots[i])
+
     def _target(self, req: _Routed) -> int | None:
         """The replica `req` goes to now, or None (it waits). Under the lock."""
-        room = [len(s) < b for s, b in zip(self._inflight, self.bounds)]
-        home = self._sessions.get(req.kwargs["session_id"])
-        if home is not None and home not in self._dead:
-            return home if room[home] else None
-        free = [i for i in range(len(self.replicas)) if room[i] and i not in self._dead]
-        return min(free, key=lambda i: (len(self._inflight[i]), i)) if free else None
+        home = self._home(req)
+        if home is not None and req.session in self._parked[home]:  # its parked slot: only the bound
+            return home if len(self._inflight[home]) < self.bounds[home] else None
+        if home is not None:  # its KV was evicted: it needs a slot, on its replica still
+            return home if self._takes_new(home) else None
+        ok = [i for i in range(len(self.replicas)) if i not in self._dead and self._takes_new(i)]
+        # a free slot first (no parked session evicted), then the fewest in flight, the lowest index
+        return min(ok, key=lambda i: (len(self._inflight[i]) + len(self._parked[i]) >= self.slots[i],
+                                      len(self._inflight[i]), i)) if ok else None
+
+    def _rank(self, req: _Routed) -> int:
+        """Queue walk order (under the lock): 0, a session turn whose parked KV waits for it; 1,
+        another turn of a known session; 2, a new request."""
+        home = self._home(req)
+        return 2 if home is None else 0 if req.session in self._parked[home] else 1
 
     def _assign(self) -> list[tuple[_Routed, int, int]]:
-        """Takes every queued request that a replica can take now, in queue order. Under the lock."""
+        """Takes every queued request that a replica can take now: turns of parked sessions first,
+        then other turns of known sessions, then new requests, each in queue order. Under the lock."""
         if self._closing or self._error is not None:
             return []
-        sent, kept = [], collections.deque()
-        for req in self._queue:
+        sent, kept = [], []
+        for req in sorted(self._queue, key=lambda r: (self._rank(r), r.seq)):
             i = self._target(req)
             if i is None:
                 self._counts["waited_requests"] += not req.waited
@@ -283,7 +344,7 @@ class ReplicaRouter:
                 continue
             self._place(req, i)
             sent.append((req, i, req.attempt))
-        self._queue = kept
+        self._queue = collections.deque(sorted(kept, key=lambda r: r.seq))
         return sent
 
     def _place(self, req: _Routed, i: int) -> None:
@@ -291,7 +352,7 @@ class ReplicaRouter:
         req.replica, req.attempt = i, req.attempt + 1
         self._inflight[i].add(req)
         self._interval[f"requests/{i}"] += 1
-        session = req.kwargs["session_id"]
+        session = req.session
         if session is not None:
             if session in self._sessions:  # a later turn (or a retry) of a known session
                 self._counts["session_requests"] += 1
@@ -299,7 +360,10 @@ class ReplicaRouter:
                 sticky = self._sessions[session] == i
                 self._counts["sticky_requests"] += sticky
                 self._interval["sticky_requests"] += sticky
+                self._parked[self._sessions[session]].pop(session, None)  # running again (or moved)
             self._sessions[session] = i
+        if self._parked[i] and len(self._inflight[i]) + len(self._parked[i]) > self.slots[i]:
+            self._parked[i].popitem(last=False)  # the replica evicts its least recently parked
 
     def _pump(self) -> None:
         """Sends what the replicas can take now (outside the lock: a submit may be an RPC)."""
@@ -348,6 +412,9 @@ class ReplicaRouter:
             if error is None:
                 self._inflight[i].discard(req)
                 self._live.pop(req.request_id, None)
+                if req.session is not None and self._sessions.get(req.session) == i and i not in self._dead:
+                    self._parked[i][req.session] = None  # its slot keeps the KV for the next turn
+                    self._parked[i].move_to_end(req.session)
         if error is not None:
             self._fail_replica(i, error, replica=replica)
             return
@@ -391,6 +458,7 @@ class ReplicaRouter:
                 return
             self._dead[i] = error
             self._dead_stats[i] = last if last is not None else self._last_stats[i]
+            self._parked[i].clear()
             moved = sorted(self._inflight[i], key=lambda r: r.seq)
             self._inflight[i] = set()
             for req in moved:
@@ -402,15 +470,7 @@ class ReplicaRouter:
             self._queue = collections.deque(sorted([*retried, *self._queue], key=lambda r: r.seq))
             self._counts["dead_replicas"] += 1
             self._counts["retried_requests"] += len(retried)
-            restart = (self._restart is not None and not self._closing
-                       and self._restarts[i] < self._max_restarts)
-            if restart:
-                self._restarts[i] += 1
-                self._restarting.add(i)
-                thread = threading.Thread(target=self._restart_replica, args=(i,), daemon=True,
-                                          name=f"ReplicaRouter-restart-{i}")
-                self._restart_threads.append(thread)  # close() joins it
-                thread.start()
+            restart = self._start_restart(i)
             left = self._fail_if_none_left()
         log.warning("rollout replica %d failed (%r): %d in-flight requests retried on the %d live "
                     "replicas; %s", i, error, len(retried), len(self.replicas) - len(self._dead),
@@ -453,80 +513,6 @@ class ReplicaRouter:
                     self._queue.remove(req)
         for req in reqs:
             _set_future(req.future, self._abort_output(req))
-
-    # ------------------------------------------------------------------ restart
-    def _restart_replica(self, i: int) -> None:
-        """On its own thread: closes dead replica i (reaps a process), builds its successor with
-        `restart(i)`, brings it to the router's weights and state, and puts it back in the
-        balancer. A failure drops replica i for good, with a warning."""
-        new = None
-        self._call(i, lambda r: r.close())
-        try:
-            if self._closing:
-                raise _Closing()
-            new = self._restart(i)
-            new = LocalReplica(new) if isinstance(new, RolloutServer) else new
-            if not isinstance(new, Replica):
-                raise TypeError(f"restart({i}) returned {type(new).__name__}, neither a RolloutServer "
-                                f"nor a rollout.Replica")
-            self._bring_up(i, new)
-        except Exception as error:  # noqa: BLE001 - the replica is dropped; the run goes on
-            if not isinstance(error, _Closing):
-                log.warning("rollout replica %d: restart failed (%r); dropped for good", i, error)
-            if new is not None:
-                self._call_on(new, lambda r: r.close())
-            with self._idle:
-                self._restarting.discard(i)
-                self._idle.notify_all()
-                self._counts["failed_restarts"] += not isinstance(error, _Closing)
-                left = self._fail_if_none_left()
-            for req in left:
-                _set_future(req.future, error=self._error)
-
-    def _bring_up(self, i: int, new: Replica) -> None:
-        """Syncs `new` to the router's version (again if a sync ran meanwhile), matches suspend /
-        sleep, and puts it in place of dead replica i once no sync is running (under the lock, so
-        every later sync includes it)."""
-        while True:
-            with self._idle:
-                while self._syncs_running and not self._closing:
-                    self._idle.wait()
-                if self._closing:
-                    raise _Closing()
-                gen, version = self._sync_gen, self._version
-                tree = self._synced_trees.get(i)
-            if new.policy_version != version:
-                if self._restart_params is not None:
-                    tree = self._restart_params(i)
-                if tree is None:
-                    raise RuntimeError(f"the router is at policy version {version} but has no weights "
-                                       f"for the restarted replica {i} (at {new.policy_version}); pass "
-                                       f"restart_params to ReplicaRouter")
-                new.submit_update(tree, version=version, in_flight="hold").result()
-            if self.asleep:
-                new.sleep()
-            elif self.suspended:
-                new.suspend()
-            with self._idle:
-                if self._closing:
-                    raise _Closing()
-                if gen != self._sync_gen or self._syncs_running:
-                    continue  # a sync started meanwhile: sync again
-                self._retired.update(self._dead_stats.pop(i, {}))
-                self.replicas[i], self._last_stats[i] = new, {}
-                del self._dead[i]
-                self._restarting.discard(i)
-                self._counts["restarted_replicas"] += 1
-                self._idle.notify_all()
-            break
-        log.warning("rollout replica %d restarted at policy version %d and back in the balancer", i, version)
-        self._pump()
-
-    def wait_restarts(self, timeout: float | None = None) -> bool:
-        """Blocks until no replica is restarting (each back in the balancer or dropped); False
-        if `timeout` seconds passed first."""
-        with self._idle:
-            return self._idle.wait_for(lambda: not self._restarting, timeout)
 
     @staticmethod
     def _call_on(replica: Replica, fn: Callable[[Replica], Any]) -> Any:
@@ -739,7 +725,9 @@ class ReplicaRouter:
 
         rollout/replica/{i}/in_flight: requests dispatched to replica i and not yet resolved;
         rollout/replica/{i}/queue: requests waiting in the router for replica i (their session is
-        there); rollout/replica/{i}/requests: requests sent to it in the interval;
+        there); rollout/replica/{i}/parked: sessions parked there as the router counts them (turn
+        ended, not released; see "Eviction-aware placement"); rollout/replica/{i}/requests:
+        requests sent to it in the interval;
         rollout/replica/{i}/tokens_per_s: tokens of the requests it finished in the interval /
         the interval; rollout/replica/{i}/prefix_hit_rate: reused_tokens / (reused_tokens +
         prefill_tokens) in the interval (0 when it computed no prompt); rollout/replica/{i}/alive
@@ -756,7 +744,7 @@ class ReplicaRouter:
         with self._lock:
             dt, self._last_metrics_t = max(now - self._last_metrics_t, 1e-9), now
             interval, self._interval = self._interval, collections.Counter()
-            pinned = collections.Counter(self._sessions.get(r.kwargs["session_id"]) for r in self._queue)
+            pinned = collections.Counter(self._sessions.get(r.session) for r in self._queue)
             out = {"rollout/router/queue": float(len(self._queue)),
                    "rollout/router/live_replicas": float(len(self.replicas) - len(self._dead)),
                    "rollout/router/dead_replicas": float(self._counts["dead_replicas"]),
@@ -779,6 +767,7 @@ class ReplicaRouter:
                     p + "alive": float(i not in self._dead),
                     p + "in_flight": float(len(self._inflight[i])),
                     p + "queue": float(pinned[i]),
+                    p + "parked": float(len(self._parked[i])),
                     p + "requests": float(interval[f"requests/{i}"]),
                     p + "tokens_per_s": delta["generated_tokens"] / dt if i in stats else 0.0,
                     p + "prefix_hit_rate": _rate(delta["reused_tokens"],

@@ -4,6 +4,7 @@ each behind a `rollout.ReplicaRouter`, on the same multi-turn agent workload (is
     python scripts/bench_replicas.py --out r.json        # 1.5B shape, 64 sessions x 4 turns, 64 slots, N=2,4,1
     python scripts/bench_replicas.py --slots 32 --replicas 2   # more sessions than slots: evictions, queueing
     python scripts/bench_replicas.py --dry-run           # tiny model on CPU in seconds (tests call it)
+    python scripts/bench_replicas.py --dry-run --sessions 8 --replicas 1 2   # sessions > slots
 
 Workload (`--seed`): `--sessions` concurrent asyncio sessions of `--turns` turns, mixed lengths.
 A session's first prompt has a random length in [prompt_len/2, 3*prompt_len/2]; each turn
@@ -19,7 +20,8 @@ copy and KV cache, all on the default device):
 - `server`: one `RolloutServer` on one engine with `--slots` S slots (the baseline);
 - `router_N` for each N in `--replicas`: N engines with S/N slots each, a `RolloutServer` on
   each, behind one `ReplicaRouter` (sticky by session, least in flight otherwise, bound = the
-  replica's slots). N=1 measures the router's own overhead against `server`.
+  replica's slots, `--parked-reserve` slots kept for parked sessions: default half, 0 off).
+  N=1 measures the router's own overhead against `server`.
 Each configuration first sends one short session through each engine in turn (`warm_up`: with a
 persistent compilation cache, replicas of one shape then share the main programs instead of all
 compiling them at once), then runs `--repeats` times (the first compiles the remaining shapes; the
@@ -74,17 +76,22 @@ def parse_args(argv=None):
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 1],
                    help="replica counts N to compare with one server (each must divide --slots)")
     p.add_argument("--steps-per-sync", type=int, default=16)
+    p.add_argument("--parked-reserve", type=int, default=None,
+                   help="the router's parked_reserve (slots per replica kept for parked sessions' next "
+                        "turns; default: half the replica's slots; 0: off)")
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration, the first compiles")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
     p.add_argument("--dry-run", "--tiny", action="store_true",
                    help="tiny model, 4 sessions x 3 turns of a few tokens, 4 slots, N=2, fp32: "
-                        "a CPU smoke run")
+                        "a CPU smoke run (flags given explicitly keep their values)")
     args = p.parse_args(argv)
-    if args.dry_run:
-        args.model, args.sessions, args.turns, args.slots = "tiny", 4, 3, 4
-        args.prompt_len, args.gen_len, args.tool_len, args.steps_per_sync = 8, 4, 3, 4
-        args.long_frac, args.repeats, args.replicas = 0.25, 2, [2]
+    if args.dry_run:  # the tiny settings, except those given on the command line
+        tiny = dict(model="tiny", sessions=4, turns=3, slots=4, prompt_len=8, gen_len=4, tool_len=3,
+                    steps_per_sync=4, long_frac=0.25, repeats=2, replicas=[2])
+        for name, value in tiny.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
     for name in ("sessions", "turns", "prompt_len", "gen_len", "tool_len", "slots", "repeats",
                  "steps_per_sync"):
         if getattr(args, name) < 1:
@@ -186,7 +193,7 @@ def run_once(engines, args, wl, use_router: bool, steps_per_sync: int) -> dict:
     sp = rollout.SamplingParams(temperature=1.0)
     servers = [rollout.RolloutServer(e, steps_per_sync=steps_per_sync, reuse_prefix=True)
                for e in (engines if use_router else engines[:1])]
-    front = rollout.ReplicaRouter(servers) if use_router else servers[0]
+    front = rollout.ReplicaRouter(servers, parked_reserve=args.parked_reserve) if use_router else servers[0]
     prompt_tokens = [0]
 
     async def session(i):
@@ -260,6 +267,7 @@ def main(argv=None) -> list[dict]:
     base = {"model": f"qwen2.5-{args.model}", "sessions": args.sessions, "turns": args.turns,
             "prompt_len": args.prompt_len, "gen_len": args.gen_len, "long_frac": args.long_frac,
             "tool_len": args.tool_len, "slots": args.slots, "steps_per_sync": args.steps_per_sync,
+            "parked_reserve": args.parked_reserve,
             "longest_conversation": full, "device": str(jax.devices()[0].device_kind),
             "devices": jax.device_count()}
     configs = [("server", 1, False)] + [(f"router_{n}", n, True) for n in args.replicas]

@@ -181,3 +181,31 @@ def test_colocate_async_with_two_replicas_matches_one(tmp_path):
         assert m["colocate_async/kv_bytes_released"] > 0
         assert m["rollout/replica/0/policy_version"] == m["rollout/replica/1/policy_version"] \
             == m["rollout/policy_version"]
+
+
+# separate_async (configs/quickstart_async.py, the fully async quickstart) without run-ahead:
+# num_warmup_batches=0 lets the rollouter start exactly one step's groups per sync interval
+# (batch b at step b, generated with the weights of sync b-1), so which groups train at which
+# step does not depend on timing. That needs partial_rollout off (the config's check: with no
+# run-ahead no request is in flight at a sync). With run-ahead (the quickstart's 0.5) more groups
+# run than a step takes, a take hands out the first to finish, and a group running at a sync goes
+# on with the new weights: which step trains a group and its tokens' policy versions depend on how
+# fast each host decodes, so 1 process of 8 and 2 of 4 could differ by timing, not bugs.
+# Separate placement as the one-step-off test: 4 training devices (fsdp=4 over both hosts) and 2
+# per host for that host's replica (tensor=2); 1 process: one engine of data=2 x tensor=2.
+ASYNC_QUICKSTART = f"{ROOT}/configs/quickstart_async.py:tiny,local"
+_SEPARATE_ASYNC = {"trainer.v1.colocate_async.num_warmup_batches": 0.0, "async_training.partial_rollout": False,
+                   "trainer.total_training_steps": 2, "trainer.save_freq": 0, "trainer.test_freq": 0,
+                   "mesh.fsdp": 4, "placement.rollout_mesh.tensor": 2}
+
+
+def test_separate_async_on_two_processes_matches_one_process(tmp_path):
+    """Each host's rollouter runs its half of the groups on its own replica while the actor
+    trains on the 4 training devices; step 2 trains groups generated with step 1's weights,
+    moved to every replica by `sharding.transfer`."""
+    want = _one_process(ASYNC_QUICKSTART, tmp_path / "reference",
+                        **_SEPARATE_ASYNC, **{"placement.rollout_mesh.data": 2})
+    got = _two_processes(ASYNC_QUICKSTART, tmp_path / "run", tmp_path / "logs", **_SEPARATE_ASYNC)
+    assert len(want) == 2 and want[1]["rollout/policy_version"] == want[0]["rollout/policy_version"] + 1
+    assert want[1]["actor/grad_norm"] > 0 and want[1]["rollout/logprob_abs_diff/mean"] > 0
+    _assert_same_steps(got, want)

@@ -36,6 +36,11 @@ def not_a_server():
     return 42
 
 
+def never_ready():
+    """A factory that never returns (stuck, as on a device another process holds)."""
+    threading.Event().wait()
+
+
 def arm_hold(server):
     """The server suspends itself after its next decode loop; returns the loops so far."""
     _hold["at"] = _hold["loops"] + 1

@@ -5,8 +5,9 @@ with its requests in flight) hands those requests to the other replica with the 
 without the kill gives; the router restarts the replica at its current weights and sends it
 requests again. Plus the restart paths with in-process replicas: weights from `restart_params`
 or from the sync the replica missed, max_restarts, a restart that fails (dropped with a
-warning), requests waiting while the only replica restarts, a late failure of a replaced replica,
-and a child whose factory fails.
+warning), a failed restart tried again while max_restarts allows, requests waiting while the
+only replica restarts, a late failure of a replaced replica, a child whose factory fails, and
+one that never reports ready (an error naming start_timeout_s).
 
 One child costs about 3 s (a fresh interpreter importing JAX, then its programs from the
 compilation cache; measured on 2 shared cores), so one test kills one child and restarts one,
@@ -139,6 +140,8 @@ def test_a_killed_replica_process_hands_its_requests_over_and_restarts_at_the_cu
             assert router.replicas[0] is new and router.live_replicas == [0, 1]
             assert new.policy_version == 3 == router.policy_version
             placed.clear()
+            for session in ["chat"] + [c["session_id"] for c in calls if c["session_id"]]:
+                router.release_session(session)  # else their parked slots keep new requests off replica 1
             for i, out in enumerate(spread("back-")):  # the new child serves, with the weights of v3
                 assert out.token_ids == greedy_reference(other_weights, prompts[i], 6, (stop_id,)), i
             assert placed == ["back-0"]
@@ -222,6 +225,48 @@ def test_an_in_process_replica_restarts_with_restart_params_and_a_failed_restart
         e.update_params(tiny_model)
 
 
+def test_a_failed_restart_is_tried_again_while_max_restarts_allows(engines, prompts, caplog):
+    """max_restarts=2: replica 0's first restart raises, the second builds it, and it serves
+    again (a warning for the retry; failed_restarts 1, restarted_replicas 1). A factory that
+    always raises gets its 2 attempts, then the replica is dropped for good and the run goes on."""
+    calls = []
+
+    def flaky(i):
+        calls.append(i)
+        if len(calls) == 1:
+            raise RuntimeError("device still busy")
+        return rollout.RolloutServer(engines[i], steps_per_sync=4)
+
+    kw = dict(sampling=GREEDY, max_new_tokens=4)
+    with rollout.ReplicaRouter([rollout.RolloutServer(e, steps_per_sync=4) for e in engines],
+                               restart=flaky, max_restarts=2) as router, \
+            caplog.at_level(logging.WARNING, logger="rollout._router"):
+        router.mark_dead(0, "test")
+        assert router.wait_restarts(timeout=120) and router.live_replicas == [0, 1]
+        assert calls == [0, 0]
+        assert router.generate("back", prompts[0], **kw).token_ids and router.in_flight() == [0, 0]
+        stats = router.stats
+    assert (stats["failed_restarts"], stats["restarted_replicas"], stats["dead_replicas"]) == (1, 1, 1)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any("restart failed" in w and "device still busy" in w and "trying again (restart 2 of 2)" in w
+               for w in warnings), warnings
+
+    def broken(i):
+        calls.append(i)
+        raise RuntimeError("no device for it")
+
+    calls.clear()
+    caplog.clear()
+    with rollout.ReplicaRouter([rollout.RolloutServer(e, steps_per_sync=4) for e in engines],
+                               restart=broken, max_restarts=2) as router, \
+            caplog.at_level(logging.WARNING, logger="rollout._router"):
+        router.mark_dead(0, "test")
+        assert router.wait_restarts(timeout=120) and router.live_replicas == [1]
+        assert calls == [0, 0] and router.stats["failed_restarts"] == 2
+        assert router.generate("after", prompts[0], **kw).token_ids
+    assert any("dropped for good (max_restarts=2 attempts used)" in r.getMessage() for r in caplog.records)
+
+
 def test_requests_wait_while_the_only_replica_restarts(engines, tiny_model, stop_id, prompts):
     """One replica, restarting (its factory held by the test): requests queued before and
     submitted during the restart wait in the router, then run on the new replica with the tokens
@@ -282,6 +327,16 @@ def test_a_late_failure_of_a_replaced_replica_leaves_its_successor_alone(engines
 def test_a_factory_that_does_not_build_a_server_fails_the_start_with_its_reason():
     with pytest.raises(RuntimeError, match=r"failed to start:(.|\n)*returned int, not a RolloutServer"):
         rollout.ProcessReplica(_replica_child.not_a_server)
+
+
+def test_a_child_that_never_reports_ready_fails_the_start_naming_the_timeout():
+    """The factory never returns: after start_timeout_s the child is killed and reaped and the
+    start fails with one error naming the limit (before, the constructor waited for good)."""
+    with pytest.raises(RuntimeError, match=r"did not report ready within start_timeout_s=0.5 s and was "
+                                           r"killed \(exit code -9\).*raise ProcessReplica's start_timeout_s"):
+        rollout.ProcessReplica(_replica_child.never_ready, start_timeout_s=0.5)
+    with pytest.raises(ValueError, match="start_timeout_s must be"):
+        rollout.ProcessReplica(_replica_child.never_ready, start_timeout_s=0)
 
 
 def test_a_replica_restarted_without_restart_params_gets_the_tree_of_the_sync_it_missed(

@@ -252,6 +252,134 @@ def test_a_request_error_from_a_replica_fails_that_request_only(engines, prompts
         assert placed["good"] == [0] and router.stats.get("retried_requests", 0) == 0
 
 
+# ---------------------------------------------------------------- eviction-aware placement
+TOOL = [11, 12, 13]
+
+
+@pytest.mark.parametrize("reserve", [None, 0])
+def test_a_parked_session_keeps_its_kv_while_a_new_session_waits(engines, tiny_model, prompts, stop_id,
+                                                                  reserve):
+    """More sessions than slots on one replica (4 slots, bound 4): 3 long requests run, session
+    a's first turn ends and parks, new session b waits in the router. With the default
+    parked_reserve (2) b stays there (3 in flight + a parked fill the 4 slots), a's next turn reuses
+    a's KV (hit rate > 0, no eviction), and b runs once a slot frees. parked_reserve=0 (the
+    router before the reserve) sends b at once (3 in flight < 4): the replica, with no free slot,
+    evicts a's parked KV and a's next turn is prefilled in full (hit rate 0). No timing: b's
+    dispatch happens on the scheduler thread as a's turn ends, before the next decode loop, and
+    the long requests (no stop token in their 12 tokens) end 2 decode loops later; were the test
+    thread slower than that, b would find free slots and a would still keep its KV. The bound
+    holds and every later turn goes to its session's replica."""
+    long = next(p for p in prompts if len(p) <= 8 and stop_id not in greedy_reference(tiny_model, p, 12))
+    router, replicas, placed = make_router(engines, n=1, parked_reserve=reserve)
+    kw = dict(sampling=GREEDY, seed=2)
+    with router:
+        assert router.reserves == [2 if reserve is None else 0]
+        router.metrics()
+        router.suspend()
+        longs = [router.submit(f"long{k}", long, max_new_tokens=12, row=k, **kw) for k in range(3)]
+        a0 = router.submit("a0", prompts[1], max_new_tokens=2, session_id="a", row=3, **kw)
+        b0 = router.submit("b0", prompts[2], max_new_tokens=2, session_id="b", row=4, **kw)
+        assert router.in_flight() == [4] and "b0" not in placed  # b waits for the bound
+        router.resume()
+        first = a0.result()
+        a1 = router.generate("a1", prompts[1] + first.token_ids + TOOL, max_new_tokens=3, session_id="a",
+                             row=5, **kw)
+        outs = [f.result() for f in longs] + [b0.result()]
+        router.release_session("a")
+        router.release_session("b")
+        metrics, stats = router.metrics(), router.stats
+    assert all(o.finish_reason == "length" for o in outs[:3]) and outs[3].finish_reason in ("stop", "length")
+    assert replicas[0].peak == 4 and stats["waited_requests"] >= 1  # the bound
+    assert placed["a1"] == placed["a0"] == [0] and metrics["rollout/router/stickiness"] == 1.0
+    assert (stats["session_requests"], stats["sticky_requests"]) == (1, 1)
+    if reserve is None:
+        assert a1.num_cached_tokens == len(prompts[1]) + len(first.token_ids) - 1  # a's KV, all of it
+        assert stats.get("evictions", 0) == 0 and metrics["rollout/replica/0/prefix_hit_rate"] > 0
+    else:
+        assert a1.num_cached_tokens == 0 and stats["evictions"] >= 1
+        assert metrics["rollout/replica/0/prefix_hit_rate"] == 0
+
+
+def test_a_new_request_prefers_a_replica_with_a_free_slot(engines, prompts):
+    """Replica 0 holds 3 parked sessions (more than its reserve of 2) and 1 request in flight: all
+    4 slots taken, so a new request there would evict a parked session. Replica 1 has 1 in flight
+    and free slots: the next new request goes there, although least-in-flight alone would pick
+    replica 0 (a tie, lowest index). Session turns still go home, and releasing sessions frees
+    their reserve."""
+    router, replicas, placed = make_router(engines, n=2)
+    kw = dict(sampling=GREEDY, max_new_tokens=2, seed=3)
+    with router:
+        replicas[1].server.suspend()
+        held = router.submit("held", prompts[0], row=0, **kw)  # replica 0 (tie), then
+        assert placed["held"] == [0]
+        replicas[0].server.suspend()
+        other = router.submit("other", prompts[0], row=1, **kw)  # replica 1 (least in flight): held there
+        replicas[0].server.resume()
+        held.result()
+        for s in range(3):  # sessions s0..s2 on replica 0 (fewer in flight), each parked there
+            router.generate(f"s{s}", prompts[s + 1], session_id=f"s{s}", row=2 + s, **kw)
+        assert [placed[f"s{s}"] for s in range(3)] == [[0]] * 3
+        router.suspend()
+        router.submit("busy", prompts[4], row=6, **kw)  # replica 0: 0 in flight vs 1
+        assert placed["busy"] == [0] and router.in_flight() == [1, 1]
+        metrics = router.metrics()
+        assert [metrics[f"rollout/replica/{i}/parked"] for i in range(2)] == [3.0, 0.0]
+        new = router.submit("new", prompts[5], row=7, **kw)
+        assert placed["new"] == [1]  # a free slot there; replica 0 would evict s0
+        turn = router.submit("s0-1", prompts[1] + [9], session_id="s0", row=8, **kw)
+        assert placed["s0-1"] == [0]  # a session's turn goes home (its parked slot), within the bound
+        router.resume()
+        for f in (other, new, turn):
+            f.result()
+        for s in range(3):
+            router.release_session(f"s{s}")
+        assert router.metrics()["rollout/replica/0/parked"] == 0.0
+    with pytest.raises(ValueError, match="parked_reserve=4 must be below"):
+        rollout.ReplicaRouter(replicas, parked_reserve=4)
+    with pytest.raises(ValueError, match="parked_reserve must be an int"):
+        rollout.ReplicaRouter(replicas, parked_reserve=-1)
+
+
+def test_the_reserve_keeps_new_requests_within_the_slots_and_zero_turns_it_off(engines, prompts):
+    """max_inflight_per_replica=6 on a replica of 4 slots: with the reserve on, 4 requests are
+    sent (a fifth would wait in the replica's own queue and, admitted as a session parks, evict
+    it); parked_reserve=0 sends 6, as the bound says."""
+    for reserve, sent in ((None, 4), (0, 6)):
+        router, replicas, placed = make_router(engines, n=1, max_inflight_per_replica=6, parked_reserve=reserve)
+        with router:
+            router.suspend()
+            futures = [router.submit(**c) for c in mixed_calls(prompts, 8)]
+            assert router.in_flight() == [sent] and len(placed) == sent
+            router.resume()
+            assert all(f.result().finish_reason in ("stop", "length") for f in futures)
+        assert replicas[0].peak == sent
+
+
+def test_a_caller_waiting_for_every_first_turn_still_progresses(engines, prompts):
+    """6 sessions on one replica of 4 slots, the caller waiting for all 6 first turns before any
+    second turn (a batch-style loop): the reserve (2 slots) never blocks a replica with nothing in
+    flight, so every first turn runs. The second turns, sent in session order while the replica
+    holds: s0 and s1 (KV evicted by s4 and s5's first turns) take the 2 unreserved slots, s2 and
+    s3 (their KV about to go to s0 and s1) wait, s4 and s5 (the 2 sessions in the reserve) go to
+    their parked KV. Before the reserve, s0..s3 went first and evicted everyone: no reuse."""
+    router, replicas, placed = make_router(engines, n=1)
+    kw = dict(sampling=GREEDY, max_new_tokens=2, seed=4)
+    with router:
+        router.suspend()
+        firsts = [router.submit(f"s{s}-0", prompts[s], session_id=f"s{s}", row=s, **kw) for s in range(6)]
+        router.resume()
+        outs = [f.result() for f in firsts]
+        router.suspend()
+        seconds = [router.submit(f"s{s}-1", prompts[s] + outs[s].token_ids + TOOL, session_id=f"s{s}",
+                                 row=10 + s, **kw) for s in range(6)]
+        assert [placed[f"s{s}-1"] for s in range(6)] == [[0], [0], [], [], [0], [0]]
+        router.resume()
+        cached = [f.result().num_cached_tokens for f in seconds]
+        stats = router.stats
+    assert replicas[0].peak <= 4 and stats["requests_finished"] == 12
+    assert [c > 0 for c in cached] == [False] * 4 + [True] * 2
+
+
 # ---------------------------------------------------------------- fan-out
 @pytest.fixture
 def other_weights(tiny_model, engines):
