@@ -328,7 +328,9 @@ class HostWorker:
                 # (each host's share: ceil; a share of 0 would turn eviction off)
                 max_failed_groups=-(-v1.sampler.max_failed_groups // hosts),
                 max_failed_fraction=v1.sampler.max_failed_fraction,
-                config_prefix="trainer.v1.sampler.", **dapo)
+                config_prefix="trainer.v1.sampler.", **dapo,
+                # counter-based schedule; each host's share is every hosts-th group index
+                deterministic=v1.deterministic_schedule, index_stride=hosts)
         return self._rollouter
 
     def async_feed(self, groups: list[dict]) -> None:
