@@ -1,6 +1,6 @@
 """`trainer.v1.deterministic_schedule` on configs/quickstart_async.py:tiny (fully async: the
-rollouter on its own device, running half a step ahead with partial rollout on): two runs with the
-same seed, in which different prompts' trajectories are held up (so the groups finish in
+rollouter on its own device, running half a step ahead with partial rollout on) and on the
+quickstart in colocate_async (a batch of warm-up generation): two runs with the same seed, in which different prompts' trajectories are held up (so the groups finish in
 another order), give bit-identical weights and metrics, wall-clock ones aside. The engine-vs-trainer
 log-prob gaps are left out too: which requests share an engine call still moves them by float
 rounding unless `rollout.batch_invariant` is on (issue 34 item 1), and token-level rollout
@@ -11,17 +11,26 @@ import os
 import re
 
 import numpy as np
+import pytest
 
 from jaxrl_llm.config import load_config
 from jaxrl_llm.trainer import RLTrainer
-from trainer_helpers import ROOT, tiny_overrides
+from trainer_helpers import QUICKSTART, ROOT, tiny_overrides
 
 CONFIG = os.path.join(ROOT, "configs", "quickstart_async.py")
 WALL_CLOCK = re.compile(r"^(timing_s/|timing_per_token_ms/|perf/)|_s(/|$)|idle_ratio|queue_size")
 ENGINE_ROUNDING = re.compile(r"^rollout/(logprob_abs_diff|probs_diff)/")
 
 
-def _fit(tmp_path, name, monkeypatch, late: int):
+_SEPARATE = (f"{CONFIG}:tiny,local", {"placement.rollout_mesh.tensor": 4, "mesh.fsdp": 4,  # 8 test devices
+                                       "model.init.num_key_value_heads": 4})
+# the quickstart in colocate_async: a whole batch of warm-up generation (held over the update
+# without the deterministic schedule), staleness up to 1
+_COLOCATE = (f"{QUICKSTART}:tiny,local", {"trainer.v1.trainer_mode": "colocate_async",
+                                          "trainer.v1.colocate_async.num_warmup_batches": 1.0})
+
+
+def _fit(tmp_path, name, monkeypatch, late: int, mode):
     """One run in which the trajectories of every prompt whose text has (hash parity) `late`
     start later than the others (as a busy tool or a slow reward would make them): they finish
     after younger groups, which a finish-order schedule trains first."""
@@ -38,12 +47,11 @@ def _fit(tmp_path, name, monkeypatch, late: int):
         return await one(self, ctx, sample, t0)
 
     monkeypatch.setattr(_runner.AgentRunner, "_one", late_one)
-    c = load_config(f"{CONFIG}:tiny,local", tiny_overrides(
+    config, extra = mode
+    c = load_config(config, tiny_overrides(
         tmp_path / name, **{"trainer.total_training_steps": 3, "trainer.val_before_train": False,
                             "trainer.v1.deterministic_schedule": True,
-                            "algorithm.rollout_correction.rollout_is": "",
-                            "placement.rollout_mesh.tensor": 4, "mesh.fsdp": 4,  # 8 test devices
-                            "model.init.num_key_value_heads": 4}))
+                            "algorithm.rollout_correction.rollout_is": "", **extra}))
     RLTrainer(c).fit()
     rows = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
     return rows, _weights(tmp_path / name)
@@ -57,9 +65,10 @@ def _weights(run_dir):
     return out
 
 
-def test_two_runs_are_bit_identical_whatever_the_timing(tmp_path, monkeypatch):
-    rows_a, w_a = _fit(tmp_path, "a", monkeypatch, late=0)
-    rows_b, w_b = _fit(tmp_path, "b", monkeypatch, late=1)
+@pytest.mark.parametrize("mode", [_SEPARATE, _COLOCATE], ids=["separate_async", "colocate_async"])
+def test_two_runs_are_bit_identical_whatever_the_timing(tmp_path, monkeypatch, mode):
+    rows_a, w_a = _fit(tmp_path, "a", monkeypatch, 0, mode)
+    rows_b, w_b = _fit(tmp_path, "b", monkeypatch, 1, mode)
     assert w_a and w_a.keys() == w_b.keys()
     assert all(np.array_equal(w_a[k], w_b[k]) for k in w_a)
     steps = [r for r in rows_a if "fully_async/staleness/max" in r]
