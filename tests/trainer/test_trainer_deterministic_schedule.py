@@ -82,3 +82,18 @@ def test_two_runs_are_bit_identical_whatever_the_timing(tmp_path, monkeypatch, m
             assert b.get(key) == value, (a["training/global_step"], key, value, b.get(key))
             compared += 1
     assert compared > 100
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
+      "algorithm.filter_groups.max_num_gen_batches": 3},
+     r"deterministic_schedule=True cannot be combined with algorithm\.filter_groups\.enable"),
+    ({"trainer.v1.sampler.max_failed_groups": 2},
+     r"deterministic_schedule=True needs trainer\.v1\.sampler\.max_failed_groups=0 \(got 2\)"),
+])
+def test_evicting_configs_are_refused(tmp_path, extra, match):
+    from jaxrl_llm.config import ConfigError
+    config, mode = _SEPARATE
+    with pytest.raises(ConfigError, match=match):
+        load_config(config, tiny_overrides(tmp_path, **{**mode, "trainer.v1.deterministic_schedule": True, **extra}))
+    load_config(config, tiny_overrides(tmp_path, **{**mode, **extra}))  # fine without the schedule
