@@ -7,6 +7,7 @@ bound is generated again), with partial rollout on; a state saved after any step
 into a new rollouter continues with the same takes."""
 import json
 import random
+import time
 
 import pytest
 
@@ -35,7 +36,7 @@ def _steps(r, server, first, last, jitter, fed):
         groups = r.take(K, timeout=60)
         out.append((step, r.version, [(g.prompt.index, [o.response_versions for _, o, *_ in g.results],
                                        [o.response_ids for _, o, *_ in g.results]) for g in groups]))
-        jitter()  # "training": the rollouter runs on meanwhile, for a random time
+        jitter()  # "training": the rollouter runs on meanwhile, for a random time (a perturbation)
         r.pause()
         server.version += 1
         r.resume(server.version)
@@ -60,7 +61,7 @@ def test_takes_and_versions_follow_the_counters_whatever_the_timing(char_tok, s,
         server = TokenServer(max_len=12, delay=0.002 * (1 + seed))
         r = _rollouter(server, char_tok, s, bound=bound)
         try:
-            steps, _ = _steps(r, server, 0, 6, lambda: __import__("time").sleep(rnd.uniform(0, 0.03)), 0)
+            steps, _ = _steps(r, server, 0, 6, lambda: time.sleep(rnd.uniform(0, 0.03)), 0)
             stats = r.stats()
         finally:
             r.close()
