@@ -284,12 +284,18 @@ class Rollouter:
         """JSON-able: `queued` (finished groups, finish order, with the version each started at),
         `pending` (prompts started or waiting, by index: generated again after a restore), the
         interval's consumed count, the cumulative `counters`, this step's `window` (evictions,
-        refills and generated lengths since the last take) and `taken` (groups handed out)."""
+        refills and generated lengths since the last take), `taken` (groups handed out) and
+        `deterministic` (whether the takes followed the deterministic schedule)."""
         fut = asyncio.run_coroutine_threadsafe(self._state(), self._loop)
         return fut.result()
 
     def restore(self, state: dict) -> None:
-        """Puts a saved `state()` back (before anything else is fed)."""
+        """Puts a saved `state()` back (before anything else is fed). The deterministic schedule
+        resumes only a state its own takes wrote (others took groups in finish order)."""
+        if self.deterministic and not state.get("deterministic", False):
+            raise ValueError("the checkpoint's rollouter state was written without the deterministic "
+                             "schedule (its steps took groups in the order they finished): resume it with "
+                             "trainer.v1.deterministic_schedule=False, or start a new run with it on")
         queued = [TrajectoryGroup.from_json(d) for d in state.get("queued", [])]
         with self._lock:
             self._open += len(queued)
@@ -510,7 +516,7 @@ class Rollouter:
             queued = [g.to_json() for g in self.queue.snapshot()]
         return {"queued": queued, "pending": [_plain(dataclasses.asdict(pg)) for pg in unfinished],
                 "consumed_since_sync": consumed, "counters": counters, "window": window,
-                "taken": taken}
+                "taken": taken, "deterministic": self.deterministic}
 
     def _may_start(self) -> bool:
         """The first waiting prompt may start now (budget-wise)."""

@@ -826,6 +826,7 @@ def _merge_async_states(states: list[dict]) -> dict:
             "pending": sorted((p for st in states for p in st["pending"]), key=lambda p: p["index"]),
             "consumed_since_sync": sum(int(st.get("consumed_since_sync", 0)) for st in states),
             "taken": sum(int(st.get("taken", 0)) for st in states),
+            "deterministic": all(st.get("deterministic", False) for st in states),
             "counters": counters, "window": agent.merge_windows(st.get("window", {}) for st in states),
             "policy_version": int(states[0]["policy_version"]), "hosts": states}
 
@@ -840,6 +841,7 @@ def _split_async_state(state: dict, me: int, hosts: int) -> dict:
             "pending": [p for p in state.get("pending", []) if mine(p["index"])],
             "consumed_since_sync": int(state.get("consumed_since_sync", 0)) // hosts,
             "taken": int(state.get("taken", 0)) // hosts,  # each host took its share of every step
+            "deterministic": bool(state.get("deterministic", False)),
             "counters": state.get("counters", {}) if me == 0 else {},
             "window": state.get("window", {}) if me == 0 else {}}
 

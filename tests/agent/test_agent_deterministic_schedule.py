@@ -131,3 +131,22 @@ def test_evicting_groups_is_refused(char_tok, kwargs):
         agent.Rollouter(make_runner(TokenServer(), char_tok), sampling=SamplingParams(temperature=1.0),
                         groups_per_sync=K, staleness_threshold=1.0, partial_rollout=True,
                         deterministic=True, **kwargs)
+
+
+def test_a_state_written_without_the_schedule_is_refused(char_tok):
+    """Its takes went by finish order, so "positions below `taken` were trained" does not hold."""
+    r = _rollouter(TokenServer(), char_tok, 1.0, deterministic=False)
+    try:
+        r.feed(prompt_groups(0, 8, seed=None))
+        r.take(K, timeout=60)
+        state = r.state()
+    finally:
+        r.close()
+    assert state["deterministic"] is False
+    r = _rollouter(TokenServer(), char_tok, 1.0)
+    try:
+        with pytest.raises(ValueError, match="written without the deterministic schedule.*"
+                                             "trainer.v1.deterministic_schedule=False"):
+            r.restore(state)
+    finally:
+        r.close()

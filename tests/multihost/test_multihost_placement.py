@@ -112,7 +112,8 @@ def test_async_state_merges_per_host_and_splits_for_another_host_count():
 
     def host_state(me):
         return {"queued": [_group(me)], "pending": [{"index": i} for i in (me + 2, me + 4)],
-                "consumed_since_sync": 2, "taken": 4, "counters": {"groups_started": 3, "groups_failed": me},
+                "consumed_since_sync": 2, "taken": 4, "deterministic": True,
+                "counters": {"groups_started": 3, "groups_failed": me},
                 "window": {"gen_tokens": 10, "dropped_staleness_max": 1 + me}, "policy_version": 3}
 
     hosts = [host_state(0), host_state(1)]
@@ -129,6 +130,7 @@ def test_async_state_merges_per_host_and_splits_for_another_host_count():
     assert [p["index"] for p in second["pending"]] == [3, 5] and second["counters"] == {}
     assert [g["prompt"]["index"] for g in second["queued"]] == [1]
     assert one["taken"] == 8 and second["taken"] == 4  # the deterministic schedule's take count
+    assert merged["deterministic"] and one["deterministic"] and second["deterministic"]
 
 
 def test_replicas_per_host_split_the_data_axis_and_are_checked(tmp_path):
