@@ -27,6 +27,19 @@ rollout the running requests stay in the server, are held over the sync and cont
 weights, keeping their tokens and log-probs (every token records its policy version). The caller
 syncs the server's weights, then `resume(version)`.
 
+Deterministic schedule (`deterministic=True`, `trainer.v1.deterministic_schedule`): which groups
+train at which take, and with which policy version each is generated, follow from counters, never
+from timing. Groups are numbered in feed order (`PromptGroup.index // index_stride`: position p);
+take t hands out exactly positions t*k .. t*k+k-1 (waiting for each); in the sync interval that
+starts after t groups were handed out (the start, or a `resume`), positions below
+t + `max_groups` may start, no others (a count fixed at the interval's start, not the take's
+progress within it); a sync (`pause`) waits for every running group to finish, partial rollout or
+not, so each group is generated whole by the version its interval had. The bound (`drop`) is
+applied to the groups a take wants only, when they are due; a dropped group is generated again
+first. The length-bias window counts the groups taken and dropped at the take. No group may be
+evicted (no refill, group filter or failed-group budget). Left to the engine: which requests
+share a decode batch (`rollout.batch_invariant`).
+
 State for checkpoints (`state()` / `restore()`): the finished, not yet consumed groups (whole, as
 JSON, with the version each started at), the prompts not yet finished (generated again after a
 resume), the cumulative counters (dropped, failed, filtered, refilled) and the current step's
@@ -99,6 +112,9 @@ class Rollouter:
     config_prefix: put before the keyword names in error messages (e.g. "trainer.v1.sampler.").
     filter_budget_source: names the setting the filter budget came from in its error message
         (e.g. "algorithm.filter_groups.max_num_gen_batches=2"), instead of the keyword names.
+    deterministic: the counter-based schedule of the module docstring (positions
+        `index // index_stride`: `index_stride` is the number of rollouters the indices are
+        dealt to, each taking those of its own residue).
     """
 
     def __init__(self, runner, *, sampling, groups_per_sync: int, staleness_threshold: float,
@@ -108,7 +124,8 @@ class Rollouter:
                  group_filter: Callable[[TrajectoryGroup], bool] | None = None,
                  max_failed_groups: int = 0, max_failed_fraction: float | None = None,
                  max_filtered_groups: int | None = None, max_filtered_fraction: float | None = None,
-                 config_prefix: str = "", filter_budget_source: str = ""):
+                 config_prefix: str = "", filter_budget_source: str = "",
+                 deterministic: bool = False, index_stride: int = 1):
         if groups_per_sync < 1:
             raise ValueError(f"groups_per_sync must be >= 1, got {groups_per_sync}")
         if staleness_threshold < 0:
@@ -125,6 +142,13 @@ class Rollouter:
                         ("max_filtered_fraction", max_filtered_fraction)):
             if v is not None and v < 0:
                 raise ValueError(f"{p}{name}={v}: must be >= 0")
+        if deterministic and (refill is not None or group_filter is not None or max_failed_groups > 0):
+            raise ValueError(f"{p}deterministic schedule: groups may not be evicted (no refill, "
+                             "group_filter or max_failed_groups), which groups a take gets would "
+                             "depend on when an eviction happened")
+        if int(index_stride) < 1:
+            raise ValueError(f"index_stride must be >= 1, got {index_stride}")
+        self.deterministic, self.index_stride = bool(deterministic), int(index_stride)
         self.runner, self.sampling = runner, sampling
         self.groups_per_sync = groups_per_sync
         self.staleness_threshold = float(staleness_threshold)
@@ -149,6 +173,9 @@ class Rollouter:
         self._pending: collections.deque[PromptGroup] = collections.deque()
         self._inflight: dict[int, tuple[PromptGroup, asyncio.Task, int]] = {}
         self._consumed_since_sync = 0
+        # deterministic schedule: groups handed out so far, and that count when the current
+        # sync interval began (positions below `_base + max_groups` may start in it)
+        self._taken = self._base = 0
         self._open = 0  # groups started and neither consumed, dropped nor evicted
         self._paused = False
         self._feeding = 0  # prompts on their way into `_pending` (refills, re-fed stale groups)
@@ -179,7 +206,8 @@ class Rollouter:
         """Blocks until `k` groups may be handed out; returns them with the take's metrics.
         The bound is the stricter of the constructor's `max_off_policy_threshold` and
         `max_staleness` K (a group with a token older than `version - K` is never handed out:
-        it is dropped and its prompt fed again). Raises `ReplayBudgetError` past an eviction
+        it is dropped and its prompt fed again). Deterministic schedule: the next `k` positions,
+        whenever they finish (see the module docstring). Raises `ReplayBudgetError` past an eviction
         budget, RuntimeError when the producer failed or no group can come any more (nothing
         running, nothing waiting that may start), TimeoutError after `timeout` s."""
         bound = self.bound if max_staleness is None else (
@@ -190,6 +218,24 @@ class Rollouter:
                 self._check_budgets(k)
                 self.queue.raise_if_failed()
                 version = self.version
+                if self.deterministic:
+                    chosen = self._due(k, version, bound)
+                    if chosen is not None:
+                        return self._hand_out(chosen, version)
+                    if self._stuck():
+                        raise RuntimeError(
+                            f"take({k}): the groups at positions {self._taken} .. {self._taken + k - 1} "
+                            f"are not all finished and no more can come (none running; "
+                            f"{len(self._pending)} prompts waiting"
+                            f"{', the rollouter is paused' if self._paused else ''}; positions below "
+                            f"{self._base + self.max_groups} may start in this sync interval): feed more "
+                            "prompts, or sync before taking more than groups_per_sync")
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"the {k} trajectory groups due could not be handed out in "
+                                           f"{timeout} s")
+                    self._cv.wait(left)
+                    continue
                 if bound is not None and self._drop_stale(version, bound):
                     continue
                 groups = self.queue.snapshot()
@@ -215,11 +261,11 @@ class Rollouter:
                 self._cv.wait(left)
 
     def pause(self) -> float:
-        """Stops starting groups; without partial rollout, waits until none is running.
-        Returns the seconds waited."""
+        """Stops starting groups; without partial rollout (or with the deterministic schedule),
+        waits until none is running. Returns the seconds waited."""
         t0 = time.perf_counter()
         self._call(self._set_paused, True)
-        if not self.partial_rollout:
+        if not self.partial_rollout or self.deterministic:
             done = self._call(self._all_finished)
             while not done.wait(0.05):
                 self._raise_if_failed()
@@ -230,23 +276,31 @@ class Rollouter:
         with self._lock:
             self.version = int(version)
             self._consumed_since_sync = 0
+            self._base = self._taken
             self._cv.notify_all()
         self._call(self._set_paused, False)
 
     def state(self) -> dict:
         """JSON-able: `queued` (finished groups, finish order, with the version each started at),
         `pending` (prompts started or waiting, by index: generated again after a restore), the
-        interval's consumed count, the cumulative `counters` and this step's `window` (evictions,
-        refills and generated lengths since the last take)."""
+        interval's consumed count, the cumulative `counters`, this step's `window` (evictions,
+        refills and generated lengths since the last take), `taken` (groups handed out) and
+        `deterministic` (whether the takes followed the deterministic schedule)."""
         fut = asyncio.run_coroutine_threadsafe(self._state(), self._loop)
         return fut.result()
 
     def restore(self, state: dict) -> None:
-        """Puts a saved `state()` back (before anything else is fed)."""
+        """Puts a saved `state()` back (before anything else is fed). The deterministic schedule
+        resumes only a state its own takes wrote (others took groups in finish order)."""
+        if self.deterministic and not state.get("deterministic", False):
+            raise ValueError("the checkpoint's rollouter state was written without the deterministic "
+                             "schedule (its steps took groups in the order they finished): resume it with "
+                             "trainer.v1.deterministic_schedule=False, or start a new run with it on")
         queued = [TrajectoryGroup.from_json(d) for d in state.get("queued", [])]
         with self._lock:
             self._open += len(queued)
             self._consumed_since_sync = int(state.get("consumed_since_sync", 0))
+            self._taken = self._base = int(state.get("taken", 0))
             # cumulative counts go on from the saved ones (the re-fed pending groups are
             # counted as started again)
             self.counters.update({k: int(v) for k, v in state.get("counters", {}).items()})
@@ -289,6 +343,13 @@ class Rollouter:
         old = [g for g in self.queue.snapshot() if version - g.min_version > bound]
         if not old:
             return False
+        self._drop(old, version)
+        self._feeding += len(old)
+        self._loop.call_soon_threadsafe(self._refeed, [g.prompt for g in old])
+        return True
+
+    def _drop(self, old, version: int) -> None:
+        """Takes stale groups out of the queue and books them (counters, this step's window)."""
         self.queue.remove(old)
         self._open -= len(old)
         self.counters["groups_dropped_stale"] += len(old)
@@ -296,9 +357,36 @@ class Rollouter:
         self._window["dropped_staleness"] += sum(version - g.min_version for g in old)
         self._window["dropped_staleness_max"] = max(
             [self._window["dropped_staleness_max"]] + [version - g.min_version for g in old])
-        self._feeding += len(old)
-        self._loop.call_soon_threadsafe(self._refeed, [g.prompt for g in old])
-        return True
+        if self.deterministic:  # the generated lengths of a step: its taken and dropped groups
+            self._count_lengths(old)
+
+    def _position(self, pg: PromptGroup) -> int:
+        return pg.index // self.index_stride
+
+    def _due(self, k: int, version: int, bound: int | None) -> list | None:
+        """Deterministic schedule: the groups at positions `_taken` .. `_taken + k - 1` once all
+        are finished, else None. A due group over the bound is dropped and generated again
+        first (its position stays due)."""
+        want = range(self._taken, self._taken + k)
+        by_pos = {self._position(g.prompt): g for g in self.queue.snapshot()}
+        due = [by_pos[p] for p in want if p in by_pos]
+        old = [g for g in due if bound is not None and version - g.min_version > bound]
+        if old:
+            self._drop(old, version)
+            with self._cv:  # back in line, in position order, before any later position
+                for g in old:
+                    self._insert_pending(g.prompt)
+            self._loop.call_soon_threadsafe(self._pump)
+            return None
+        return due if len(due) == k else None
+
+    def _insert_pending(self, pg: PromptGroup) -> None:
+        """Deterministic schedule: `_pending` kept in position order."""
+        pos = self._position(pg)
+        i = len(self._pending)
+        while i > 0 and self._position(self._pending[i - 1]) > pos:
+            i -= 1
+        self._pending.insert(i, pg)
 
     def _may_hand_out(self, chosen, version: int, bound: int, k: int) -> bool:
         """`wait`: handing out `chosen` leaves every other open group a take within the bound."""
@@ -315,10 +403,19 @@ class Rollouter:
             return False
         return not (self._pending and not self._paused and self._may_start())
 
+    def _count_lengths(self, groups) -> None:
+        for g in groups:
+            lengths = R.response_lengths(g)
+            self._window["gen_tokens"] += sum(lengths)
+            self._window["gen_trajectories"] += len(lengths)
+
     def _hand_out(self, chosen, version: int) -> TakenBatch:
         self.queue.remove(chosen)
         self._open -= len(chosen)
         self._consumed_since_sync += len(chosen)
+        self._taken += len(chosen)
+        if self.deterministic:
+            self._count_lengths(chosen)
         w, self._window = self._window, dict(_WINDOW)
         self._first_failure = ""
         return TakenBatch(list(chosen), take_metrics(chosen, version, w), w)
@@ -358,7 +455,10 @@ class Rollouter:
 
     def _feed(self, groups, front):
         with self._lock:
-            if front:
+            if self.deterministic:  # position order, wherever fed
+                for pg in groups:
+                    self._insert_pending(pg)
+            elif front:
                 self._pending.extendleft(reversed(groups))
             else:
                 self._pending.extend(groups)
@@ -409,16 +509,20 @@ class Rollouter:
 
     async def _state(self) -> dict:
         with self._lock:
-            consumed = self._consumed_since_sync
+            consumed, taken = self._consumed_since_sync, self._taken
             counters, window = dict(self.counters), dict(self._window)
             unfinished = sorted([pg for pg, _, _ in self._inflight.values()] + list(self._pending),
                                 key=lambda pg: pg.index)
             queued = [g.to_json() for g in self.queue.snapshot()]
         return {"queued": queued, "pending": [_plain(dataclasses.asdict(pg)) for pg in unfinished],
-                "consumed_since_sync": consumed, "counters": counters, "window": window}
+                "consumed_since_sync": consumed, "counters": counters, "window": window,
+                "taken": taken, "deterministic": self.deterministic}
 
     def _may_start(self) -> bool:
+        """The first waiting prompt may start now (budget-wise)."""
         with self._lock:
+            if self.deterministic:  # its position, against the count fixed at the interval's start
+                return bool(self._pending) and self._position(self._pending[0]) < self._base + self.max_groups
             return self._open + self._consumed_since_sync < self.max_groups
 
     def _pump(self) -> None:
@@ -479,9 +583,10 @@ class Rollouter:
             if not self._inflight:
                 self._idle_since = time.perf_counter()
             if group is not None:
-                lengths = R.response_lengths(group)
-                self._window["gen_tokens"] += sum(lengths)
-                self._window["gen_trajectories"] += len(lengths)
+                if not self.deterministic:  # (deterministic: counted when taken or dropped)
+                    lengths = R.response_lengths(group)
+                    self._window["gen_tokens"] += sum(lengths)
+                    self._window["gen_trajectories"] += len(lengths)
                 self.counters["groups_finished"] += 1
                 self.counters["groups_partial"] += int(group.max_version != group.min_version)
             if error is not None and not evict_failures:

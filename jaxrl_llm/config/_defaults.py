@@ -99,5 +99,6 @@ def base_config() -> ConfigDict:
         v1=dict(trainer_mode="sync", colocate_async=dict(num_warmup_batches=1.0),
                 separate_async=dict(parameter_sync_step=0),
                 sampler=dict(max_off_policy_threshold=1, max_off_policy_strategy="drop",
-                             max_failed_groups=0, max_failed_fraction=1.0)))
+                             max_failed_groups=0, max_failed_fraction=1.0),
+                deterministic_schedule=False))
     return c

@@ -589,6 +589,21 @@ def _check_failed_budget(c: RunConfig) -> None:
                           "the rollouter, or set max_failed_groups=0")
 
 
+def _check_deterministic_schedule(c: RunConfig) -> None:
+    """`trainer.v1.deterministic_schedule`: the rollouter's counter-based schedule evicts no group."""
+    where = "trainer.v1.deterministic_schedule=True"
+    if not c.trainer.v1.deterministic_schedule or c.rollout_source not in ("buffer", "colocated_buffer"):
+        return
+    if c.algorithm.filter_groups.enable:
+        raise ConfigError(f"{where} cannot be combined with algorithm.filter_groups.enable: the rollouter's "
+                          "filter evicts groups as they finish, so which groups train would depend on "
+                          "timing; turn one of them off")
+    if c.trainer.v1.sampler.max_failed_groups:
+        raise ConfigError(f"{where} needs trainer.v1.sampler.max_failed_groups=0 (got "
+                          f"{c.trainer.v1.sampler.max_failed_groups}): an evicted group's slot would go to "
+                          "another prompt at a time that depends on timing")
+
+
 def _check_trainer_mode(c: RunConfig) -> None:
     """verl V1's `trainer.v1` fields; the aliases must have been resolved (`resolve_aliases`)."""
     v1, where = c.trainer.v1, "trainer.v1"
@@ -601,6 +616,7 @@ def _check_trainer_mode(c: RunConfig) -> None:
                           f"None / -1 (no bound), got {bound}")
     _positive(v1.colocate_async.num_warmup_batches, f"{where}.colocate_async.num_warmup_batches", allow_zero=True)
     _check_failed_budget(c)
+    _check_deterministic_schedule(c)
     _positive(v1.separate_async.parameter_sync_step, f"{where}.separate_async.parameter_sync_step",
               allow_zero=True)
     for alias, on in (("async_training.enable", c.async_training.enable),

@@ -416,6 +416,7 @@ class TrainerV1Config:
     colocate_async: ColocateAsyncConfig
     separate_async: SeparateAsyncConfig
     sampler: SamplerConfig
+    deterministic_schedule: bool  # colocate_async / separate_async with the rollouter: which groups train at which step and which policy version generates each follow from counters, not timing (take t trains feed positions t*k .. t*k+k-1, waiting for them; a group starts only in the sync interval its position allows; a sync waits for running groups to finish, so partial rollout does not apply): with rollout.batch_invariant, two runs and a kill -9 + resume give bit-identical weights and metrics (docs/reliability.md). No group eviction: needs algorithm.filter_groups.enable=False and sampler.max_failed_groups=0. sync and the one-step-off pipeline are deterministic without it
 
 
 @dataclasses.dataclass(frozen=True)

@@ -384,7 +384,9 @@ class HostWorker:
                 # (each host's share: ceil; a share of 0 would turn eviction off)
                 max_failed_groups=-(-v1.sampler.max_failed_groups // hosts),
                 max_failed_fraction=v1.sampler.max_failed_fraction,
-                config_prefix="trainer.v1.sampler.", **dapo)
+                config_prefix="trainer.v1.sampler.", **dapo,
+                # counter-based schedule; each host's share is every hosts-th group index
+                deterministic=v1.deterministic_schedule, index_stride=hosts)
         return self._rollouter
 
     def async_feed(self, groups: list[dict]) -> None:
@@ -908,6 +910,8 @@ def _merge_async_states(states: list[dict]) -> dict:
     return {"queued": [g for st in states for g in st["queued"]],
             "pending": sorted((p for st in states for p in st["pending"]), key=lambda p: p["index"]),
             "consumed_since_sync": sum(int(st.get("consumed_since_sync", 0)) for st in states),
+            "taken": sum(int(st.get("taken", 0)) for st in states),
+            "deterministic": all(st.get("deterministic", False) for st in states),
             "counters": counters, "window": agent.merge_windows(st.get("window", {}) for st in states),
             "policy_version": int(states[0]["policy_version"]), "hosts": states}
 
@@ -915,11 +919,14 @@ def _merge_async_states(states: list[dict]) -> dict:
 def _split_async_state(state: dict, me: int, hosts: int) -> dict:
     """Host `me`'s part of a (merged or one-host) `async_state` for a run of `hosts` processes:
     the groups and prompts of index = me modulo hosts; the counters stay with host 0 (so the
-    sums are the saved ones), the interval's consumed count is split evenly."""
+    sums are the saved ones), the interval's consumed count and the groups taken so far are
+    split evenly."""
     mine = lambda index: index % hosts == me  # noqa: E731
     return {"queued": [g for g in state.get("queued", []) if mine(g["prompt"]["index"])],
             "pending": [p for p in state.get("pending", []) if mine(p["index"])],
             "consumed_since_sync": int(state.get("consumed_since_sync", 0)) // hosts,
+            "taken": int(state.get("taken", 0)) // hosts,  # each host took its share of every step
+            "deterministic": bool(state.get("deterministic", False)),
             "counters": state.get("counters", {}) if me == 0 else {},
             "window": state.get("window", {}) if me == 0 else {}}
 

@@ -112,13 +112,14 @@ def test_async_state_merges_per_host_and_splits_for_another_host_count():
 
     def host_state(me):
         return {"queued": [_group(me)], "pending": [{"index": i} for i in (me + 2, me + 4)],
-                "consumed_since_sync": 2, "counters": {"groups_started": 3, "groups_failed": me},
+                "consumed_since_sync": 2, "taken": 4, "deterministic": True,
+                "counters": {"groups_started": 3, "groups_failed": me},
                 "window": {"gen_tokens": 10, "dropped_staleness_max": 1 + me}, "policy_version": 3}
 
     hosts = [host_state(0), host_state(1)]
     merged = _host._merge_async_states(hosts)
     assert [p["index"] for p in merged["pending"]] == [2, 3, 4, 5]  # by index, as one host keeps them
-    assert len(merged["queued"]) == 2 and merged["consumed_since_sync"] == 4
+    assert len(merged["queued"]) == 2 and merged["consumed_since_sync"] == 4 and merged["taken"] == 8
     assert merged["counters"] == {"groups_started": 6, "groups_failed": 1}
     assert merged["window"]["gen_tokens"] == 20 and merged["window"]["dropped_staleness_max"] == 2
     assert merged["hosts"] == hosts and merged["policy_version"] == 3
@@ -128,6 +129,8 @@ def test_async_state_merges_per_host_and_splits_for_another_host_count():
     second = _host._split_async_state(merged, 1, 2)
     assert [p["index"] for p in second["pending"]] == [3, 5] and second["counters"] == {}
     assert [g["prompt"]["index"] for g in second["queued"]] == [1]
+    assert one["taken"] == 8 and second["taken"] == 4  # the deterministic schedule's take count
+    assert merged["deterministic"] and one["deterministic"] and second["deterministic"]
 
 
 def test_replicas_per_host_split_the_data_axis_and_are_checked(tmp_path):
