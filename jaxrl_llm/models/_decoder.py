@@ -321,6 +321,21 @@ def replay_route(router_logits, given, top_k: int, normalize: bool):
     return weights, experts
 
 
+def routing_mismatch(router_logits, given, top_k: int, attention_mask=None):
+    """Per token, how many layers' own top-k expert set (`route` on router_logits [L, b, t, E])
+    differs from the `given` ids (int [b, t, L, k], e.g. the engine's), over the tokens with given
+    ids (>= 0) that are real (attention_mask [b, t] != 0; None: all). Returns (mismatched layers,
+    compared layers), both int32 [b, t]; no gradient."""
+    _, own = route(jax.lax.stop_gradient(router_logits), top_k, False)  # [L, b, t, k]
+    own = jnp.sort(jnp.moveaxis(own, 0, 2), axis=-1)  # [b, t, L, k], as a set
+    given = jnp.asarray(given).astype(jnp.int32)
+    compared = given[..., 0] >= 0  # [b, t, L]
+    if attention_mask is not None:
+        compared = compared & (attention_mask != 0)[..., None]
+    differs = jnp.any(own != jnp.sort(given, axis=-1), axis=-1) & compared
+    return differs.sum(-1).astype(jnp.int32), compared.sum(-1).astype(jnp.int32)
+
+
 def expert_index_dtype(num_experts: int):
     """The smallest signed int dtype for expert ids and the -1 of an unrecorded token: int8 up to
     127 experts, else int16 (router replay's recorded ids, [rows, tokens, layers, k])."""
