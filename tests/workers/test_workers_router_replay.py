@@ -20,7 +20,8 @@ from jaxrl_llm.trainer._old_log_prob import router_replay_metrics
 from jaxrl_llm.workers._roles import ActorWorker
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.py")
-FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "models", "qwen3_moe")
+FIXTURE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures", "models", "qwen3_moe"))
+REWARD_FN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "rewards", "length_parity.py")
 L, K = 2, 2  # the fixture's layers and experts per token (4 experts, norm_topk_prob False)
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14], [20, 21, 22, 23]]
 N, T, P = 2, 8, 12  # samples per prompt, new tokens, max_prompt_length (under 80 % real: packing packs)
@@ -142,3 +143,27 @@ def test_router_replay_on_a_dense_model_or_the_server_path_is_a_config_error(tin
     with pytest.raises(ConfigError, match="has no router"):
         ActorWorker(dense, cfg, mesh=sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1]), total_steps=1,
                     temperature=1.0)
+
+
+def test_one_rl_step_carries_the_experts_from_the_engine_to_the_replaying_update(tmp_path):
+    """The whole host path (HostWorker's engine records, RolloutResult -> Batch, the pass and the
+    update replay), fp32: the engine's routing is matched on every recorded token."""
+    from jaxrl_llm.trainer import RLTrainer
+    from jaxrl_llm.workers import HostWorker
+
+    o = {"model.path": FIXTURE, "model.tokenizer": "char", "model.dtype": "float32",
+         "actor.router_replay.mode": "replay", "actor.skip_redundant_old_log_prob": False,
+         "trainer.default_local_dir": tmp_path / "run", "trainer.progress_bar": False, "trainer.plot": False,
+         "trainer.logger": "jsonl", "trainer.async_save": False, "trainer.val_before_train": False,
+         "reward.custom_reward_function.path": REWARD_FN, "reward.custom_reward_function.name": "compute_score"}
+    run = load_config(f"{QUICKSTART}:tiny,local", [f"{k}={v}" for k, v in o.items()])
+    trainer = RLTrainer(run)
+    try:
+        trainer.call0(HostWorker.start_rl, run.trainer.total_training_steps)
+        m = trainer.train_step()
+    finally:
+        trainer.close()
+    assert m["rollout/router_replay/mismatch_frac"] == 0.0
+    assert m["rollout/logprob_abs_diff/max"] < 1e-4
+    assert m["rollout/router_replay/logprob_abs_diff_without_replay/max"] < 1e-4  # fp32: no flips here
+    assert 0.0 <= m["actor/router_replay/mismatch_frac"] < 0.05  # later mini-batches: updated weights
