@@ -32,7 +32,11 @@ class RolloutBatch:
 
     responses int32[b*n, t] right-padded with pad_token_id; response_mask int32[b*n, t] 1 up to and
     including the stop token; rollout_log_probs f32[b*n, t] (0 where masked); response_lengths
-    int32[b*n]; finish_reasons "stop" | "length"; prompt_index int32[b*n].
+    int32[b*n]; finish_reasons "stop" | "length"; prompt_index int32[b*n]; routed_experts (the
+    engine's `record_experts`, router replay, else None) int8/int16[b*n, P + t, layers, k]: the
+    experts every layer chose for each token the engine fed, in the columns of the row's
+    left-padded prompt (P = `prompt_width`) followed by its response; -1 where no token was fed
+    (padding, and each response's last token, which no step reads).
     """
 
     responses: np.ndarray
@@ -42,6 +46,7 @@ class RolloutBatch:
     finish_reasons: list[str]
     prompt_index: np.ndarray
     stats: dict = dataclasses.field(default_factory=dict)
+    routed_experts: np.ndarray | None = None
 
 
 def _as_key(seed):
@@ -108,10 +113,12 @@ class RolloutDriver:
 
     # ------------------------------------------------------------------ main entry
     def generate(self, prompts, *, n: int = 1, max_new_tokens: int,
-                 sampling: SamplingParams | None = None, seed=0, row_offset: int = 0) -> RolloutBatch:
+                 sampling: SamplingParams | None = None, seed=0, row_offset: int = 0,
+                 prompt_width: int | None = None) -> RolloutBatch:
         """Generates `n` samples for each prompt (lists of token ids, unpadded). `row_offset`:
         row r samples as row `row_offset + r` of a larger batch would (one engine replica per
-        host, each generating its share of the prompts)."""
+        host, each generating its share of the prompts). `prompt_width`: the prompt columns of
+        `routed_experts` (None: the longest prompt; hosts sharing one batch pass the same)."""
         e = self.engine
         prompts = self._validate(prompts, n, max_new_tokens)
         sampling = e.sampling if sampling is None else sampling
@@ -128,12 +135,20 @@ class RolloutDriver:
         out = {"tokens": jnp.zeros((rcap, tcap), jnp.int32),
                "log_probs": jnp.zeros((rcap, tcap), jnp.float32),
                "lengths": jnp.zeros((rcap,), jnp.int32)}
+        if e.record_experts:
+            (layers, k), dtype = e.expert_ids
+            out["experts"] = jnp.full((rcap, tcap, layers, k), -1, dtype)
         state = self._state if self._state is not None else e.init_decode_state()
         self._state = None  # donated below; restored only when the call finishes cleanly
         run = _Run(self, prompts, n, t, sampling, key, params, int(row_offset))
         state, out = run.loop(state, out)
         self._state = state
-        return self._collect(out, n, len(prompts), t, run.stats)
+        batch = self._collect(out, n, len(prompts), t, run.stats)
+        if e.record_experts:
+            width = max(len(p) for p in prompts) if prompt_width is None else int(prompt_width)
+            batch.routed_experts = _routed_experts(run.prompt_experts, to_host(out["experts"]), prompts,
+                                                   batch.response_lengths, n, width, t)
+        return batch
 
     def _collect(self, out, n, num_prompts, t, stats) -> RolloutBatch:
         e = self.engine
@@ -152,6 +167,22 @@ class RolloutDriver:
             prompt_index=np.repeat(np.arange(num_prompts, dtype=np.int32), n), stats=stats)
 
 
+def _routed_experts(prompt_experts: dict, decoded: np.ndarray, prompts, lengths, n: int, width: int, t: int):
+    """The rows' recorded experts in their `[P + t]` columns (`RolloutBatch.routed_experts`).
+    prompt_experts: prompt -> [len - 1, L, k] (prefill: all but its last token); decoded
+    [rows cap, steps cap, L, k]: step g fed column P - 1 + g (the prompt's last token, then the
+    response tokens)."""
+    rows = len(lengths)
+    out = np.full((rows, width + t, *decoded.shape[2:]), -1, decoded.dtype)
+    for r in range(rows):
+        p = prompts[r // n]
+        if len(p) > width:
+            raise ValueError(f"prompt {r // n} has {len(p)} tokens, more than prompt_width={width}")
+        out[r, width - len(p):width - 1] = prompt_experts[r // n]
+        out[r, width - 1:width - 1 + lengths[r]] = decoded[r, :lengths[r]]
+    return out
+
+
 class _Run:
     """One `generate` call's host-side bookkeeping: which rows are pending, which prefixes live."""
 
@@ -163,6 +194,7 @@ class _Run:
         self.rows = len(prompts) * n
         self.next_row = 0
         self.live: OrderedDict[int, tuple] = OrderedDict()  # prompt -> (Prefix, row in it)
+        self.prompt_experts: dict[int, np.ndarray] = {}  # record_experts: prompt -> [len - 1, L, k]
         self.stats = {"prefill_calls": 0, "prompts_prefilled": 0, "insert_calls": 0,
                       "decode_loops": 0, "decode_steps": 0}
 
@@ -226,7 +258,10 @@ class _Run:
                     tokens[j, :len(self.prompts[p])] = self.prompts[p]
                     lengths[j] = len(self.prompts[p])
                 prefix = self.e.prefill_batch(self.params, tokens, lengths)
+                experts = None if prefix.experts is None else to_host(prefix.experts)
                 for j, p in enumerate(chunk):
                     self.live[p] = (prefix, j)
+                    if experts is not None:
+                        self.prompt_experts[p] = experts[j, :len(self.prompts[p]) - 1]
                 self.stats["prefill_calls"] += 1
                 self.stats["prompts_prefilled"] += len(chunk)

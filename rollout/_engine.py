@@ -36,6 +36,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import sharding
+from jaxrl_llm import models
 from jaxrl_llm.models import LAYER_LAYOUTS, CausalLM, KVCache, ModelConfig, abstract_model, to_dtype
 
 from ._sampling import SamplingParams, sample
@@ -136,6 +137,9 @@ class Engine:
     loop). None: {"xla_gpu_enable_triton_gemm": False} (cuBLAS for the skinny decode matmuls)
     for per_layer_fused on GPU, where it measured faster (docs/benchmarks.md §3), else none;
     {} turns that off.
+    record_experts (MoE models, router replay): prefill and the decode steps also record the
+    experts every layer chose for each token they feed: `Prefix.experts` and the decode loop's
+    `out["experts"]` (`expert_ids` describes both; `rollout.RolloutDriver` collects them).
     `engine.layer_layout` is the resolved layout;
     `engine.params` is in it (per_layer: `params["model"]["layers"] == {i: layer i}`), and
     `update_params` takes either layout.
@@ -145,8 +149,13 @@ class Engine:
                  max_concurrent_decodes: int, max_prefill_length: int, max_target_length: int,
                  dtype=None, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
                  seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
-                 layer_layout: str = "auto", decode_compiler_options: dict | None = None):
+                 layer_layout: str = "auto", decode_compiler_options: dict | None = None,
+                 record_experts: bool = False):
         self._check_sizes(max_concurrent_decodes, max_prefill_length, max_target_length)
+        if record_experts and not config.is_moe:
+            raise ValueError(f"record_experts=True (router replay) needs a mixture-of-experts model; "
+                             f"model_type {config.model_type!r} has no router")
+        self.record_experts = bool(record_experts)
         if dtype is not None:
             dtype = to_dtype(dtype)
             config = config.replace(dtype=dtype, param_dtype=dtype)
@@ -211,7 +220,8 @@ class Engine:
                    max_concurrent_decodes: int, max_prefill_length: int, max_target_length: int,
                    dtype=None, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
                    seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
-                   layer_layout: str = "auto", decode_compiler_options: dict | None = None) -> "Engine":
+                   layer_layout: str = "auto", decode_compiler_options: dict | None = None,
+                   record_experts: bool = False) -> "Engine":
         """An engine over an in-memory CausalLM (or `(graphdef, params, ...)` from `nnx.split`).
 
         mesh None: the params' own mesh when they are `NamedSharding`-placed on a
@@ -227,7 +237,8 @@ class Engine:
                    max_prefill_length=max_prefill_length, max_target_length=max_target_length,
                    dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                    stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tokenizer=tokenizer,
-                   layer_layout=layer_layout, decode_compiler_options=decode_compiler_options)
+                   layer_layout=layer_layout, decode_compiler_options=decode_compiler_options,
+                   record_experts=record_experts)
 
     @classmethod
     def from_pretrained(cls, path: str, *, max_concurrent_decodes: int, max_prefill_length: int,
@@ -289,7 +300,17 @@ class Engine:
     def _prefix_sharding_tree(self) -> Prefix:
         cache = self._cache_tree(lambda axes: sharding.logical_sharding(self._mesh, axes, self._rules),
                                  _PREFIX_AXES)
-        return Prefix(cache, self._replicated, self._replicated)
+        return Prefix(cache, self._replicated, self._replicated,
+                      self._replicated if self.record_experts else None)
+
+    @property
+    def expert_ids(self) -> tuple[tuple[int, int], Any]:
+        """((layers, k), dtype) of the recorded expert ids (`record_experts`): `Prefix.experts` is
+        [p, bucket, layers, k] (the cached prompt tokens; -1 past them), the decode loop's
+        `out["experts"]` [rows, steps, layers, k] (step g: the token that step fed, i.e. the prompt's
+        last token at g = 0, else response token g - 1)."""
+        c = self.config
+        return (c.num_hidden_layers, c.num_experts_per_tok), models.expert_index_dtype(c.num_experts)
 
     # ---------------------------------------------------------------- compiled pieces
     def _build_compiled(self):
@@ -301,8 +322,8 @@ class Engine:
                                      out_shardings=(st, self._replicated, self._replicated), **opts)
         self._loop_jit = jax.jit(self._loop_core, donate_argnums=(1, 2),
                                  out_shardings=(st, None, self._replicated), **opts)
-        self._extend_jit = jax.jit(self._extend_core, static_argnums=(4,),
-                                   out_shardings=self._prefix_shardings)
+        self._extend_jit = jax.jit(self._extend_core, static_argnums=(4,),  # records no experts
+                                   out_shardings=dataclasses.replace(self._prefix_shardings, experts=None))
         self._append_jit = jax.jit(self._append_core, donate_argnums=(1,), out_shardings=st)
         self._init_jit = jax.jit(self._init_core, out_shardings=st)
         self._free_jit = jax.jit(self._free_core, donate_argnums=(0,), out_shardings=st)
@@ -320,9 +341,13 @@ class Engine:
         """tokens int32[p, bucket] right-padded; true_lengths int32[p] >= 1."""
         cached = true_lengths - 1
         mask = (jnp.arange(tokens.shape[1])[None, :] < cached[:, None]).astype(jnp.int32)
-        _, cache = self._model(params).prefill(tokens, attention_mask=mask)
+        out = self._model(params).prefill(tokens, attention_mask=mask, record_experts=self.record_experts)
+        cache, experts = out[1], None
+        if self.record_experts:  # [L, p, bucket, k] -> [p, bucket, L, k]; -1 past the cached tokens
+            experts = jnp.where(mask[:, :, None, None] > 0, jnp.moveaxis(out[2], 0, 2), -1)
+            experts = experts.astype(self.expert_ids[1])
         last = jnp.take_along_axis(tokens, cached[:, None], axis=1)[:, 0]
-        return Prefix(cache, cached.astype(jnp.int32), last.astype(jnp.int32))
+        return Prefix(cache, cached.astype(jnp.int32), last.astype(jnp.int32), experts)
 
     def _init_core(self):
         c, n = self.config, self._slots
@@ -426,10 +451,14 @@ class Engine:
                          temperature, top_k, top_p, key)
 
     def _step(self, params, state: DecodeState):
-        """One decode step for all slots. Returns (state, tokens, log_probs, valid, generated)."""
+        """One decode step for all slots. Returns (state, tokens, log_probs, valid, generated,
+        experts): the experts each layer chose for the fed tokens [slots, L, k] with
+        `record_experts`, else None."""
         model = self._model(params)
-        hidden, cache = model.decode(state.tokens[:, None], positions=state.lengths[:, None],
-                                     cache=state.cache, cache_index=state.lengths)
+        out = model.decode(state.tokens[:, None], positions=state.lengths[:, None], cache=state.cache,
+                           cache_index=state.lengths, record_experts=self.record_experts)
+        hidden, cache = out[:2]
+        experts = jnp.moveaxis(out[2][:, :, 0], 0, 1) if self.record_experts else None
         logits = model.logits(hidden[:, 0])
         keys = jax.vmap(jax.random.fold_in)(state.keys, state.generated)
         tok, logp = sample(logits, keys, state.temperature, state.top_k, state.top_p)
@@ -440,16 +469,17 @@ class Engine:
         done = act & (stop | (generated >= state.max_new) | (lengths >= self._max_target))
         new = dataclasses.replace(state, cache=cache, tokens=jnp.where(act, tok, state.tokens),
                                   lengths=lengths, generated=generated, active=act & ~done)
-        return new, tok, logp, act, generated
+        return new, tok, logp, act, generated, experts
 
     def _generate_core(self, params, state):
-        state, tok, logp, valid, generated = self._step(params, state)
+        state, tok, logp, valid, generated, _ = self._step(params, state)
         data = jnp.stack([tok, valid.astype(jnp.int32), generated], axis=-1)
         return state, data, logp[:, None]
 
     def _loop_core(self, params, state, out, num_steps, min_free):
         """Up to `num_steps` decode steps on device; stops early when no slot is active or at least
-        `min_free` slots are free. Writes each valid token into `out` at (row, step of the row)."""
+        `min_free` slots are free. Writes each valid token into `out` at (row, step of the row),
+        and with `record_experts` the experts of the token each step fed into `out["experts"]`."""
         rows_cap = out["tokens"].shape[0]
 
         def cond(c):
@@ -459,11 +489,14 @@ class Engine:
 
         def body(c):
             i, st, o = c
-            new, tok, logp, valid, generated = self._step(params, st)
+            new, tok, logp, valid, generated, experts = self._step(params, st)
             r = jnp.where(valid, st.row, rows_cap)
-            o = {"tokens": o["tokens"].at[r, st.generated].set(tok, mode="drop"),
+            o = {**o, "tokens": o["tokens"].at[r, st.generated].set(tok, mode="drop"),
                  "log_probs": o["log_probs"].at[r, st.generated].set(logp, mode="drop"),
                  "lengths": o["lengths"].at[r].set(generated, mode="drop")}
+            if "experts" in o:
+                o["experts"] = o["experts"].at[r, st.generated].set(experts.astype(o["experts"].dtype),
+                                                                     mode="drop")
             return i + 1, new, o
 
         steps, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out))
@@ -514,6 +547,9 @@ class Engine:
             m = insert_rows
             out = {"tokens": i32((out_rows, out_tokens)), "lengths": i32((out_rows,)),
                    "log_probs": sds((out_rows, out_tokens), jnp.float32)}
+            if self.record_experts:
+                (layers, k), dtype = self.expert_ids
+                out["experts"] = sds((out_rows, out_tokens, layers, k), dtype)
             lower = {
                 "prefill": lambda: self._prefill_jit.lower(params, i32((prefill_rows, self._max_prefill)),
                                                            i32((prefill_rows,))),

@@ -25,12 +25,15 @@ class Prefix:
       `layers` arrays [p, bucket, kv_heads, head_dim] (per layer);
     lengths: int32[p] tokens in the cache (prompt length - 1);
     tokens: int32[p] each prompt's last token, fed by the first `generate` after `insert` (which
-      therefore returns the first generated token, as JetStream 0.2.2 expects).
+      therefore returns the first generated token, as JetStream 0.2.2 expects);
+    experts: None, or with the engine's `record_experts` (router replay) the experts every layer
+      chose for the cached tokens, int8/int16 [p, bucket, layers, k] (-1 past `lengths`).
     """
 
     cache: KVCache
     lengths: jax.Array
     tokens: jax.Array
+    experts: Any = None
 
 
 @jax.tree_util.register_dataclass

@@ -4,6 +4,7 @@ from ._load import ConfigError, load_config, load_config_dict, to_run_config, va
 from ._schema import (ActorConfig, AlgorithmConfig, AsyncTrainingConfig, ColocateAsyncConfig, CriticConfig, DataConfig,
                       FilterGroupsConfig, JudgeConfig, KLControlConfig, LoraConfig, MeshSection, ModelInitConfig,
                       ModelSection, MoeConfig, MultiTurnConfig, OptimConfig, OverlongBufferConfig, PlacementConfig,
-                      RewardConfig, RewardModelConfig, RolloutConfig, RolloutCorrectionConfig, RunConfig,
+                      RewardConfig, RewardModelConfig, RolloutConfig, RolloutCorrectionConfig, RouterReplayConfig,
+                      RunConfig,
                       SamplerConfig, SamplingConfig, SeparateAsyncConfig, SFTConfig, TrainerConfig,
                       TrainerV1Config)

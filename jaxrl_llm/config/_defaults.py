@@ -36,6 +36,7 @@ def base_config() -> ConfigDict:
                   num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, norm_topk_prob=True))
     c.actor = dict(
         optim=_optim(1e-6), lora=dict(rank=0, alpha=16.0, dropout=0.0, target_modules=("all-linear",)),
+        router_replay=dict(mode="disabled"),
         ppo_mini_batch_size=16, ppo_micro_batch_size_per_device=8,
         use_dynamic_bsz=False, ppo_max_token_len_per_device=16384,
         ppo_epochs=1, shuffle=False, policy_loss="vanilla", loss_agg_mode="token-mean",

@@ -20,7 +20,7 @@ from ml_collections import ConfigDict, config_flags
 
 from jaxrl_llm.sandbox import SANDBOX_KINDS
 
-from ._schema import RunConfig
+from ._schema import ROUTER_REPLAY_MODES, RunConfig
 
 ADV_ESTIMATORS = ("gae", "grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus",
                   "reinforce_plus_plus_baseline", "remax", "gpg")
@@ -359,6 +359,7 @@ def validate(c: RunConfig) -> None:
     _check_lora(c)
     _positive(c.model.moe.aux_loss_coef, "model.moe.aux_loss_coef", allow_zero=True)
     _positive(c.model.moe.z_loss_coef, "model.moe.z_loss_coef", allow_zero=True)
+    _check_router_replay(c)
     _check_multi_turn(c)
     _check_dapo(c)
     _check_async(c)
@@ -476,13 +477,33 @@ def _check_data_sources(c: RunConfig) -> None:
                           "do): give sft.train_files, or set sft.steps=0")
 
 
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+
+
+def _check_router_replay(c: RunConfig) -> None:
+    """actor.router_replay: a known mode; recording needs a MoE model (a from-scratch model's
+    model_type here; a checkpoint's config.json is checked when the actor is built) and the batch
+    driver, the one rollout path that records the experts."""
+    rr, where = c.actor.router_replay, "actor.router_replay.mode"
+    _choice(rr.mode, ROUTER_REPLAY_MODES, where)
+    if not rr.record:
+        return
+    if not c.model.path and c.model.init.model_type not in MOE_MODEL_TYPES:
+        raise ConfigError(f"{where}={rr.mode!r} needs a mixture-of-experts model, but model.init.model_type="
+                          f"{c.model.init.model_type!r} is dense (no router): set {where}='disabled'")
+    if c.rollout.multi_turn.enable or c.rollout_source in ("buffer", "colocated_buffer"):
+        raise ConfigError(f"{where}={rr.mode!r}: the experts are recorded by the batch driver only (trainer_mode "
+                          f"sync or the one-step-off separate_async), not by the request-level server of "
+                          f"rollout.multi_turn or the buffered async modes (this config: {c.rollout_source!r}"
+                          f"{', multi_turn' if c.rollout.multi_turn.enable else ''}); set {where}='disabled'")
+
+
 def _check_model_init(i) -> None:
     """A model built from `model.init`: MoE fields exactly when model_type is a MoE type."""
-    moe_types = ("qwen3_moe", "mixtral")
-    if i.model_type not in ("llama", "qwen2", "qwen3") + moe_types:
+    if i.model_type not in ("llama", "qwen2", "qwen3") + MOE_MODEL_TYPES:
         raise ConfigError(f"model.init.model_type={i.model_type!r}; choose one of "
-                          f"llama, qwen2, qwen3, {', '.join(moe_types)}")
-    if i.model_type in moe_types:
+                          f"llama, qwen2, qwen3, {', '.join(MOE_MODEL_TYPES)}")
+    if i.model_type in MOE_MODEL_TYPES:
         if i.num_experts < 1 or i.moe_intermediate_size < 1:
             raise ConfigError(f"model.init.model_type={i.model_type!r} is a mixture of experts: set "
                               f"model.init.num_experts and model.init.moe_intermediate_size (> 0; got "

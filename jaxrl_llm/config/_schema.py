@@ -101,10 +101,29 @@ class LoraConfig:
         return self.rank > 0
 
 
+ROUTER_REPLAY_MODES = ("disabled", "record", "replay", "R3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterReplayConfig:
+    """Router replay (R3) of a mixture-of-experts actor (docs/algorithms.md, "Router replay")."""
+
+    mode: str  # disabled | record (the engine records every token's experts per layer; the trainer routes by its own top-k and logs actor/router_replay/mismatch_frac) | replay (as record, and the actor's old-log-prob pass and update use the recorded experts, gate weights recomputed from the trainer's router logits; verl's name R3 is accepted for it); needs a MoE model and the batch driver (not rollout.multi_turn or the buffered async modes)
+
+    @property
+    def record(self) -> bool:
+        return self.mode != "disabled"
+
+    @property
+    def replay(self) -> bool:
+        return self.mode in ("replay", "R3")
+
+
 @dataclasses.dataclass(frozen=True)
 class ActorConfig:
     optim: OptimConfig
     lora: LoraConfig
+    router_replay: RouterReplayConfig
     ppo_mini_batch_size: int  # prompts per optimizer step (times rollout.n sequences)
     ppo_micro_batch_size_per_device: int  # sequences per device per forward/backward
     use_dynamic_bsz: bool  # verl's: micro-batches up to a token budget (real prompt + response tokens) instead of ppo_micro_batch_size_per_device rows: the update, the old- and reference-log-prob passes; padded rows unless model.use_remove_padding packs them

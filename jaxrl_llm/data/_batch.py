@@ -88,6 +88,8 @@ class Batch(Mapping):
     advantages = _Field(("B", "t"), "float", "estimator output, 0 where masked")
     returns = _Field(("B", "t"), "float", "value targets / the estimator's returns")
     loss_mask = _Field(("B", "s"), "int", "SFT: 1 on the tokens the loss trains (assistant turns)")
+    routed_experts = _Field(("B", "s", "layers", "k"), "int",
+                            "router replay: the engine's experts per token and layer, -1 where none")
 
     FIELDS: tuple[str, ...] = ()  # every declared field, in declaration order (set below)
     __slots__ = ("_data",)  # no other attributes: a misspelt field cannot be set silently
@@ -221,6 +223,9 @@ class RolloutResult:
     prompt_ids: tuple[tuple[int, ...], ...] | None = None  # agents: each row's own prompt (rendered)
     prompt_index: np.ndarray | None = None  # int32[b] batch driver: the prompt each row answers
     response_lengths: np.ndarray | None = None  # int32[b] batch driver: generated tokens per row
+    # actor.router_replay, batch driver: int8/int16[b, P + t, layers, k] the experts each layer chose
+    # for every token the engine fed, columns = the prompt left-padded to P then the response; -1: none
+    routed_experts: np.ndarray | None = None
     # scored on the worker (agent loops: each trajectory as it finished); None: score on the controller
     scores: np.ndarray | None = None  # float32[b]
     reward_extra: dict = dataclasses.field(default_factory=dict)  # {key: float32[b]} reward extras

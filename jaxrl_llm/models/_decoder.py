@@ -303,6 +303,45 @@ def route(router_logits, top_k: int, normalize: bool):
     return weights, experts.astype(jnp.int32)
 
 
+def replay_route(router_logits, given, top_k: int, normalize: bool):
+    """Router replay (R3): the experts `given` (int [..., k], e.g. those the rollout engine chose)
+    instead of the top-k, with the gate weights recomputed from `router_logits` [..., E] at them:
+    the softmax over all experts in fp32 taken at the given ids, renormalised over them when
+    `normalize` (as `route`), so the router still gets gradients. A token whose first given id is
+    negative (not recorded: padding, a response's last token) keeps its own top-k (`route`).
+    Returns (weights fp32 [..., k], expert ids int32 [..., k]); equal to `route` where the given
+    ids are its top-k in its order."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    _, own = jax.lax.top_k(probs, top_k)
+    given = jnp.asarray(given).astype(jnp.int32)
+    experts = jnp.where(given[..., :1] >= 0, given, own.astype(jnp.int32))
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+def routing_mismatch(router_logits, given, top_k: int, attention_mask=None):
+    """Per token, how many layers' own top-k expert set (`route` on router_logits [L, b, t, E])
+    differs from the `given` ids (int [b, t, L, k], e.g. the engine's), over the tokens with given
+    ids (>= 0) that are real (attention_mask [b, t] != 0; None: all). Returns (mismatched layers,
+    compared layers), both int32 [b, t]; no gradient."""
+    _, own = route(jax.lax.stop_gradient(router_logits), top_k, False)  # [L, b, t, k]
+    own = jnp.sort(jnp.moveaxis(own, 0, 2), axis=-1)  # [b, t, L, k], as a set
+    given = jnp.asarray(given).astype(jnp.int32)
+    compared = given[..., 0] >= 0  # [b, t, L]
+    if attention_mask is not None:
+        compared = compared & (attention_mask != 0)[..., None]
+    differs = jnp.any(own != jnp.sort(given, axis=-1), axis=-1) & compared
+    return differs.sum(-1).astype(jnp.int32), compared.sum(-1).astype(jnp.int32)
+
+
+def expert_index_dtype(num_experts: int):
+    """The smallest signed int dtype for expert ids and the -1 of an unrecorded token: int8 up to
+    127 experts, else int16 (router replay's recorded ids, [rows, tokens, layers, k])."""
+    return jnp.int8 if num_experts <= 127 else jnp.int16
+
+
 def load_balancing_loss(router_logits, top_k: int, attention_mask=None):
     """The Switch/Mixtral router load-balancing loss, as transformers' `load_balancing_loss_func`:
     E * sum_e f_e * P_e, where P_e is the mean router probability of expert e and f_e the
@@ -389,16 +428,28 @@ class SparseMLP(nnx.Module):
         return jnp.einsum("...e,eE->...E", x, self.gate["kernel"][...].astype(x.dtype),
                           preferred_element_type=jnp.float32)
 
-    def __call__(self, x, *, return_router_logits: bool = False):
-        """[b, t, e] -> [b, t, e]; with `return_router_logits`, also the router logits fp32 [b, t, E]."""
+    def choose(self, logits, given=None):
+        """The routing choice of tokens with router logits [T, E]: (weights fp32 [T, k], expert ids
+        int32 [T, k]); the top-k (`route`), or with `given` int [T, k] the replayed experts
+        (`replay_route`, router replay)."""
+        if given is None:
+            return route(logits, self.top_k, self.normalize)
+        return replay_route(logits, given, self.top_k, self.normalize)
+
+    def __call__(self, x, *, return_router_logits: bool = False, experts=None, return_experts: bool = False):
+        """[b, t, e] -> [b, t, e]; with `return_router_logits`, also the router logits fp32 [b, t, E];
+        with `return_experts`, also the chosen expert ids int32 [b, t, k] (after the logits).
+        `experts` int [b, t, k]: replay these experts (`choose`)."""
         b, t, e = x.shape
         flat = x.reshape(b * t, e)
         logits = self.router_logits(flat)
-        weights, experts = route(logits, self.top_k, self.normalize)
+        weights, experts = self.choose(logits, None if experts is None else experts.reshape(b * t, -1))
         y = grouped_experts(flat, experts, self.experts.kernels())  # [T, k, e]
         out = jnp.einsum("tke,tk->te", y, weights.astype(x.dtype))
         out = sharding.constrain(out.reshape(b, t, e), ("batch", "length", "embed"))
-        return (out, logits.reshape(b, t, -1)) if return_router_logits else out
+        extra = ((logits.reshape(b, t, -1),) if return_router_logits else ()) + (
+            (experts.reshape(b, t, -1),) if return_experts else ())
+        return (out, *extra) if extra else out
 
 
 class DecoderLayers(nnx.Module):
@@ -415,11 +466,13 @@ class DecoderLayers(nnx.Module):
         else:
             self.mlp = MLP(c, n, rngs, fused=fused)
 
-    def layer(self, x, positions, inv_freq, kv_fn, *, return_router_logits: bool = False):
+    def layer(self, x, positions, inv_freq, kv_fn, *, return_router_logits: bool = False, experts=None,
+              return_experts: bool = False):
         """One layer on a per-layer view of the parameters. kv_fn(k, v) -> (k_all, v_all, mask, extra);
         `mask` may instead be a function q -> attention output (the decode fast paths).
-        Returns (x, extra), or (x, extra, router logits [b, t, E]) with `return_router_logits`
-        (sparse layers only)."""
+        Returns (x, extra), followed by the router logits [b, t, E] with `return_router_logits` and
+        the chosen expert ids int32 [b, t, k] with `return_experts` (sparse layers only).
+        `experts` int [b, t, k]: router replay of these experts (`SparseMLP.choose`)."""
         h = self.input_layernorm(x)
         q, k, v = self.self_attn.qkv(h, positions, inv_freq)
         k_all, v_all, mask, extra = kv_fn(k, v)
@@ -427,11 +480,16 @@ class DecoderLayers(nnx.Module):
         x = x + self.self_attn.out(o)
         x = sharding.constrain(x, ("batch", "length", "embed"))
         mlp = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        if return_router_logits:
-            y, logits = mlp(self.post_attention_layernorm(x), return_router_logits=True)
-            return sharding.constrain(x + y, ("batch", "length", "embed")), extra, logits
+        if return_router_logits or return_experts or experts is not None:
+            y, *router = _as_tuple(mlp(self.post_attention_layernorm(x), return_router_logits=return_router_logits,
+                                       experts=experts, return_experts=return_experts))
+            return (sharding.constrain(x + y, ("batch", "length", "embed")), extra, *router)
         x = x + mlp(self.post_attention_layernorm(x))
         return sharding.constrain(x, ("batch", "length", "embed")), extra
+
+
+def _as_tuple(x) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
 
 
 _REMAT = {
@@ -520,40 +578,46 @@ class Transformer(nnx.Module):
         return sharding.constrain(x, ("batch", "length", "embed"))
 
     def _scan(self, x, positions, kv_fn, carry_extra, remat: bool, unroll: int | bool = 1,
-              router: bool = False):
+              router: bool = False, experts=None, record: bool = False):
         """Runs the layers (lax.scan when stacked, a Python loop when per layer).
         kv_fn(layer_index, carry_extra, k, v) -> (k_all, v_all, mask, carry_extra); the index is a
-        traced int32 when stacked, a Python int when per layer. `router` (MoE models): also
-        return every layer's router logits, fp32 [L, b, t, E] (the scan's per-layer output)."""
+        traced int32 when stacked, a Python int when per layer. Returns (hidden, carry_extra),
+        followed by every layer's router logits fp32 [L, b, t, E] with `router` and the chosen
+        expert ids int32 [L, b, t, k] with `record` (MoE models; the scan's per-layer outputs).
+        `experts` int [L, b, t, k]: router replay of these experts in every layer."""
         inv_freq = rope_inv_freq(self.config)
+        flags = dict(return_router_logits=router, return_experts=record)
         if self.layer_layout != "stacked":
-            logits = []
+            outs = []
             for i, layer in enumerate(self.layers):
                 out = layer.layer(x, positions, inv_freq, lambda k, v, i=i, e=carry_extra: kv_fn(i, e, k, v),
-                                  return_router_logits=router)
+                                  experts=None if experts is None else experts[i], **flags)
                 x, carry_extra = out[:2]
-                logits.append(out[2:])
-            if router:
-                return self.norm(x), carry_extra, jnp.stack([lg[0] for lg in logits])
-            return self.norm(x), carry_extra
+                outs.append(out[2:])
+            return (self.norm(x), carry_extra, *(jnp.stack(ys) for ys in zip(*outs)))
         graphdef, params = nnx.split(self.layers)
 
         def body(carry, xs):
             h, extra = carry
-            i, p = xs
+            i, p, given = xs
             layer = nnx.merge(graphdef, p)
-            out = layer.layer(h, positions, inv_freq, lambda k, v: kv_fn(i, extra, k, v),
-                              return_router_logits=router)
-            return out[:2], (out[2] if router else None)
+            out = layer.layer(h, positions, inv_freq, lambda k, v: kv_fn(i, extra, k, v), experts=given, **flags)
+            return out[:2], out[2:]
 
         if remat and self.config.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT[self.config.remat], prevent_cse=False)
         n = self.config.num_hidden_layers
-        (x, carry_extra), logits = jax.lax.scan(body, (x, carry_extra), (jnp.arange(n), params), unroll=unroll)
-        return (self.norm(x), carry_extra, logits) if router else (self.norm(x), carry_extra)
+        (x, carry_extra), ys = jax.lax.scan(body, (x, carry_extra), (jnp.arange(n), params, experts),
+                                            unroll=unroll)
+        return (self.norm(x), carry_extra, *ys)
+
+    def _check_router(self, what: str) -> None:
+        if not self.config.is_moe:
+            raise ValueError(f"{what} needs a mixture-of-experts model; "
+                             f"model_type {self.config.model_type!r} has no router")
 
     def __call__(self, input_ids, *, attention_mask=None, positions=None, packed: bool | int = False,
-                 router_logits: bool = False):
+                 router_logits: bool = False, routed_experts=None):
         """Final hidden states [b, t, e] of a full causal forward (training / scoring).
 
         attention_mask int[b, t]: 0 padding, else a segment id; a token sees the earlier-or-equal
@@ -582,10 +646,15 @@ class Transformer(nnx.Module):
         fp32 [L, b, t, E]) in the input's token order, padding positions included (mask them
         with `attention_mask != 0`); the same program otherwise (the logits are the layer scan's
         per-layer output, under the same remat).
+
+        `routed_experts` (MoE models): router replay (R3). int [b, t, L, k], the expert ids every
+        layer uses for each token instead of its own top-k (the gate weights recomputed from this
+        forward's router logits: `replay_route`); a token whose ids are negative keeps its own.
         """
-        if router_logits and not self.config.is_moe:
-            raise ValueError(f"router_logits=True needs a mixture-of-experts model; "
-                             f"model_type {self.config.model_type!r} has no router")
+        if router_logits:
+            self._check_router("router_logits=True")
+        if routed_experts is not None:
+            self._check_router("routed_experts (router replay)")
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
         if positions is None:
@@ -594,8 +663,12 @@ class Transformer(nnx.Module):
         impl = _train_attention_impl(c)
         unroll = self._unroll(c.layer_unroll)
 
+        given = routed_experts
+
         def layers(x, pos, kv_fn):  # -> (hidden, router logits or None)
-            out = self._scan(x, pos, kv_fn, (), remat=True, unroll=unroll, router=router_logits)
+            experts = None if given is None else jnp.moveaxis(jnp.asarray(given), 2, 0)  # [L, b, t, k]
+            out = self._scan(x, pos, kv_fn, (), remat=True, unroll=unroll, router=router_logits,
+                             experts=experts)
             return out[0], (out[2] if router_logits else None)
 
         def done(h, logits=None):
@@ -633,14 +706,20 @@ class Transformer(nnx.Module):
             return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
         attention = functools.partial(_flash_attention, impl, lengths)
+        if given is not None:  # the replayed experts follow their tokens
+            given = rot(jnp.asarray(given), fwd)
         h, lg = layers(self.embed(rot(input_ids, fwd)), rot(positions, fwd),
                        lambda i, e, k, v: (k, v, attention(k, v), e))
         h = jnp.where(real[..., None], rot(h, back), 0).astype(h.dtype)
         return done(h, None if lg is None else jax.vmap(lambda x: rot(x, back))(lg))
 
-    def prefill(self, input_ids, *, attention_mask=None, positions=None):
+    def prefill(self, input_ids, *, attention_mask=None, positions=None, record_experts: bool = False):
         """Full forward that also returns the cache. Returns (hidden [b, t, e], KVCache of t tokens
-        in the model's layer layout: [L, b, t, kvh, d] stacked, or L arrays [b, t, kvh, d])."""
+        in the model's layer layout: [L, b, t, kvh, d] stacked, or L arrays [b, t, kvh, d]), and with
+        `record_experts` (MoE models, router replay) every layer's chosen expert ids int32
+        [L, b, t, k] third."""
+        if record_experts:
+            self._check_router("record_experts=True")
         c = self.config
         b, t = input_ids.shape
         if attention_mask is None:
@@ -657,7 +736,8 @@ class Transformer(nnx.Module):
             def kv_fn(i, cache, k, v):
                 return k, v, mask(k, v), KVCache(cache.k + (k.astype(c.dtype),), cache.v + (v.astype(c.dtype),))
 
-            return self._scan(self.embed(input_ids), positions, kv_fn, KVCache((), ()), remat=False)
+            return self._scan(self.embed(input_ids), positions, kv_fn, KVCache((), ()), remat=False,
+                              record=record_experts)
         shape = (c.num_hidden_layers, b, t, c.num_key_value_heads, c.head_dim)
         cache = KVCache(jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype))
 
@@ -666,19 +746,22 @@ class Transformer(nnx.Module):
             return k, v, mask(k, v), cache
 
         return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False,
-                          unroll=self._unroll(c.layer_unroll))
+                          unroll=self._unroll(c.layer_unroll), record=record_experts)
 
     def _unroll(self, u: int) -> int:
         return int(u) if int(u) > 0 else self.config.num_hidden_layers
 
-    def decode(self, input_ids, *, positions, cache: KVCache, cache_index):
+    def decode(self, input_ids, *, positions, cache: KVCache, cache_index, record_experts: bool = False):
         """Append tokens to a cache and attend to it.
 
         input_ids, positions int32[b, t]; cache in the model's layer layout ([L, b, s, kvh, d]
         stacked, a tuple of L [b, s, kvh, d] per layer); cache_index int32[b] is where row b's
         first new token is written. Query j of row b sees cache slots <= cache_index[b] + j.
-        Returns (hidden [b, t, e], updated KVCache).
+        Returns (hidden [b, t, e], updated KVCache), and with `record_experts` (MoE models) every
+        layer's chosen expert ids int32 [L, b, t, k] third.
         """
+        if record_experts:
+            self._check_router("record_experts=True")
         per_layer = self.layer_layout != "stacked"
         if cache.per_layer != per_layer:
             raise ValueError(f"decode: the KV cache is {'per layer' if cache.per_layer else 'stacked'}"
@@ -703,7 +786,8 @@ class Transformer(nnx.Module):
                 new = KVCache(_replace(cache.k, i, k_i), _replace(cache.v, i, v_i))
                 return k_i, v_i, attention(k_i, v_i), new
 
-            return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False)
+            return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False,
+                              record=record_experts)
 
         def kv_fn(i, cache, k, v):
             # in-place scatter of the new tokens into the carried cache (only b * t rows move)
@@ -714,7 +798,8 @@ class Transformer(nnx.Module):
             return k_i, v_i, attention(k_i, v_i), KVCache(k_all, v_all)
 
         unroll = self._unroll(self.config.decode_unroll)
-        return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False, unroll=unroll)
+        return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False, unroll=unroll,
+                          record=record_experts)
 
 
 def _replace(xs: tuple, i: int, x) -> tuple:
@@ -990,11 +1075,11 @@ class CausalLM(nnx.Module):
         return sharding.constrain(out, ("batch", "length", "vocab")) if out.ndim == 3 else out
 
     def hidden_states(self, input_ids, *, attention_mask=None, positions=None, packed: bool | int = False,
-                      router_logits: bool = False):
+                      router_logits: bool = False, routed_experts=None):
         """Final hidden states [b, t, e] (and the router logits [L, b, t, E] with `router_logits`,
-        MoE models); arguments as `Transformer.__call__`."""
+        MoE models); arguments as `Transformer.__call__` (`routed_experts`: router replay)."""
         return self.model(input_ids, attention_mask=attention_mask, positions=positions, packed=packed,
-                          router_logits=router_logits)
+                          router_logits=router_logits, routed_experts=routed_experts)
 
     def __call__(self, input_ids, *, attention_mask=None, positions=None, packed: bool | int = False):
         """Logits (fp32) [b, t, vocab]. attention_mask: 0 padding, else segment ids (several
@@ -1002,11 +1087,13 @@ class CausalLM(nnx.Module):
         return self.logits(self.hidden_states(input_ids, attention_mask=attention_mask, positions=positions,
                                               packed=packed))
 
-    def prefill(self, input_ids, *, attention_mask=None, positions=None):
-        return self.model.prefill(input_ids, attention_mask=attention_mask, positions=positions)
+    def prefill(self, input_ids, *, attention_mask=None, positions=None, record_experts: bool = False):
+        return self.model.prefill(input_ids, attention_mask=attention_mask, positions=positions,
+                                  record_experts=record_experts)
 
-    def decode(self, input_ids, *, positions, cache, cache_index):
-        return self.model.decode(input_ids, positions=positions, cache=cache, cache_index=cache_index)
+    def decode(self, input_ids, *, positions, cache, cache_index, record_experts: bool = False):
+        return self.model.decode(input_ids, positions=positions, cache=cache, cache_index=cache_index,
+                                 record_experts=record_experts)
 
 
 class ValueModel(nnx.Module):

@@ -33,13 +33,26 @@ def rollout_batch(examples, gen: RolloutResult, *, n: int, pad_token_id: int, ma
     response_attention = np.asarray(attention, np.int32)
     attention_mask = np.concatenate([prompt_mask, response_attention], axis=1).astype(np.int32)
     position_ids = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0).astype(np.int32)
-    return Batch(
+    batch = Batch(
         prompts=prompt_ids.astype(np.int32), responses=responses, response_mask=response_mask,
         input_ids=np.concatenate([prompt_ids, responses], axis=1).astype(np.int32),
         attention_mask=attention_mask, position_ids=position_ids,
         rollout_log_probs=gen.rollout_log_probs.astype(np.float32),
         group_ids=np.repeat(np.arange(len(examples), dtype=np.int32), n),
     )
+    if gen.routed_experts is not None:  # actor.router_replay: the engine's experts, column for column
+        batch.routed_experts = align_prompt_columns(gen.routed_experts, responses.shape[1], prompt_ids.shape[1])
+    return batch
+
+
+def align_prompt_columns(x: np.ndarray, t: int, p: int, fill: int = -1) -> np.ndarray:
+    """A per-token array [b, P + t, ...] whose first P columns are left-padded prompts -> [b, p + t, ...]
+    (prompts left-padded to p instead: `fill` columns added on the left, or padding ones dropped)."""
+    width = x.shape[1] - t
+    if width < p:
+        pad = np.full((x.shape[0], p - width, *x.shape[2:]), fill, x.dtype)
+        return np.concatenate([pad, x], axis=1)
+    return x[:, width - p:]
 
 
 class _Prompt(NamedTuple):

@@ -91,4 +91,24 @@ def mismatch_metrics(computed: dict[str, np.ndarray], batch: Batch) -> dict[str,
         probs = np.abs(np.exp(old) - np.exp(batch.rollout_log_probs))[mask > 0]
         out["rollout/probs_diff/mean"] = float(probs.mean())
         out["rollout/probs_diff/max"] = float(probs.max())
+    out.update(router_replay_metrics(computed, batch))
+    return out
+
+
+def router_replay_metrics(computed: dict[str, np.ndarray], batch: Batch) -> dict[str, float]:
+    """actor.router_replay (record / replay), from the pass's extra outputs: the share of
+    (token, layer) routings whose top-k set in this pass differs from the engine's recorded one
+    (`rollout/router_replay/mismatch_frac`), and when replaying, the engine/trainer log-prob
+    difference of the same weights without replay (`.../logprob_abs_diff_without_replay/*`, to set
+    beside `rollout/logprob_abs_diff/*`, which is with replay then)."""
+    out = {}
+    if "router_compared" in computed:
+        out["rollout/router_replay/mismatch_frac"] = float(
+            computed["router_mismatched"].sum() / max(int(computed["router_compared"].sum()), 1))
+    if "log_probs_without_replay" in computed:
+        mask = batch.response_mask
+        diff = np.abs(computed["log_probs_without_replay"] - batch.rollout_log_probs) * mask
+        where = "rollout/router_replay/logprob_abs_diff_without_replay"
+        out[f"{where}/mean"] = float(diff.sum() / max(mask.sum(), 1))
+        out[f"{where}/max"] = float(diff.max(initial=0.0))
     return out

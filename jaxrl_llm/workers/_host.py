@@ -170,7 +170,9 @@ class HostWorker:
                 sources.append((graphdef, abstract))
             # the layout auto picks on one host for weights on other devices (no sharing there)
             layout = "per_layer"
-        self.engines = [rollout.Engine.from_model(src, mesh=mesh, layer_layout=layout, **engine_kw)
+        # actor.router_replay: the batch driver's engines record every token's experts
+        self.engines = [rollout.Engine.from_model(src, mesh=mesh, layer_layout=layout,
+                                                  record_experts=c.actor.router_replay.record, **engine_kw)
                         for src, mesh in zip(sources, self.rollout_meshes)]
         self.engine = self.engines[0]
         self.driver = rollout.RolloutDriver(self.engine, steps_per_sync=c.rollout.steps_per_sync)
@@ -222,13 +224,14 @@ class HostWorker:
         of one engine would); `gather=False` (a rollout in the background: no collectives there)
         keeps the share until `collect_rollout` gathers every host's, and returns None."""
         t0 = time.perf_counter()
+        width = max(len(p) for p in prompts)  # routed_experts' prompt columns, the same on every host
         if self.replica_mesh is None:
             out = self.driver.generate(prompts, n=n, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
             result = RolloutResult(
                 responses=out.responses, response_mask=out.response_mask,
                 rollout_log_probs=out.rollout_log_probs, response_lengths=out.response_lengths,
                 finish_reasons=tuple(out.finish_reasons), prompt_index=out.prompt_index,
-                time_s=time.perf_counter() - t0)
+                routed_experts=out.routed_experts, time_s=time.perf_counter() - t0)
             if not gather:
                 self._deferred = result
                 return None
@@ -237,7 +240,7 @@ class HostWorker:
         lo = jax.process_index() * per
         share = (list(prompts[lo:lo + per]) + [prompts[0]] * per)[:per]
         out = self.driver.generate(share, n=n, max_new_tokens=max_new_tokens, sampling=sampling,
-                                   seed=seed, row_offset=lo * n)
+                                   seed=seed, row_offset=lo * n, prompt_width=width)
         if not gather:
             self._deferred = (out, len(prompts), n, time.perf_counter() - t0)
             return None
@@ -856,6 +859,8 @@ def _gather_shares(out, num_prompts: int, n: int) -> RolloutResult:
     local = {"responses": out.responses, "response_mask": out.response_mask,
              "rollout_log_probs": out.rollout_log_probs, "response_lengths": out.response_lengths,
              "stop": np.asarray([r == "stop" for r in out.finish_reasons])}
+    if out.routed_experts is not None:  # actor.router_replay (every host records, same prompt width)
+        local["routed_experts"] = out.routed_experts
     rows = num_prompts * n
     full = {k: np.asarray(v)[:rows] for k, v in multihost_utils.process_allgather(local, tiled=True).items()}
     stop = full.pop("stop")

@@ -182,7 +182,8 @@ def _scatter(plan: PackPlan, v: np.ndarray) -> np.ndarray:
 
 
 def pack_batch(arrays: dict[str, np.ndarray], response_len: int, budget: int, dp: int, *,
-               field: str, row_keys=(), rows_per_device: int = 0) -> tuple[PackPlan, dict[str, np.ndarray]]:
+               field: str, row_keys=(), rows_per_device: int = 0,
+               token_keys=()) -> tuple[PackPlan, dict[str, np.ndarray]]:
     """Padded rows -> (plan, packed micro-batches).
 
     `rows_per_device` 0: packs of at most `budget` tokens (`plan_packs`, the error names `field`);
@@ -193,7 +194,9 @@ def pack_batch(arrays: dict[str, np.ndarray], response_len: int, budget: int, dp
     per row) and the row fields `row_keys` ([b, ...]). Returns `input_ids`, `attention_mask`
     (segment ids), `position_ids` [n_micro, dp, L]; `token_index` (pack position predicting each
     response token), `token_valid` [n_micro, dp * R, t]; `row_valid` [n_micro, dp * R]; and every
-    row field as [n_micro, dp * R, ...] (zeros in empty slots)."""
+    row field as [n_micro, dp * R, ...] (zeros in empty slots). `token_keys`: more per-token fields
+    [b, p + t, ...] (router replay's `routed_experts`), packed like `input_ids` into
+    [n_micro, dp, L, ...] (-1 at pack padding)."""
     ids, mask, pos = (np.asarray(arrays[k]) for k in ("input_ids", "attention_mask", "position_ids"))
     start, prompt, response = row_runs(mask, response_len)
     bad = np.nonzero((prompt == 0) & (response > 0))[0]
@@ -206,12 +209,16 @@ def pack_batch(arrays: dict[str, np.ndarray], response_len: int, budget: int, dp
         plan = plan_packs(prompt + response, budget, dp, field=field)
     n, L, R = plan.shapes()
     seq = {k: np.zeros((n, dp, L), np.int32) for k in ("input_ids", "attention_mask", "position_ids")}
+    tokens = {k: np.asarray(arrays[k]) for k in token_keys}
+    seq.update({k: np.full((n, dp, L, *v.shape[2:]), -1, v.dtype) for k, v in tokens.items()})
     for r in range(len(start)):
         s, ln = int(start[r]), int(plan.length[r])
         at = (plan.micro[r], plan.shard[r], slice(plan.offset[r], plan.offset[r] + ln))
         seq["input_ids"][at] = ids[r, s:s + ln]
         seq["position_ids"][at] = pos[r, s:s + ln]
         seq["attention_mask"][at] = plan.slot[r] + 1
+        for k, v in tokens.items():
+            seq[k][at] = v[r, s:s + ln]
     j = np.arange(response_len)[None, :]
     valid = j < response[:, None]
     index = np.where(valid, (plan.offset + prompt - 1)[:, None] + j, 0)

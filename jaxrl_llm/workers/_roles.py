@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm import algos, models
-from jaxrl_llm.config import ActorConfig, CriticConfig, MoeConfig, OptimConfig
+from jaxrl_llm.config import ActorConfig, ConfigError, CriticConfig, MoeConfig, OptimConfig
 
 from sharding import to_host
 
@@ -27,6 +27,15 @@ from ._step import (check_contiguous_mask, is_packed, make_forward, make_update_
                     micro_size_for, packed_micro_batches)
 
 _SEQ_KEYS = ("input_ids", "attention_mask", "position_ids")
+_TOKEN_KEYS = ("routed_experts",)  # per-token fields beside the sequence (packed like input_ids)
+
+
+def _model_kwargs(m, router_logits: bool, replay: bool) -> dict:
+    """`hidden_states` keywords: the router logits (MoE), router replay of `m["routed_experts"]`."""
+    kw = {"router_logits": True} if router_logits else {}
+    if replay:
+        kw["routed_experts"] = m["routed_experts"]
+    return kw
 
 
 def rows_from_packs(x, m):
@@ -45,12 +54,12 @@ def rows_per_pack(m) -> int:
     return m["token_index"].shape[0] // m["input_ids"].shape[0]
 
 
-def _packed_log_probs(model, m, temperature, return_entropy, router_logits=False):
+def _packed_log_probs(model, m, temperature, return_entropy, router_logits=False, replay=False):
     """Log-probs (and entropy) at every pack position of the pack's next token, gathered to rows."""
     ids = m["input_ids"]
     # the cudnn / rolled paths take each pack's rows as separate sequences, at most R per pack
     h = model.hidden_states(ids, attention_mask=m["attention_mask"], positions=m["position_ids"],
-                            packed=rows_per_pack(m), **({"router_logits": True} if router_logits else {}))
+                            packed=rows_per_pack(m), **_model_kwargs(m, router_logits, replay))
     if router_logits:
         h, logits = h
     following = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
@@ -62,24 +71,27 @@ def _packed_log_probs(model, m, temperature, return_entropy, router_logits=False
     return (out, logits) if router_logits else out
 
 
-def response_hidden(model, m, router_logits=False):
+def response_hidden(model, m, router_logits=False, replay=False):
     """Final hidden states at the positions that predict each response token. [b, t, e]
-    (and, with `router_logits`, a MoE model's router logits [L, b, p + t, E])."""
+    (and, with `router_logits`, a MoE model's router logits [L, b, p + t, E]). `replay`: router
+    replay of `m["routed_experts"]`."""
     h = model.hidden_states(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"],
-                            **({"router_logits": True} if router_logits else {}))
+                            **_model_kwargs(m, router_logits, replay))
     t = m["responses"].shape[-1]
     if router_logits:
         return h[0][:, -t - 1:-1], h[1]
     return h[:, -t - 1:-1]
 
 
-def response_log_probs(model, m, temperature, return_entropy=False, router_logits=False):
+def response_log_probs(model, m, temperature, return_entropy=False, router_logits=False, replay=False):
     """Log-probs [b, t] of the response tokens (and entropies); packed micro-batches: [dp * R, t].
     `router_logits` (MoE): returns (that, router logits [L, *m["attention_mask"].shape, E]), the
-    logits of the model's input rows (packs when packed), masked by `m["attention_mask"] != 0`."""
+    logits of the model's input rows (packs when packed), masked by `m["attention_mask"] != 0`.
+    `replay` (MoE, router replay): every layer routes each token to `m["routed_experts"]`
+    ([*m["attention_mask"].shape, L, k], the engine's; -1: its own top-k)."""
     if is_packed(m):
-        return _packed_log_probs(model, m, temperature, return_entropy, router_logits)
-    h = response_hidden(model, m, router_logits)
+        return _packed_log_probs(model, m, temperature, return_entropy, router_logits, replay)
+    h = response_hidden(model, m, router_logits, replay)
     if router_logits:
         h, logits = h
     unembed, layout = model.unembed()
@@ -87,6 +99,23 @@ def response_log_probs(model, m, temperature, return_entropy=False, router_logit
                                             temperature=temperature, return_entropy=return_entropy,
                                             unembed_layout=layout)
     return (out, logits) if router_logits else out
+
+
+def router_mismatch_rows(logits, m, top_k: int):
+    """Router replay's mismatch per row: (layers x tokens whose own top-k set differs from
+    `m["routed_experts"]`, those compared), int32 [rows] each (`models.routing_mismatch` over the
+    model's input rows; packed micro-batches: summed into their [dp * R] row slots by segment id)."""
+    mask = m["attention_mask"]
+    mis, cnt = models.routing_mismatch(logits, m["routed_experts"], top_k, mask)  # [b or dp, s or L]
+    if not is_packed(m):
+        valid = m["row_valid"] if "row_valid" in m else 1  # token-budget slots: empty ones hold dummies
+        return mis.sum(-1) * valid, cnt.sum(-1) * valid
+    R = rows_per_pack(m)
+    slot = jnp.arange(mask.shape[0], dtype=jnp.int32)[:, None] * R + mask.astype(jnp.int32) - 1
+    slot = jnp.where(mask != 0, slot, mask.shape[0] * R)  # padding: out of range, dropped
+    n = mask.shape[0] * R
+    return (jax.ops.segment_sum(mis.reshape(-1), slot.reshape(-1), num_segments=n),
+            jax.ops.segment_sum(cnt.reshape(-1), slot.reshape(-1), num_segments=n))
 
 
 def moe_router_terms(logits, attention_mask, top_k: int) -> dict[str, jax.Array]:
@@ -156,15 +185,17 @@ def _micro_batches(mesh, arrays, *, rows: int, micro_per_device: int, budget: tu
     if not budget[0] and not remove_padding:
         return None, micro_batches(mesh, arrays, micro_size_for(rows, micro_per_device, dp))
     check_contiguous_mask(arrays["attention_mask"])
-    row_keys = [k for k in arrays if k not in _SEQ_KEYS + ("responses",)]
+    row_keys = [k for k in arrays if k not in _SEQ_KEYS + _TOKEN_KEYS + ("responses",)]
+    token_keys = [k for k in _TOKEN_KEYS if k in arrays]
     if budget[0] and remove_padding:
-        plan, out = pack_batch(arrays, t, budget[0], dp, field=budget[1], row_keys=row_keys)
+        plan, out = pack_batch(arrays, t, budget[0], dp, field=budget[1], row_keys=row_keys,
+                               token_keys=token_keys)
     elif budget[0]:
         plan, out = slot_batch(arrays, t, budget[0], dp, field=budget[1])
     else:  # rows per device, one pack each: at most the padded micro-batch's tokens
         per = micro_size_for(rows, micro_per_device, dp) // dp
         plan, out = pack_batch(arrays, t, per * arrays["input_ids"].shape[1], dp, field="",
-                               row_keys=row_keys, rows_per_device=per)
+                               row_keys=row_keys, rows_per_device=per, token_keys=token_keys)
     return plan, packed_micro_batches(mesh, out)
 
 
@@ -254,10 +285,17 @@ class ActorWorker(_Trained):
         `ref.log_prob_max_token_len_per_device`); 0 = `cfg.ppo_max_token_len_per_device`.
         remove_padding: `model.use_remove_padding` (packed rows on every pass).
         moe: `model.moe` (router losses; None = both coefficients 0). A MoE model's update also
-        logs the router terms and expert load (`moe_router_terms`) whatever the coefficients."""
+        logs the router terms and expert load (`moe_router_terms`) whatever the coefficients.
+        `cfg.router_replay` record/replay (MoE models): the batches carry `routed_experts`; the
+        old-log-prob pass and the update log the routing mismatch, and replay routes by them."""
         self.cfg, self.temperature, self.remove_padding = cfg, temperature, remove_padding
         self.moe = moe if moe is not None else MoeConfig(aux_loss_coef=0.0, z_loss_coef=0.0)
         self._router = model.config.is_moe  # the update reads the router logits (metrics, losses)
+        rr = cfg.router_replay
+        if rr.record and not self._router:
+            raise ConfigError(f"actor.router_replay.mode={rr.mode!r} needs a mixture-of-experts model; model_type "
+                              f"{model.config.model_type!r} has no router: set actor.router_replay.mode='disabled'")
+        self._record, self._replay = rr.record, rr.replay
         if not self._router:
             for name in ("aux_loss_coef", "z_loss_coef"):
                 if getattr(self.moe, name):
@@ -271,8 +309,7 @@ class ActorWorker(_Trained):
         self.ref_log_prob_budget = token_budget(cfg.use_dynamic_bsz, ref_log_prob_max_tokens,
                                                 "ref.log_prob_max_token_len_per_device", *own)
         super().__init__(model, cfg.optim, mesh, total_steps, self._loss, "response_mask")
-        self._log_prob = make_forward(
-            self.graphdef, lambda mdl, m: response_log_probs(mdl, m, temperature, True), mesh)
+        self._log_prob = make_forward(self.graphdef, self._log_prob_fn, mesh)
         if self.lora_spec is not None:  # the reference policy is the base: adapters switched off
             self._adapters_off = jax.tree.map(jnp.zeros_like, self.state.params)
             self._ref_log_prob = make_forward(
@@ -282,13 +319,27 @@ class ActorWorker(_Trained):
             self._merge = jax.jit(lambda b, a, dtype: models.merge_lora(b, a, scale, dtype),
                                   static_argnums=(2,), out_shardings=base_shardings)
 
+    def _log_prob_fn(self, model, m):
+        """The old-log-prob pass on one micro-batch: (log-probs, entropies) [rows, t]; with router
+        replay recording also the per-row routing mismatch (`router_mismatch_rows`) and, when
+        replaying, the log-probs of the same weights without replay (its own top-k: the
+        `rollout/router_replay/logprob_abs_diff_without_replay/*` metrics)."""
+        if not self._record:
+            return response_log_probs(model, m, self.temperature, True)
+        (lp, ent), logits = response_log_probs(model, m, self.temperature, True, router_logits=True,
+                                               replay=self._replay)
+        out = (lp, ent, *router_mismatch_rows(logits, m, model.config.num_experts_per_tok))
+        if self._replay:
+            out += (response_log_probs(model, m, self.temperature),)
+        return out
+
     def _loss(self, model, m, denoms):
         c = self.cfg
         mask = m["response_mask"]
         glob = dict(global_token_count=denoms["tokens"], global_batch_size=denoms["seqs"])
         if self._router:
             (log_prob, entropy), router_logits = response_log_probs(
-                model, m, self.temperature, return_entropy=True, router_logits=True)
+                model, m, self.temperature, return_entropy=True, router_logits=True, replay=self._replay)
         else:
             log_prob, entropy = response_log_probs(model, m, self.temperature, return_entropy=True)
         old_log_prob = m["old_log_probs"]
@@ -328,12 +379,23 @@ class ActorWorker(_Trained):
             if self.moe.z_loss_coef:
                 loss = loss + self.moe.z_loss_coef * share * terms["moe_z_loss"]
             metrics.update(jax.tree.map(jax.lax.stop_gradient, terms))
+        if self._record:  # this micro-batch's share of (token, layer) routings unlike the engine's
+            mis, cnt = router_mismatch_rows(router_logits, m, model.config.num_experts_per_tok)
+            metrics["router_replay/mismatch_frac"] = mis.sum() / jnp.maximum(cnt.sum(), 1).astype(jnp.float32)
         return loss, metrics
 
     def compute_log_prob(self, batch) -> dict[str, np.ndarray]:
-        lp, ent = _forward_rows(self, self._log_prob, batch, _SEQ_KEYS + ("responses",),
-                                budget=self.log_prob_budget)
-        return {"old_log_probs": lp.astype(np.float32), "entropys": ent.astype(np.float32)}
+        """old_log_probs and entropys [b, t]; with router replay recording also router_mismatched /
+        router_compared int [b] (`router_mismatch_rows`) and, when replaying,
+        log_probs_without_replay [b, t]."""
+        keys = _SEQ_KEYS + ("responses",) + (("routed_experts",) if self._record else ())
+        out = _forward_rows(self, self._log_prob, batch, keys, budget=self.log_prob_budget)
+        result = {"old_log_probs": out[0].astype(np.float32), "entropys": out[1].astype(np.float32)}
+        if self._record:
+            result.update(router_mismatched=out[2].astype(np.int64), router_compared=out[3].astype(np.int64))
+        if self._replay:
+            result["log_probs_without_replay"] = out[4].astype(np.float32)
+        return result
 
     def compute_ref_log_prob(self, batch) -> dict[str, np.ndarray]:
         """LoRA only: log-probs of the base weights with the adapters zeroed (the initial policy;
@@ -364,6 +426,8 @@ class ActorWorker(_Trained):
             keys += ("ref_log_prob",)
         if "rollout_is_weights" in batch:  # algorithm.rollout_correction.rollout_is
             keys += ("rollout_is_weights",)
+        if self._record:  # actor.router_replay
+            keys += ("routed_experts",)
         m = self._run_updates(batch, mini_rows, self.cfg.ppo_epochs, self.cfg.shuffle, seed, keys,
                               first_flag="first_minibatch" if on_policy else None)
         # the expert-load metrics keep their own `moe/` prefix; everything else is the actor's

@@ -175,7 +175,7 @@ def _seq_fields(p: int, t: int) -> dict:
 def _fields(base: dict, names: tuple[str, ...]) -> dict:
     out = {k: v for k, v in base.items() if k in ("input_ids", "attention_mask", "position_ids", "responses")}
     for name in names:
-        out[name] = base["response_mask"] if name == "response_mask" else base["_f32"]
+        out[name] = base[name] if name in ("response_mask", "routed_experts") else base["_f32"]
     return out
 
 
@@ -200,11 +200,17 @@ def build_programs(run, cfg, mesh, rollout_mesh, wanted, *, n_micro=None):
     groups["actor_params"], groups["actor_opt"] = params, (state.opt_state, state.step)
     if run.use_reference:
         groups["ref_params"] = params
-    # what ActorWorker._loss reads of its worker (the router terms: a MoE model's update)
+    # what ActorWorker._loss / _log_prob_fn read of their worker (a MoE model's router terms and
+    # actor.router_replay, whose batches carry the engine's experts per token)
+    rr = run.actor.router_replay
     actor = types.SimpleNamespace(cfg=run.actor, temperature=run.rollout.temperature,
-                                  _router=cfg.is_moe, moe=run.model.moe)
+                                  _router=cfg.is_moe, moe=run.model.moe, _record=rr.record, _replay=rr.replay)
+    replayed = ("routed_experts",) if rr.record else ()
+    if rr.record:
+        seq["routed_experts"] = ((p + t, cfg.num_hidden_layers, cfg.num_experts_per_tok),
+                                 models.expert_index_dtype(cfg.num_experts))
     if "actor_update" in wanted:
-        names = ("response_mask", "old_log_probs", "advantages")
+        names = ("response_mask", "old_log_probs", "advantages") + replayed
         names += ("ref_log_prob",) if run.actor.use_kl_loss else ()
         mb, repeats, micro = micro_batch(mesh, run.actor.ppo_mini_batch_size * n,
                                   run.actor.ppo_micro_batch_size_per_device, _fields(seq, names), n_micro)
@@ -214,9 +220,8 @@ def build_programs(run, cfg, mesh, rollout_mesh, wanted, *, n_micro=None):
                                            _optimizer_program(tx, state), micro)
     if "log_prob" in wanted:
         mb, repeats, micro = micro_batch(mesh, run.data.train_batch_size * n,
-                                  run.actor.ppo_micro_batch_size_per_device, _fields(seq, ()), n_micro)
-        fwd = _step.make_forward(graphdef, lambda mdl, m: _roles.response_log_probs(
-            mdl, m, run.rollout.temperature, True), mesh)
+                                  run.actor.ppo_micro_batch_size_per_device, _fields(seq, replayed), n_micro)
+        fwd = _step.make_forward(graphdef, lambda mdl, m: _roles.ActorWorker._log_prob_fn(actor, mdl, m), mesh)
         programs["log_prob"] = Program(fwd.lower(params, mb), ("actor_params",), repeats, micro=micro)
     if run.use_critic:
         _critic_programs(run, cfg, mesh, seq, wanted, programs, groups, n_micro)
@@ -260,7 +265,8 @@ def _engine_programs(run, cfg, graphdef, params, rollout_mesh, wanted, programs,
     engine = rollout.Engine.from_model(
         (graphdef, params), mesh=rollout_mesh, max_concurrent_decodes=run.rollout.max_concurrent_decodes,
         max_prefill_length=prefill, max_target_length=prefill + run.data.max_response_length,
-        dtype=run.rollout.dtype or run.model.dtype, temperature=run.rollout.temperature)
+        dtype=run.rollout.dtype or run.model.dtype, temperature=run.rollout.temperature,
+        record_experts=run.actor.router_replay.record)  # as HostWorker's engines
     rows = run.data.train_batch_size * run.rollout.n
     prefill_rows = rollout._engine._next_pow2(max(min(64, rows), 4))  # RolloutDriver's prefill batch
     same_devices = set(rollout_mesh.devices.flat) == set(jax.tree.leaves(params)[0].sharding.device_set)
