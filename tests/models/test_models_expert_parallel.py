@@ -1,0 +1,123 @@
+"""Expert parallelism: the `expert` dim of MoE weights split over the mesh (the `expert` rule), the
+dispatch run per expert shard (`_decoder._expert_parallel`), results equal to one device."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+import sharding
+from jaxrl_llm import models
+from jaxrl_llm.models import _decoder
+from test_models_hf import fixture, reference
+
+# (data, fsdp, tensor): experts over fsdp=4 (one of the fixture's 4 experts per device), alone
+# and with the experts' `mlp` dim on tensor=2
+MESHES = [(2, 4, 1), (1, 4, 2)]
+
+
+def _experts(model):
+    return model.model.layers.mlp.experts
+
+
+def _ids():
+    return np.concatenate([reference("qwen3_moe")["input_ids"]] * 4)  # batch 8
+
+
+def _loss_and_grads(model, ids, mesh=None, rules=None):
+    graphdef, state = nnx.split(model)
+
+    def loss(s, i):
+        logits = nnx.merge(graphdef, s)(i)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 7]), logits
+
+    fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    if mesh is None:
+        (value, logits), grads = fn(state, ids)
+        return np.asarray(logits), nnx.to_pure_dict(grads), None
+    with sharding.use_rules(mesh, rules):
+        x = jax.device_put(ids, NamedSharding(mesh, sharding.logical_to_spec(("batch", "length"), rules)))
+        (value, logits), grads = fn(state, x)
+        hlo = fn.lower(state, x).as_text()
+    return np.asarray(logits), nnx.to_pure_dict(grads), hlo
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _loss_and_grads(models.from_pretrained(fixture("qwen3_moe")), _ids())
+
+
+@pytest.mark.parametrize("shape", MESHES)
+def test_expert_parallel_logits_and_gradients_equal_one_device(one_device, shape):
+    want_logits, want_grads, _ = one_device
+    mesh = sharding.make_mesh(shape)
+    model = models.from_pretrained(fixture("qwen3_moe"), mesh=mesh, rules="train")
+    kernel = _experts(model).gate_proj["kernel"][...]  # [layers, experts, embed, mlp]
+    assert kernel.sharding.spec == PartitionSpec(None, "fsdp", None, "tensor")
+    assert kernel.addressable_shards[0].data.shape[1] == 1  # each device holds 1 of the 4 experts
+    logits, grads, hlo = _loss_and_grads(model, _ids(), mesh, "train")
+    assert "reduce_scatter" in hlo  # the per-shard dispatch, not a gather of the expert weights
+    np.testing.assert_allclose(logits, want_logits, atol=2e-5, rtol=0)
+    flat_want = dict(jax.tree_util.tree_flatten_with_path(want_grads)[0])
+    flat_got = dict(jax.tree_util.tree_flatten_with_path(grads)[0])
+    assert flat_got.keys() == flat_want.keys()
+    for path, g in flat_got.items():
+        w = np.asarray(flat_want[path])
+        assert np.abs(w).max() > 0, path
+        np.testing.assert_allclose(np.asarray(g), w, atol=1e-6 + 1e-4 * np.abs(w).max(), rtol=0,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_expert_parallel_pads_token_counts_that_do_not_split():
+    """3 tokens over 8 token shards (a decode step with few slots): padded, same output."""
+    rng = np.random.default_rng(0)
+    T, e, f, E, k = 3, 8, 6, 4, 2
+    x = jnp.asarray(rng.normal(size=(T, e)).astype(np.float32))
+    kern = tuple(jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in ((E, e, f), (E, e, f), (E, f, e)))
+    w, ids = _decoder.route(jnp.asarray(rng.normal(size=(T, E)).astype(np.float32)), k, True)
+    want = np.asarray(_decoder.expert_mix(x, ids, w, kern))
+    mesh = sharding.make_mesh((2, 4, 1))
+    with sharding.use_rules(mesh, "rollout"):
+        assert _decoder._expert_plan(E) is not None
+        got = np.asarray(jax.jit(_decoder.expert_mix)(x, ids, w, kern))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_experts_that_do_not_split_over_the_expert_axis_are_named():
+    mesh = sharding.make_mesh((1, 8, 1))
+    with sharding.use_rules(mesh, "train"), pytest.raises(ValueError, match=r"num_experts=4 .* 8 expert-parallel"):
+        _decoder._expert_plan(4)
+    with pytest.raises(ValueError, match=r"logical axis 'expert'.*not divisible"):
+        models.from_pretrained(fixture("qwen3_moe"), mesh=mesh, rules="train")
+
+
+def test_engine_greedy_on_an_expert_parallel_mesh_and_sync_keeps_the_experts_in_place():
+    import rollout
+
+    gen = json.loads(open(os.path.join(fixture("qwen3_moe"), "generate.json")).read())
+    mesh = sharding.make_mesh((2, 4, 1))
+    engine = rollout.Engine.from_pretrained(fixture("qwen3_moe"), mesh=mesh, max_concurrent_decodes=8,
+                                            max_prefill_length=16, max_target_length=32, dtype="float32",
+                                            temperature=0.0, layer_layout="stacked")
+
+    def generate():
+        batch = rollout.RolloutDriver(engine, steps_per_sync=4).generate(
+            [c["prompt"] for c in gen["cases"]], n=1, max_new_tokens=gen["max_new_tokens"],
+            sampling=rollout.SamplingParams(temperature=0.0), seed=0)
+        return [batch.responses[i].tolist() for i in range(len(gen["cases"]))]
+
+    def kernel(params):
+        return params["model"]["layers"]["mlp"]["experts"]["down_proj"]["kernel"]
+
+    assert kernel(engine.params).sharding.spec == PartitionSpec(None, "fsdp", "tensor", None)
+    assert generate() == [c["output"] for c in gen["cases"]]
+    # the trainer's experts (train rules, same mesh) have the engine's layout: synced without a copy
+    trained = nnx.to_pure_dict(nnx.state(models.from_pretrained(fixture("qwen3_moe"), mesh=mesh, rules="train"),
+                                         nnx.Param))
+    engine.update_params(trained)
+    assert kernel(engine.params) is kernel(trained)
+    assert generate() == [c["output"] for c in gen["cases"]]
