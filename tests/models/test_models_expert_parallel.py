@@ -15,9 +15,9 @@ from jaxrl_llm import models
 from jaxrl_llm.models import _decoder
 from test_models_hf import fixture, reference
 
-# (data, fsdp, tensor): experts over fsdp=4 (one of the fixture's 4 experts per device), alone
-# and with the experts' `mlp` dim on tensor=2
-MESHES = [(2, 4, 1), (1, 4, 2)]
+# (data, fsdp, tensor[, context]): experts over fsdp=4 (one of the fixture's 4 experts per device), alone,
+# with the experts' `mlp` dim on tensor=2, and with the sequence on context=2
+MESHES = [(2, 4, 1), (1, 4, 2), (1, 4, 1, 2)]
 
 
 def _experts(model):
