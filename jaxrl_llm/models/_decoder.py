@@ -423,15 +423,21 @@ def _expert_plan(num_experts: int) -> _ExpertPlan | None:
     return plan
 
 
+# (token, expert) pairs one device runs through its experts in one step of the expert-parallel
+# dispatch: more gathered pairs go in steps of a scan (bounds the [pairs, embed] buffers)
+EP_STEP_PAIRS = 1 << 16
+
+
 def _expert_parallel(plan: _ExpertPlan, x, experts, weights, kernels):
     """`expert_mix` with the experts split over `plan.experts`: every device holds E/n experts
     (and its `mlp` slice of them). Under `shard_map`, each device all-gathers the tokens (with
     their expert ids and weights) of the devices that share its data but hold other experts, runs
-    its own experts on the pairs routed to them (`ragged_dot` with the local group sizes; pairs of
-    other shards' experts sort last, outside every group, and are zeroed), weights and sums them
-    per token, and a reduce-scatter over the expert axes sums the shards' partial outputs and hands
-    each device back its own tokens (a psum over the `mlp` axes adds the tensor-parallel parts).
-    The token count is padded to a multiple of the token shards (zero weight: no contribution)."""
+    its own experts on the pairs routed to them (`_own_experts`), and a reduce-scatter over the
+    expert axes sums the shards' partial outputs and hands each device back its own tokens (a
+    psum over the `mlp` axes adds the tensor-parallel parts). More than `EP_STEP_PAIRS` gathered
+    pairs run in steps of a rematerialised scan over row blocks, so the per-pair buffers stay that
+    size whatever the expert-parallel group (capacity-free in every step: a block's pairs may all
+    be this device's). Token counts are padded to a multiple of the token shards (zero weight)."""
     mesh, T = plan.mesh, x.shape[0]
     k = experts.shape[1]
     pad = -T % math.prod(mesh.shape[a] for a in plan.tokens)
@@ -446,20 +452,18 @@ def _expert_parallel(plan: _ExpertPlan, x, experts, weights, kernels):
     def local(x, ids, w, gate_w, up_w, down_w):
         if gather:
             x, ids, w = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, ids, w))
-        n_local = gate_w.shape[0]
         shard = 0
         for a in plan.experts:  # this device's expert block, major axis first (as the sharding)
             shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
-        own = ids - shard * n_local
-        mine = (own >= 0) & (own < n_local)
-        flat = jnp.where(mine, own, n_local).reshape(-1)  # other shards' pairs: one group past the end
-        order = jnp.argsort(flat, stable=True)
-        sizes = jnp.bincount(flat, length=n_local + 1)[:n_local].astype(jnp.int32)
-        out = _ragged_swiglu(jnp.take(x, order // k, axis=0), sizes, (gate_w, up_w, down_w))
-        mine = mine.reshape(-1)[order]
-        scale = jnp.where(mine, w.reshape(-1)[order], 0)[:, None]
-        out = jnp.where(mine[:, None], out * scale, 0)  # rows outside every group: 0 whatever the kernel left
-        y = jnp.zeros(x.shape, out.dtype).at[order // k].add(out)
+        kern = (gate_w, up_w, down_w)
+        rows, steps = x.shape[0], -(-x.shape[0] * k // EP_STEP_PAIRS)
+        if steps <= 1:
+            y = _own_experts(x, ids, w, shard, kern)
+        else:
+            block = -(-rows // steps)
+            xs = [jnp.pad(a, ((0, block * steps - rows), (0, 0))).reshape(steps, block, -1) for a in (x, ids, w)]
+            step = jax.checkpoint(lambda _, xiw: (None, _own_experts(*xiw, shard, kern)))
+            y = jax.lax.scan(step, None, tuple(xs))[1].reshape(block * steps, -1)[:rows]
         if gather:
             y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
         return jax.lax.psum(y, reduce) if reduce else y
@@ -467,6 +471,25 @@ def _expert_parallel(plan: _ExpertPlan, x, experts, weights, kernels):
     fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, ker, ker, down), out_specs=tok)
     y = fn(x, experts, weights.astype(x.dtype), *kernels)
     return y[:T] if pad else y
+
+
+def _own_experts(x, ids, w, shard, kernels):
+    """One device's share of `expert_mix`: x [R, e], ids int32 [R, k] (global expert ids), w [R, k];
+    kernels the device's experts `shard * E_local ...` -> [R, e], the weighted sum over each row's
+    pairs routed to those experts (0 for the others). The pairs are sorted by local expert id and
+    run with `ragged_dot` on the local group sizes; pairs of other shards' experts sort last,
+    outside every group, and are zeroed."""
+    k, n_local = ids.shape[1], kernels[0].shape[0]
+    own = ids - shard * n_local
+    mine = (own >= 0) & (own < n_local)
+    flat = jnp.where(mine, own, n_local).reshape(-1)  # other shards' pairs: one group past the end
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=n_local + 1)[:n_local].astype(jnp.int32)
+    out = _ragged_swiglu(jnp.take(x, order // k, axis=0), sizes, kernels)
+    mine = mine.reshape(-1)[order]
+    scale = jnp.where(mine, w.reshape(-1)[order], 0)[:, None]
+    out = jnp.where(mine[:, None], out * scale, 0)  # rows outside every group: 0 whatever the kernel left
+    return jnp.zeros(x.shape, out.dtype).at[order // k].add(out)
 
 
 class SparseMLP(nnx.Module):

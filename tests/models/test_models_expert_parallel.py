@@ -17,7 +17,8 @@ from test_models_hf import fixture, reference
 
 # (data, fsdp, tensor[, context]): experts over fsdp=4 (one of the fixture's 4 experts per device)
 # beside data=2; experts over fsdp=2 with their `mlp` dim on tensor=2 and the sequence on context=2
-MESHES = [((2, 4, 1), "none"), ((1, 2, 2, 2), "dots")]
+# (the second also in steps of a few pairs: `EP_STEP_PAIRS`, the scan over row blocks)
+MESHES = [((2, 4, 1), "none", None), ((1, 2, 2, 2), "dots", 32)]
 
 
 def _experts(model):
@@ -51,9 +52,14 @@ def one_device():
     return _loss_and_grads(models.from_pretrained(fixture("qwen3_moe")), _ids())
 
 
-@pytest.mark.parametrize("shape,remat", MESHES)
-def test_expert_parallel_logits_and_gradients_equal_one_device(one_device, shape, remat):
+@pytest.mark.parametrize("shape,remat,step_pairs", MESHES)
+def test_expert_parallel_logits_and_gradients_equal_one_device(one_device, shape, remat, step_pairs, monkeypatch):
     want_logits, want_grads, _ = one_device
+    if step_pairs:
+        monkeypatch.setattr(_decoder, "EP_STEP_PAIRS", step_pairs)
+    rows = []  # the rows each device runs through its experts in one go
+    own = _decoder._own_experts
+    monkeypatch.setattr(_decoder, "_own_experts", lambda x, *a: rows.append(x.shape[0]) or own(x, *a))
     mesh = sharding.make_mesh(shape)
     model = models.from_pretrained(fixture("qwen3_moe"), mesh=mesh, rules="train", remat=remat)
     kernel = _experts(model).gate_proj["kernel"][...]  # [layers, experts, embed, mlp]
@@ -61,6 +67,8 @@ def test_expert_parallel_logits_and_gradients_equal_one_device(one_device, shape
     assert kernel.addressable_shards[0].data.shape[1] == 4 // shape[1]  # each device: 4/fsdp experts
     logits, grads, hlo = _loss_and_grads(model, _ids(), mesh, "train")
     assert "reduce_scatter" in hlo  # the per-shard dispatch, not a gather of the expert weights
+    # all rows of the fsdp group at once, or blocks of at most step_pairs / top_k (2) rows
+    assert set(rows) == ({step_pairs // 2} if step_pairs else {8 * 16 // shape[0]}), rows
     np.testing.assert_allclose(logits, want_logits, atol=2e-5, rtol=0)
     flat_want = dict(jax.tree_util.tree_flatten_with_path(want_grads)[0])
     flat_got = dict(jax.tree_util.tree_flatten_with_path(grads)[0])
