@@ -80,8 +80,14 @@ def test_expert_parallel_logits_and_gradients_equal_one_device(one_device, shape
                                    err_msg=jax.tree_util.keystr(path))
 
 
-def test_expert_parallel_pads_token_counts_that_do_not_split():
-    """3 tokens over 8 token shards (a decode step with few slots): padded, same output."""
+# rows over data only, experts over fsdp: each device has all of its data shard's tokens (no gather)
+# and the fsdp shards' partial sums are added by a psum
+_ROWS_ON_DATA = tuple((n, "data") if n in ("batch", "cache_batch") else (n, a) for n, a in sharding.ROLLOUT_RULES)
+
+
+@pytest.mark.parametrize("rules", ["rollout", _ROWS_ON_DATA], ids=["rollout", "rows_on_data"])
+def test_expert_parallel_pads_token_counts_that_do_not_split(rules):
+    """3 tokens over the token shards (a decode step with few slots): padded, same output."""
     rng = np.random.default_rng(0)
     T, e, f, E, k = 3, 8, 6, 4, 2
     x = jnp.asarray(rng.normal(size=(T, e)).astype(np.float32))
@@ -89,8 +95,9 @@ def test_expert_parallel_pads_token_counts_that_do_not_split():
     w, ids = _decoder.route(jnp.asarray(rng.normal(size=(T, E)).astype(np.float32)), k, True)
     want = np.asarray(_decoder.expert_mix(x, ids, w, kern))
     mesh = sharding.make_mesh((2, 4, 1))
-    with sharding.use_rules(mesh, "rollout"):
-        assert _decoder._expert_plan(E) is not None
+    with sharding.use_rules(mesh, rules):
+        plan = _decoder._expert_plan(E)
+        assert plan.experts == ("fsdp",) and ("fsdp" in plan.tokens) == (rules == "rollout")
         got = np.asarray(jax.jit(_decoder.expert_mix)(x, ids, w, kern))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
