@@ -158,8 +158,11 @@ def logical_sharding(mesh: Mesh, logical_axes: Sequence[str | None], rules: Rule
         for i, (size, axes) in enumerate(zip(shape, per_dim)):
             parts = math.prod(mesh.shape[a] for a in axes)
             if size % parts:
+                hint = (" (expert parallelism: the experts are split over these axes, so their size must "
+                        "divide num_experts; put the other devices on mesh.data)"
+                        if logical_axes[i] == "expert" else "")
                 raise ValueError(
                     f"{what}dim {i} (size {size}, logical axis {logical_axes[i]!r}) is not divisible by "
                     f"mesh axes {axes} of total size {parts} (mesh {dict(mesh.shape)}); change the mesh "
-                    f"shape or the model size")
+                    f"shape or the model size{hint}")
     return NamedSharding(mesh, PartitionSpec(*(_spec_entry(a) for a in per_dim)))

@@ -106,7 +106,7 @@ def test_experts_that_do_not_split_over_the_expert_axis_are_named():
     mesh = sharding.make_mesh((1, 8, 1))
     with sharding.use_rules(mesh, "train"), pytest.raises(ValueError, match=r"num_experts=4 .* 8 expert-parallel"):
         _decoder._expert_plan(4)
-    with pytest.raises(ValueError, match=r"logical axis 'expert'.*not divisible"):
+    with pytest.raises(ValueError, match=r"logical axis 'expert'.*not divisible.*size must divide num_experts"):
         models.from_pretrained(fixture("qwen3_moe"), mesh=mesh, rules="train")
 
 
