@@ -6,6 +6,12 @@ sequence dim `length` of activations on `context`; parameters are FSDP-sharded o
 `context` together, so context-parallel devices do not each hold a copy); `ROLLOUT_RULES` keeps
 the tensor split but replicates parameters over `data`/`fsdp`, which is what a decode step wants.
 
+Expert parallelism: both tables put the `expert` dim of MoE expert weights on `fsdp`, so each fsdp
+device holds whole experts (1/fsdp of them) instead of a slice of every expert, in training and in
+the engine alike (same layout: weight sync of the experts is zero-copy). The model's dispatch
+reads this rule and runs each device's experts on the tokens routed to them (models/_decoder.py,
+`expert_mix`). An expert kernel's `embed` dim then stays whole (its rule names `fsdp` too).
+
 A mesh whose `context` axis has size 1 (the default) leaves `context` out of every spec made
 for it, so each sharding is exactly what it was before the axis existed.
 """
@@ -36,7 +42,7 @@ TRAIN_RULES: Rules = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
-    ("expert", None),  # the expert dim of MoE weights: replicated (no expert parallelism yet)
+    ("expert", "fsdp"),  # expert parallelism: MoE experts split over fsdp (docs/scaling.md)
     ("layers", None),
     # KV cache
     ("cache_batch", _BATCH),
@@ -52,7 +58,7 @@ ROLLOUT_RULES: Rules = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
-    ("expert", None),  # the expert dim of MoE weights: replicated (no expert parallelism yet)
+    ("expert", "fsdp"),  # expert parallelism: MoE experts split over fsdp (docs/scaling.md)
     ("layers", None),
     ("cache_batch", _BATCH),
     ("cache_length", None),
@@ -152,8 +158,11 @@ def logical_sharding(mesh: Mesh, logical_axes: Sequence[str | None], rules: Rule
         for i, (size, axes) in enumerate(zip(shape, per_dim)):
             parts = math.prod(mesh.shape[a] for a in axes)
             if size % parts:
+                hint = (" (expert parallelism: the experts are split over these axes, so their size must "
+                        "divide num_experts; put the other devices on mesh.data)"
+                        if logical_axes[i] == "expert" else "")
                 raise ValueError(
                     f"{what}dim {i} (size {size}, logical axis {logical_axes[i]!r}) is not divisible by "
                     f"mesh axes {axes} of total size {parts} (mesh {dict(mesh.shape)}); change the mesh "
-                    f"shape or the model size")
+                    f"shape or the model size{hint}")
     return NamedSharding(mesh, PartitionSpec(*(_spec_entry(a) for a in per_dim)))

@@ -392,28 +392,148 @@ def expert_load(router_logits, top_k: int, attention_mask=None):
     return counts / jnp.maximum(counts.sum(-1, keepdims=True), 1.0)
 
 
+def _ragged_swiglu(xs, sizes, kernels):
+    """SwiGLU of row groups: xs [M, e] sorted by expert, sizes int32 [E] (rows past their sum are
+    left out of every group); kernels (gate [E, e, f], up [E, e, f], down [E, f, e]) -> [M, e]."""
+    gate_w, up_w, down_w = (w.astype(xs.dtype) for w in kernels)
+    gate = jax.lax.ragged_dot(xs, gate_w, sizes)
+    up = jax.lax.ragged_dot(xs, up_w, sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_w, sizes)
+
+
 def grouped_experts(x, experts, kernels):
     """SwiGLU experts on tokens x [T, e] routed to experts int32 [T, k]; kernels (gate [E, e, f],
     up [E, e, f], down [E, f, e]). Capacity-free: the T*k (token, expert) pairs are sorted by
     expert and each expert's contiguous group is multiplied by its weights with
     `jax.lax.ragged_dot` (a grouped matmul; XLA on every backend). Returns [T, k, e], output j of
     token t from expert experts[t, j]."""
-    gate_w, up_w, down_w = (w.astype(x.dtype) for w in kernels)
     t, k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pair positions grouped by expert
-    sizes = jnp.bincount(flat, length=gate_w.shape[0]).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=kernels[0].shape[0]).astype(jnp.int32)
     xs = jnp.take(x, order // k, axis=0)  # [T*k, e]
-    gate = jax.lax.ragged_dot(xs, gate_w, sizes)
-    up = jax.lax.ragged_dot(xs, up_w, sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_w, sizes)  # [T*k, e], sorted
+    out = _ragged_swiglu(xs, sizes, kernels)  # [T*k, e], sorted
     unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
     return unsorted.reshape(t, k, -1)
 
 
+def expert_mix(x, experts, weights, kernels):
+    """The sparse MLP's output: token t gets sum_j weights[t, j] * expert_{experts[t, j]}(x[t]).
+    x [T, e], experts int32 [T, k], weights [T, k] (cast to x's dtype), kernels as
+    `grouped_experts` -> [T, e].
+
+    Where the active sharding rules split the experts' `expert` dim over mesh axes (expert
+    parallelism, see `_expert_parallel`), the dispatch runs per expert shard under `shard_map`;
+    otherwise (no rules active, or the dim whole) it is `grouped_experts` on all experts."""
+    plan = _expert_plan(kernels[0].shape[0])
+    if plan is None:
+        return jnp.einsum("tke,tk->te", grouped_experts(x, experts, kernels), weights.astype(x.dtype))
+    return _expert_parallel(plan, x, experts, weights, kernels)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExpertPlan:
+    """How the active rules lay out one sparse MLP: mesh axes of the flat token dim, of the
+    experts' `expert` dim and of their `mlp` dim."""
+
+    mesh: Any
+    tokens: tuple[str, ...]
+    experts: tuple[str, ...]
+    mlp: tuple[str, ...]
+
+
+def _names(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _expert_plan(num_experts: int) -> _ExpertPlan | None:
+    """The expert-parallel layout under the active rules, or None when the experts are whole."""
+    mesh, rules = sharding.current_mesh(), sharding.current_rules()
+    if mesh is None or sharding.logical_axis_size(mesh, "expert", rules) == 1:
+        return None
+    kernel = sharding.logical_to_spec(("expert", "embed", "mlp"), rules, mesh)
+    act = sharding.logical_to_spec(("batch", "length", "embed"), rules, mesh)
+    plan = _ExpertPlan(mesh, _names(act[0]) + _names(act[1]), _names(kernel[0]), _names(kernel[2]))
+    parts = math.prod(mesh.shape[a] for a in plan.experts)
+    if num_experts % parts:
+        raise ValueError(f"num_experts={num_experts} does not split over the {parts} expert-parallel devices "
+                         f"(mesh axes {plan.experts}, the `expert` sharding rule); make those mesh axes "
+                         f"divide num_experts (e.g. a smaller mesh.fsdp, the other devices on mesh.data)")
+    return plan
+
+
+# (token, expert) pairs one device runs through its experts in one step of the expert-parallel
+# dispatch: more gathered pairs go in steps of a scan (bounds the [pairs, embed] buffers)
+EP_STEP_PAIRS = 1 << 16
+
+
+def _expert_parallel(plan: _ExpertPlan, x, experts, weights, kernels):
+    """`expert_mix` with the experts split over `plan.experts`: every device holds E/n experts
+    (and its `mlp` slice of them). Under `shard_map`, each device all-gathers the tokens (with
+    their expert ids and weights) of the devices that share its data but hold other experts, runs
+    its own experts on the pairs routed to them (`_own_experts`), and a reduce-scatter over the
+    expert axes sums the shards' partial outputs and hands each device back its own tokens (a
+    psum over the `mlp` axes adds the tensor-parallel parts). More than `EP_STEP_PAIRS` gathered
+    pairs run in steps of a rematerialised scan over row blocks, so the per-pair buffers stay that
+    size whatever the expert-parallel group (capacity-free in every step: a block's pairs may all
+    be this device's). Token counts are padded to a multiple of the token shards (zero weight)."""
+    mesh, T = plan.mesh, x.shape[0]
+    k = experts.shape[1]
+    pad = -T % math.prod(mesh.shape[a] for a in plan.tokens)
+    if pad:
+        x, experts, weights = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, experts, weights))
+    gather = tuple(a for a in plan.experts if a in plan.tokens)  # tokens split over these: gather
+    reduce = tuple(a for a in plan.experts if a not in plan.tokens) + plan.mlp  # partial sums: add
+    P = jax.sharding.PartitionSpec
+    tok, ker = P(plan.tokens or None), P(plan.experts, None, plan.mlp or None)
+    down = P(plan.experts, plan.mlp or None, None)
+
+    def local(x, ids, w, gate_w, up_w, down_w):
+        if gather:
+            x, ids, w = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, ids, w))
+        shard = 0
+        for a in plan.experts:  # this device's expert block, major axis first (as the sharding)
+            shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
+        kern = (gate_w, up_w, down_w)
+        rows, steps = x.shape[0], -(-x.shape[0] * k // EP_STEP_PAIRS)
+        if steps <= 1:
+            y = _own_experts(x, ids, w, shard, kern)
+        else:
+            block = -(-rows // steps)
+            xs = [jnp.pad(a, ((0, block * steps - rows), (0, 0))).reshape(steps, block, -1) for a in (x, ids, w)]
+            step = jax.checkpoint(lambda _, xiw: (None, _own_experts(*xiw, shard, kern)))
+            y = jax.lax.scan(step, None, tuple(xs))[1].reshape(block * steps, -1)[:rows]
+        if gather:
+            y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, reduce) if reduce else y
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, ker, ker, down), out_specs=tok)
+    y = fn(x, experts, weights.astype(x.dtype), *kernels)
+    return y[:T] if pad else y
+
+
+def _own_experts(x, ids, w, shard, kernels):
+    """One device's share of `expert_mix`: x [R, e], ids int32 [R, k] (global expert ids), w [R, k];
+    kernels the device's experts `shard * E_local ...` -> [R, e], the weighted sum over each row's
+    pairs routed to those experts (0 for the others). The pairs are sorted by local expert id and
+    run with `ragged_dot` on the local group sizes; pairs of other shards' experts sort last,
+    outside every group, and are zeroed."""
+    k, n_local = ids.shape[1], kernels[0].shape[0]
+    own = ids - shard * n_local
+    mine = (own >= 0) & (own < n_local)
+    flat = jnp.where(mine, own, n_local).reshape(-1)  # other shards' pairs: one group past the end
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=n_local + 1)[:n_local].astype(jnp.int32)
+    out = _ragged_swiglu(jnp.take(x, order // k, axis=0), sizes, kernels)
+    mine = mine.reshape(-1)[order]
+    scale = jnp.where(mine, w.reshape(-1)[order], 0)[:, None]
+    out = jnp.where(mine[:, None], out * scale, 0)  # rows outside every group: 0 whatever the kernel left
+    return jnp.zeros(x.shape, out.dtype).at[order // k].add(out)
+
+
 class SparseMLP(nnx.Module):
     """A mixture-of-experts MLP (Qwen3-MoE's `mlp`, Mixtral's `block_sparse_moe`): the router
-    `gate` kernel [e, E], then each token through its top-k experts (`route`, `grouped_experts`),
+    `gate` kernel [e, E], then each token through its top-k experts (`route`, `expert_mix`),
     summed with the router weights."""
 
     def __init__(self, c: ModelConfig, n: int | None, rngs: nnx.Rngs):
@@ -444,8 +564,7 @@ class SparseMLP(nnx.Module):
         flat = x.reshape(b * t, e)
         logits = self.router_logits(flat)
         weights, experts = self.choose(logits, None if experts is None else experts.reshape(b * t, -1))
-        y = grouped_experts(flat, experts, self.experts.kernels())  # [T, k, e]
-        out = jnp.einsum("tke,tk->te", y, weights.astype(x.dtype))
+        out = expert_mix(flat, experts, weights, self.experts.kernels())  # [T, e]
         out = sharding.constrain(out.reshape(b, t, e), ("batch", "length", "embed"))
         extra = ((logits.reshape(b, t, -1),) if return_router_logits else ()) + (
             (experts.reshape(b, t, -1),) if return_experts else ())

@@ -184,7 +184,8 @@ def test_lora_on_moe_attention_only_and_expert_targets_refused():
 
 
 def test_moe_forward_is_the_same_on_every_mesh():
-    """Expert weights placed by the train and rollout rules (expert dim replicated, `mlp` on tensor)."""
+    """Expert weights placed by the train and rollout rules (expert dim on fsdp: expert parallel where
+    fsdp > 1; `mlp` on tensor)."""
     import sharding
     from flax import nnx
     from jax.sharding import NamedSharding
