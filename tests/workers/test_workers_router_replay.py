@@ -151,8 +151,9 @@ def test_one_rl_step_carries_the_experts_from_the_engine_to_the_replaying_update
     from jaxrl_llm.trainer import RLTrainer
     from jaxrl_llm.workers import HostWorker
 
+    # the fixture's 4 experts split over fsdp=4 (expert parallelism), the other 2 devices on data
     o = {"model.path": FIXTURE, "model.tokenizer": "char", "model.dtype": "float32",
-         "actor.router_replay.mode": "replay", "actor.skip_redundant_old_log_prob": False,
+         "mesh.data": 2, "mesh.fsdp": 4, "actor.router_replay.mode": "replay", "actor.skip_redundant_old_log_prob": False,
          "trainer.default_local_dir": tmp_path / "run", "trainer.progress_bar": False, "trainer.plot": False,
          "trainer.logger": "jsonl", "trainer.async_save": False, "trainer.val_before_train": False,
          "reward.custom_reward_function.path": REWARD_FN, "reward.custom_reward_function.name": "compute_score"}
