@@ -184,7 +184,8 @@ class RolloutServer:
 
     steps_per_sync: decode steps per host check (new requests wait at most this long for a free
     slot to be noticed). max_prefill_batch: prompts per prefill call. reuse_prefix: append a
-    session's new tokens to its parked KV instead of prefilling the whole prompt.
+    session's new tokens to its parked KV instead of prefilling the whole prompt (off when the
+    engine is `batch_invariant`: see docs/rollout.md).
     partial_rollout_kv: what a weight sync does to the KV of held (running) requests:
     "recompute" (default, as verl) re-prefills each one's kept prefix with the new weights before
     it decodes again, and drops parked sessions' KV; "keep" leaves the KV of the old weights.
@@ -213,7 +214,10 @@ class RolloutServer:
         self.engine = engine
         self.steps_per_sync = int(steps_per_sync)
         self.max_prefill_batch = int(max_prefill_batch)
-        self.reuse_prefix = bool(reuse_prefix)
+        # batch_invariant: a turn's KV must not depend on whether its session's parked slot
+        # survived (an eviction depends on arrival timing; decode-computed KV differs in the last
+        # bits from a prefill's), so every prompt is prefilled in full
+        self.reuse_prefix = bool(reuse_prefix) and not engine.batch_invariant
         self._slots = engine.max_concurrent_decodes
         self._stop = set(engine.stop_token_ids)
         self._cv = threading.Condition()
