@@ -112,6 +112,15 @@ def _default_mesh(pure_params) -> jax.sharding.Mesh:
     return sharding.make_mesh((1, 1, 1), devices=[device])
 
 
+def _log_softmax_at(logits, tokens, temperature):
+    """log_softmax(logits / T)[token] as the trainer's log-prob pass computes it (the chosen
+    scaled logit minus `logsumexp`; T = 1 for greedy rows): `sample`'s own log-prob comes from
+    its chunked sums and differs from it in the last bits. logits f32[b, v] -> f32[b]."""
+    scaled = logits.astype(jnp.float32) / jnp.where(temperature <= 0.0, 1.0, temperature)[:, None]
+    picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+    return picked - jax.nn.logsumexp(scaled, axis=-1)
+
+
 def _is_abstract(pure) -> bool:
     leaves = jax.tree.leaves(pure)
     return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
@@ -442,6 +451,8 @@ class Engine:
         logits = model.logits(hidden[:, 0])
         keys = jax.vmap(jax.random.fold_in)(state.keys, state.generated)
         tok, logp = sample(logits, keys, state.temperature, state.top_k, state.top_p)
+        if self.batch_invariant:  # the trainer's formula (`algos.token_log_probs_*`), bit for bit
+            logp = _log_softmax_at(logits, tok, state.temperature)
         act = state.active
         generated = state.generated + act.astype(jnp.int32)
         lengths = state.lengths + act.astype(jnp.int32)

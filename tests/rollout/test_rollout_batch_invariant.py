@@ -145,3 +145,40 @@ def test_chunked_prefill_of_long_prompts_is_bit_identical_alone_or_together(engi
         together = _outputs({r: srv.submit(f"r{r}", long[r], row=r, **kw) for r in reversed(range(5))})
         assert srv.stats["append_calls"] >= 6
     assert together == alone
+
+
+def test_engine_log_probs_use_the_trainers_log_softmax_on_its_own_logits(tiny_model, monkeypatch, prompts8):
+    """batch_invariant reports log_softmax(logits / T)[token] exactly as the trainer's log-prob
+    pass computes it from the same logits (`sample`'s own chunked log-prob differs in the last
+    bits): the logits each decode step made are captured and handed to the trainer's function."""
+    from jaxrl_llm.algos import _logprobs
+    from rollout import _engine
+
+    seen = []
+
+    def spy(logits, keys, temperature, top_k, top_p):
+        jax.debug.callback(lambda *a: seen.append([np.asarray(x) for x in a]), logits, temperature)
+        return rollout.sample(logits, keys, temperature, top_k, top_p)
+
+    monkeypatch.setattr(_engine, "sample", spy)
+    engine = rollout.Engine.from_model(tiny_model, max_concurrent_decodes=4, max_prefill_length=16,
+                                       max_target_length=32, temperature=0.7, layer_layout="per_layer",
+                                       batch_invariant=True)
+    state = engine.init_decode_state()
+    tokens = np.zeros((4, 16), np.int32)
+    for j, p in enumerate(prompts8[:4]):
+        tokens[j, :len(p)] = p
+    prefix = engine.prefill_batch(engine.params, tokens, np.asarray([len(p) for p in prompts8[:4]]))
+    state = engine.insert_rows(state, prefix, src=np.arange(4), dst=np.arange(4), rows=np.arange(4),
+                               max_new=np.full(4, 10), sampling=rollout.SamplingParams(0.7),
+                               key=jax.random.key(1))
+    got, want = [], []
+    for _ in range(6):
+        state, res = engine.generate(engine.params, state)
+        jax.effects_barrier()
+        logits, temperature = seen[-1]
+        tok = np.asarray(res.data[:, 0])
+        got.append(np.asarray(res.log_prob[:, 0]))
+        want.append(np.asarray(_logprobs.token_log_probs_from_logits(
+            logits[None], tok[None], float(temperature[0])))[0])
+    np.testing.assert_array_equal(np.stack(got), np.stack(want))
