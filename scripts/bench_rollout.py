@@ -6,6 +6,7 @@
     python scripts/bench_rollout.py --tiny                # CPU smoke run in seconds (tests call it)
     python scripts/bench_rollout.py --models 1.5b --batches 256 --variants einsum:1 cudnn:1
     python scripts/bench_rollout.py --models 1.5b --batches 256 --no-peer --layouts stacked per_layer
+    python scripts/bench_rollout.py --models 1.5b --batches 64 256 --no-peer --batch-invariant both
 
 Random-init bf16 models with Qwen2.5 shapes; every prompt is `--prompt-len` random tokens and
 generates exactly the requested number of tokens (no stop tokens), sampling at temperature 1.
@@ -34,8 +35,11 @@ What is timed (every call warm: each shape is compiled by an untimed call first)
 
 `--variants ATTN:UNROLL ...` times the decode path under each setting of
 `ModelConfig.decode_attention` (auto | einsum | reduce | cudnn | pallas | triton) and `.decode_unroll`
-(stacked layout only); `--layouts` picks the engine's `layer_layout`. Prints one JSON object per
-line (and `--out` writes the list).
+(stacked layout only); `--layouts` picks the engine's `layer_layout`. `--batch-invariant on|both`
+times the engine with `batch_invariant=True` (rollout.batch_invariant: fixed-row prefill calls, the
+trainer's log-softmax; docs/rollout.md), "both" also the fast path, and adds `vs_fast_path` to the
+invariant record: its ms_per_step, prefill_s and total_s over the fast path's. Prints one JSON
+object per line (and `--out` writes the list).
 """
 from __future__ import annotations
 
@@ -79,6 +83,8 @@ def parse_args(argv=None):
                    help="extra rollout.Engine keyword arguments (ints, floats, true/false, strings)")
     p.add_argument("--decode-xla-option", nargs="*", default=[], metavar="KEY=VALUE",
                    help="XLA options for the engine's decode programs only (decode_compiler_options)")
+    p.add_argument("--batch-invariant", default="off", choices=["off", "on", "both"],
+                   help="time the engine with batch_invariant=True (on), or with and without (both)")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
     p.add_argument("--trace", default="", help="trace the two timed calls into this folder and "
                    "report decode-only kernel time per step (see the module docstring)")
@@ -169,7 +175,7 @@ def _trace_diff(paths, steps: int) -> dict:
             "top_kernels": kernels[:30], "files": [os.path.basename(p) for p in paths]}
 
 
-def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
+def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", batch_invariant=None):
     import rollout
     from jaxrl_llm.models import init_model
     from rollout._engine import PREFILL_BUCKETS
@@ -181,6 +187,8 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
     opts = _engine_opts(args.engine_opt)
     if args.decode_xla_option:
         opts["decode_compiler_options"] = _engine_opts(args.decode_xla_option)
+    if batch_invariant is not None:
+        opts["batch_invariant"] = batch_invariant
     engine = rollout.Engine.from_model(
         model, max_concurrent_decodes=batch, max_prefill_length=prefill_len,
         max_target_length=max(prefill_len + 1, args.prompt_len + args.gen_len), temperature=1.0,
@@ -212,6 +220,7 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
         "engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
         "decode_attention": cfg.decode_attention, "decode_unroll": cfg.decode_unroll,
         "layer_layout": engine.layer_layout, "engine_opts": opts,
+        "batch_invariant": engine.batch_invariant,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "prompt_len": args.prompt_len, "gen_len": long_, "short_len": short, "dtype": str(jnp.dtype(dtype)),
         "device": str(jax.devices()[0].device_kind), "generated_tokens": gen_tokens,
@@ -354,19 +363,28 @@ def main(argv=None) -> list[dict]:
             peers = [] if args.no_peer else bench_peer(name, batch, args)
             for p in peers:
                 report.add(p)
+            invariant = {"off": [None], "on": [True], "both": [False, True]}[args.batch_invariant]
             for layout, variant in [] if args.peer_only else [
                     (lay, v) for lay in args.layouts for v in args.variants]:
-                gc.collect()  # the previous engine (a reference cycle through its jits) and its cache
-                try:
-                    ours = bench_ours(name, batch, args, variant, layout)
-                except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
-                    if args.tiny:
-                        raise
-                    ours = {"engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
-                            "variant": variant, "layer_layout": layout, "error": repr(e)[-2000:]}
-                if peers:
-                    ours["vs_peer"] = compare(ours, peers)
-                report.add(ours)
+                fast = None
+                for inv in invariant:
+                    gc.collect()  # the previous engine (a reference cycle through its jits) and its cache
+                    try:
+                        ours = bench_ours(name, batch, args, variant, layout, inv)
+                    except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
+                        if args.tiny:
+                            raise
+                        ours = {"engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
+                                "variant": variant, "layer_layout": layout, "batch_invariant": bool(inv),
+                                "error": repr(e)[-2000:]}
+                    if inv is False and "error" not in ours:
+                        fast = ours
+                    elif inv and fast is not None and "error" not in ours:
+                        ours["vs_fast_path"] = {k: ours[k] / fast[k] for k in ("ms_per_step", "prefill_s", "total_s")
+                                                if fast.get(k)}
+                    if peers:
+                        ours["vs_peer"] = compare(ours, peers)
+                    report.add(ours)
     return report.records
 
 
