@@ -148,6 +148,12 @@ class Engine:
     loop). None: {"xla_gpu_enable_triton_gemm": False} (cuBLAS for the skinny decode matmuls)
     for per_layer_fused on GPU, where it measured faster (docs/benchmarks.md §3), else none;
     {} turns that off.
+    batch_invariant: a request's per-token results (logits, log-probs, sampled tokens) do not
+    depend on which requests share its prefill or decode calls or on its slot: `prefill_batch`
+    and `append_rows` run in calls of exactly BATCH_INVARIANT_ROWS rows (padded), decode already
+    runs every slot at one shape, and the reported log-prob is the trainer's formula
+    (log_softmax(logits / T)[token] via logsumexp) on the step's logits. Costs more, smaller
+    prefill calls (docs/rollout.md "Batch-invariant decoding"); off by default.
     `engine.layer_layout` is the resolved layout;
     `engine.params` is in it (per_layer: `params["model"]["layers"] == {i: layer i}`), and
     `update_params` takes either layout.
