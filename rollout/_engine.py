@@ -512,13 +512,16 @@ class Engine:
         """The engine's programs lowered for its mesh over abstract inputs (nothing allocated):
         "prefill" (`prefill_rows` prompts at max_prefill_length), "insert" (`insert_rows` of them
         into the slots), "generate" (one decode step of every slot) and "decode_loop" (the RL
-        driver's multi-step loop writing into [out_rows, out_tokens] buffers). The weights are the
+        driver's multi-step loop writing into [out_rows, out_tokens] buffers; a `batch_invariant`
+        engine's prefill is always BATCH_INVARIANT_ROWS prompts). The weights are the
         engine's `params` (abstract on an abstract engine). `sync_from`: abstract trainer params
         (a pure dict with shardings on the same devices) adds "weight_sync", the one program
         `update_params` runs for them (cast + reshard, or cast + relayout), or None when
         `update_params` would share them (zero copy, see `shares_weights`). `programs`: the names to
         lower (None: all; tracing each costs seconds). Returns {name: jax.stages.Lowered | None}."""
         wanted = set(PROGRAM_NAMES if programs is None else programs)
+        if self.batch_invariant:  # the only prefill shape this engine runs (`_prefill_fixed_rows`)
+            prefill_rows = BATCH_INVARIANT_ROWS
         unknown = wanted - set(PROGRAM_NAMES)
         if unknown:
             raise ValueError(f"Engine.lower: unknown programs {sorted(unknown)}; choose from {PROGRAM_NAMES}")

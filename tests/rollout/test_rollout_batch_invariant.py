@@ -182,3 +182,11 @@ def test_engine_log_probs_use_the_trainers_log_softmax_on_its_own_logits(tiny_mo
         want.append(np.asarray(_logprobs.token_log_probs_from_logits(
             logits[None], tok[None], float(temperature[0])))[0])
     np.testing.assert_array_equal(np.stack(got), np.stack(want))
+
+
+def test_lower_compiles_the_one_prefill_shape_a_batch_invariant_engine_runs(engine):
+    """Ahead-of-time compiles (`Engine.lower`) lower the fixed-row prefill, whatever prefill_rows."""
+    lowered = engine.lower(prefill_rows=16, insert_rows=4, out_rows=16, out_tokens=16, programs=["prefill"])
+    _, tokens, lengths = lowered["prefill"].args_info[0]
+    assert tokens.shape == (rollout.BATCH_INVARIANT_ROWS, engine.max_prefill_length)
+    assert lengths.shape == (rollout.BATCH_INVARIANT_ROWS,)
