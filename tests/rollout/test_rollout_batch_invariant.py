@@ -190,3 +190,23 @@ def test_lower_compiles_the_one_prefill_shape_a_batch_invariant_engine_runs(engi
     _, tokens, lengths = lowered["prefill"].args_info[0]
     assert tokens.shape == (rollout.BATCH_INVARIANT_ROWS, engine.max_prefill_length)
     assert lengths.shape == (rollout.BATCH_INVARIANT_ROWS,)
+
+
+def test_eight_prompts_alone_equal_the_same_prompts_among_64_requests(tiny_model, prompts8):
+    """The issue's check: 8 prompts decoded one at a time and among 64 requests arriving at once,
+    in a shuffled order (so in other slots and prefill calls), on a 64-slot engine."""
+    engine = rollout.Engine.from_model(tiny_model, max_concurrent_decodes=64, max_prefill_length=16,
+                                       max_target_length=32, temperature=1.0, pad_token_id=0,
+                                       layer_layout="per_layer", batch_invariant=True)
+    rng = np.random.default_rng(9)
+    others = [[int(t) for t in rng.integers(8, 96, size=int(rng.integers(2, 16)))] for _ in range(56)]
+    kw = dict(sampling=SAMPLED, max_new_tokens=8, seed=4)
+    with rollout.RolloutServer(engine, steps_per_sync=4) as srv:
+        alone = {r: (o.token_ids, o.log_probs) for r in range(8)
+                 for o in [srv.generate(f"a{r}", prompts8[r], row=r, **kw)]}
+        requests = [(f"t{r}", prompts8[r], r) for r in range(8)] + [(f"o{i}", p, 100 + i) for i, p in enumerate(others)]
+        order = rng.permutation(len(requests))
+        futures = {requests[i][2]: srv.submit(requests[i][0], requests[i][1], row=requests[i][2], **kw)
+                   for i in order}
+        crowd = _outputs(futures)
+    assert {r: crowd[r] for r in range(8)} == alone
