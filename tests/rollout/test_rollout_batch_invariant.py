@@ -192,12 +192,17 @@ def test_lower_compiles_the_one_prefill_shape_a_batch_invariant_engine_runs(engi
     assert lengths.shape == (rollout.BATCH_INVARIANT_ROWS,)
 
 
-def test_eight_prompts_alone_equal_the_same_prompts_among_64_requests(tiny_model, prompts8):
+@pytest.fixture(scope="module")
+def engine64(tiny_model):
+    return rollout.Engine.from_model(tiny_model, max_concurrent_decodes=64, max_prefill_length=16,
+                                     max_target_length=32, temperature=1.0, pad_token_id=0,
+                                     layer_layout="per_layer", batch_invariant=True)
+
+
+def test_eight_prompts_alone_equal_the_same_prompts_among_64_requests(engine64, prompts8):
     """The issue's check: 8 prompts decoded one at a time and among 64 requests arriving at once,
     in a shuffled order (so in other slots and prefill calls), on a 64-slot engine."""
-    engine = rollout.Engine.from_model(tiny_model, max_concurrent_decodes=64, max_prefill_length=16,
-                                       max_target_length=32, temperature=1.0, pad_token_id=0,
-                                       layer_layout="per_layer", batch_invariant=True)
+    engine = engine64
     rng = np.random.default_rng(9)
     others = [[int(t) for t in rng.integers(8, 96, size=int(rng.integers(2, 16)))] for _ in range(56)]
     kw = dict(sampling=SAMPLED, max_new_tokens=8, seed=4)
@@ -210,3 +215,19 @@ def test_eight_prompts_alone_equal_the_same_prompts_among_64_requests(tiny_model
                    for i in order}
         crowd = _outputs(futures)
     assert {r: crowd[r] for r in range(8)} == alone
+
+
+def test_server_runs_no_prefill_call_of_padding_rows_only(engine64, prompts8, monkeypatch):
+    """9 prompts arriving together take 3 fixed-row prefill calls, not the 4 that padding them to
+    a power of two (16 rows) would take."""
+    engine = engine64
+    calls = []
+    real = engine._prefill_jit
+    monkeypatch.setattr(engine, "_prefill_jit", lambda *a: calls.append(a[1].shape) or real(*a))
+    with rollout.RolloutServer(engine, steps_per_sync=4) as srv:
+        srv.suspend()  # all 9 wait, so they are admitted together
+        futures = [srv.submit(f"r{r}", (prompts8 + prompts8)[r], sampling=SAMPLED, max_new_tokens=2,
+                              row=r) for r in range(9)]
+        srv.resume()
+        [f.result() for f in futures]
+    assert calls == [(rollout.BATCH_INVARIANT_ROWS, 16)] * 3
