@@ -603,7 +603,10 @@ class RolloutServer:
         head = max(b for b in REFILL_BUCKETS if b <= limit)
         heads = [r.fill if refill_bucket(len(r.fill), self.engine.max_target_length) <= limit
                  else r.fill[:head] for r in reqs]
-        plan = refill_plan([len(h) for h in heads], self.engine.max_target_length, self.recompute_tokens)
+        if self.engine.batch_invariant:
+            plan = self._own_bucket_plan([len(h) for h in heads])
+        else:
+            plan = refill_plan([len(h) for h in heads], self.engine.max_target_length, self.recompute_tokens)
         for bucket, rows, size in plan:
             self._insert_prefill([reqs[i] for i in rows], bucket, size, [heads[i] for i in rows])
         todo = [r for r in reqs if r.cached < len(r.fill) - 1]
@@ -615,6 +618,16 @@ class RolloutServer:
                                                 self._generated[slots])
         self._stats["recomputed_requests"] += len(reqs)
         return {"recomputed_requests": len(reqs), "recomputed_tokens": n}
+
+    def _own_bucket_plan(self, lengths: list[int]) -> list[tuple]:
+        """`refill_plan` for a batch_invariant engine: each prefix padded to its own refill bucket
+        (in `refill_plan` a call's longest prefix sets every row's bucket, and a row's numbers
+        depend on its bucket), one call per bucket, longest first; the engine computes it in
+        calls of BATCH_INVARIANT_ROWS rows (each holds at most that many rows x the bucket)."""
+        by_bucket: dict[int, list[int]] = {}
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            by_bucket.setdefault(refill_bucket(lengths[i], self.engine.max_target_length), []).append(i)
+        return [(bucket, rows, self._call_rows(len(rows))) for bucket, rows in by_bucket.items()]
 
     def _free_slots(self) -> list[int]:
         parked = {slot for slot, _ in self._parked.values()}

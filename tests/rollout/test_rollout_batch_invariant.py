@@ -231,3 +231,32 @@ def test_server_runs_no_prefill_call_of_padding_rows_only(engine64, prompts8, mo
         srv.resume()
         [f.result() for f in futures]
     assert calls == [(rollout.BATCH_INVARIANT_ROWS, 16)] * 3
+
+
+def test_held_requests_are_refilled_at_a_sync_the_same_alone_or_beside_a_long_one(
+        engine, tiny_model, prompts8, monkeypatch):
+    """partial_rollout_kv="recompute": at a weight sync each held request's prefix is re-prefilled.
+    Beside a long prefix (bucket 48) the short ones keep their own bucket (16), so they continue
+    bit-identically to the same requests held without it."""
+    from conftest import hook_decode
+
+    rng = np.random.default_rng(5)
+    long = [int(t) for t in rng.integers(8, 96, size=30)]
+    kw = dict(sampling=SAMPLED, max_new_tokens=14, seed=6)
+
+    def run(with_long):
+        with rollout.RolloutServer(engine, steps_per_sync=4) as srv:
+            sync = {}
+            hook_decode(monkeypatch, engine, {2: lambda: sync.setdefault("f", srv.submit_update(tiny_model))})
+            srv.suspend()  # admitted together, then every loop runs its 4 steps
+            short = {r: srv.submit(f"s{r}", prompts8[r], row=r, **kw) for r in range(6)}
+            extra = [srv.submit("long", long, row=9, **kw)] if with_long else []
+            srv.resume()
+            outs = _outputs(short)
+            assert sync["f"].result()["held_requests"] == 6 + len(extra)
+            assert srv.stats["recomputed_requests"] == 6 + len(extra)
+            [f.result() for f in extra]
+        monkeypatch.undo()
+        return outs
+
+    assert run(True) == run(False)
