@@ -31,6 +31,10 @@ Randomness: a request with (seed, row) samples its step t with
 `fold_in(fold_in(key(seed), row), t)`, exactly as `RolloutDriver` samples its row `row`, so the
 server reproduces the driver's rows whatever the batch, slot or arrival order.
 
+A `batch_invariant` engine (docs/rollout.md): every prompt is prefilled in full (no parked-KV
+reuse), calls take a multiple of `BATCH_INVARIANT_ROWS` rows, and a sync's re-prefill pads each
+prefix to its own bucket, so a request's numbers depend on none of the requests beside it.
+
 Weight sync (`update_params`): in_flight="hold" applies the new weights at the next sync point;
 running requests stay in their slots with their tokens and log-probs and continue with the new
 weights (`policy_versions` records the version of every token). Their KV cache: partial_rollout_kv
