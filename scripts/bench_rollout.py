@@ -38,8 +38,12 @@ What is timed (every call warm: each shape is compiled by an untimed call first)
 (stacked layout only); `--layouts` picks the engine's `layer_layout`. `--batch-invariant on|both`
 times the engine with `batch_invariant=True` (rollout.batch_invariant: fixed-row prefill calls, the
 trainer's log-softmax; docs/rollout.md), "both" also the fast path, and adds `vs_fast_path` to the
-invariant record: its ms_per_step, prefill_s and total_s over the fast path's. Prints one JSON
-object per line (and `--out` writes the list).
+invariant record: its ms_per_step, prefill_s and total_s over the fast path's.
+`--invariance-check` instead checks bit-identity on the device: 8 prompts (lengths from half of
+`--prompt-len` up to it) decoded one at a time through a `RolloutServer`, then among `batch`
+requests submitted at once in a shuffled order, with the engine's batch_invariant off and on;
+each record gives `tokens_equal` and `max_abs_logprob_diff` of those 8 (0 and true expected with
+it on). Prints one JSON object per line (and `--out` writes the list).
 """
 from __future__ import annotations
 
@@ -85,6 +89,9 @@ def parse_args(argv=None):
                    help="XLA options for the engine's decode programs only (decode_compiler_options)")
     p.add_argument("--batch-invariant", default="off", choices=["off", "on", "both"],
                    help="time the engine with batch_invariant=True (on), or with and without (both)")
+    p.add_argument("--invariance-check", action="store_true",
+                   help="check that 8 requests decode bit-identically alone and among --batches "
+                   "others, batch_invariant off and on (see the module docstring); no timing")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
     p.add_argument("--trace", default="", help="trace the two timed calls into this folder and "
                    "report decode-only kernel time per step (see the module docstring)")
@@ -95,6 +102,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.tiny:
         args.models, args.batches, args.prompt_len, args.gen_len = ["tiny"], [4], 16, 8
+        if args.invariance_check:  # 8 prompts and others
+            args.batches = [16]
         args.steps_per_sync, args.no_peer = 4, True
     if not args.short_len:
         bucket = 1 << max(0, max(args.gen_len, 16) - 1).bit_length()  # the driver's output buffer
@@ -245,6 +254,38 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", batch_in
     return rec
 
 
+def check_invariance(name, batch, args, batch_invariant: bool, layout="per_layer") -> dict:
+    """8 prompts alone vs among `batch` shuffled requests through a RolloutServer (sampled at
+    temperature 1, each request its own (seed, row) stream): are their tokens and log-probs equal?"""
+    import rollout
+    from jaxrl_llm.models import init_model
+    from rollout._engine import PREFILL_BUCKETS
+
+    if batch < 9:
+        raise SystemExit(f"--invariance-check needs a batch of at least 9 (8 prompts and others), got {batch}")
+    cfg = _config(name, jnp.float32 if args.tiny else jnp.bfloat16)
+    prefill_len = next(b for b in PREFILL_BUCKETS if b >= args.prompt_len)
+    engine = rollout.Engine.from_model(
+        init_model(cfg, seed=0), max_concurrent_decodes=batch, max_prefill_length=prefill_len,
+        max_target_length=prefill_len + args.gen_len, temperature=1.0, layer_layout=layout,
+        batch_invariant=batch_invariant)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(args.prompt_len // 2, args.prompt_len + 1))).tolist()
+               for _ in range(batch)]
+    kw = dict(sampling=rollout.SamplingParams(1.0), max_new_tokens=args.gen_len, seed=0)
+    with rollout.RolloutServer(engine, steps_per_sync=args.steps_per_sync) as srv:
+        alone = [srv.generate(f"a{r}", prompts[r], row=r, **kw) for r in range(8)]
+        futures = {r: srv.submit(f"b{r}", prompts[r], row=r, **kw) for r in rng.permutation(batch).tolist()}
+        crowd = [futures[r].result() for r in range(8)]
+    diff = max(float(np.max(np.abs(np.asarray(a.log_probs) - np.asarray(c.log_probs)), initial=0.0))
+               if a.token_ids == c.token_ids else float("inf") for a, c in zip(alone, crowd))
+    return {"check": "batch_invariance", "model": f"qwen2.5-{name}", "batch": batch,
+            "layer_layout": engine.layer_layout, "batch_invariant": batch_invariant,
+            "dtype": str(jnp.dtype(cfg.dtype)), "device": jax.devices()[0].device_kind,
+            "tokens_equal": all(a.token_ids == c.token_ids for a, c in zip(alone, crowd)),
+            "max_abs_logprob_diff": diff, "tokens_checked": sum(len(a.token_ids) for a in alone)}
+
+
 def check_variants(variants, layouts=("stacked",)) -> list[dict]:
     """Relative error of each (layout, variant)'s one-token decode vs an fp32 stacked einsum
     reference (bf16 model, head_dim 128, GQA 4:1, rows at different cache offsets)."""
@@ -358,6 +399,14 @@ def main(argv=None) -> list[dict]:
         for r in check_variants(["einsum:1"] + [v for v in args.variants if v != "einsum:1"],
                                 args.layouts):
             report.add(r)
+    if args.invariance_check:
+        for name in args.models:
+            for batch in args.batches:
+                for layout in args.layouts:
+                    for inv in (False, True):
+                        gc.collect()
+                        report.add(check_invariance(name, batch, args, inv, layout))
+        return report.records
     for name in args.models:
         for batch in args.batches:
             peers = [] if args.no_peer else bench_peer(name, batch, args)

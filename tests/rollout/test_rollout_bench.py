@@ -29,6 +29,15 @@ def test_bench_rollout_tiny_prints_json_with_all_metrics(capsys, load_script):
     assert inv["vs_fast_path"]["total_s"] == pytest.approx(inv["total_s"] / r["total_s"])
 
 
+def test_bench_rollout_invariance_check_finds_the_invariant_engine_bit_identical(load_script):
+    """--invariance-check (what the GPU run uses to check the real kernels): 8 requests alone vs
+    among 16, batch_invariant off then on; on, their tokens and log-probs are equal."""
+    records = load_script("bench_rollout").main(["--tiny", "--invariance-check"])
+    assert [(r["batch"], r["batch_invariant"]) for r in records] == [(16, False), (16, True)]
+    on = records[1]
+    assert on["tokens_equal"] and on["max_abs_logprob_diff"] == 0.0 and on["tokens_checked"] == 8 * 8
+
+
 def test_bench_decode_kernels_tiny_times_every_kernel_and_checks_its_numerics(tmp_path, load_script):
     """scripts/bench_decode_kernels.py --tiny (CPU, interpret mode): attention plans and split-K
     GEMMs, each with a time and its error against the fp32 reference."""
