@@ -47,6 +47,9 @@ from ._weights import WeightSync, resolve_layout
 PROGRAM_NAMES = ("prefill", "insert", "generate", "decode_loop", "weight_sync")  # Engine.lower's
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _PREFIX_AXES = ("layers", None, "cache_length", "kv_heads", "head_dim")
+# batch_invariant: every prefill / append call computes exactly this many rows (padded), so a row's
+# numbers come from the same compiled program whatever its batch-mates (docs/rollout.md)
+BATCH_INVARIANT_ROWS = 4
 
 
 def prefill_bucket(n: int) -> int:
@@ -110,6 +113,15 @@ def _default_mesh(pure_params) -> jax.sharding.Mesh:
     return sharding.make_mesh((1, 1, 1), devices=[device])
 
 
+def _log_softmax_at(logits, tokens, temperature):
+    """log_softmax(logits / T)[token] as the trainer's log-prob pass computes it (the chosen
+    scaled logit minus `logsumexp`; T = 1 for greedy rows): `sample`'s own log-prob comes from
+    its chunked sums and differs from it in the last bits. logits f32[b, v] -> f32[b]."""
+    scaled = logits.astype(jnp.float32) / jnp.where(temperature <= 0.0, 1.0, temperature)[:, None]
+    picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+    return picked - jax.nn.logsumexp(scaled, axis=-1)
+
+
 def _is_abstract(pure) -> bool:
     leaves = jax.tree.leaves(pure)
     return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
@@ -140,6 +152,12 @@ class Engine:
     record_experts (MoE models, router replay): prefill and the decode steps also record the
     experts every layer chose for each token they feed: `Prefix.experts` and the decode loop's
     `out["experts"]` (`expert_ids` describes both; `rollout.RolloutDriver` collects them).
+    batch_invariant: a request's per-token results (logits, log-probs, sampled tokens) do not
+    depend on which requests share its prefill or decode calls or on its slot: `prefill_batch`
+    and `append_rows` run in calls of exactly BATCH_INVARIANT_ROWS rows (padded), decode already
+    runs every slot at one shape, and the reported log-prob is the trainer's formula
+    (log_softmax(logits / T)[token] via logsumexp) on the step's logits. Costs more, smaller
+    prefill calls (docs/rollout.md "Batch-invariant decoding"); off by default.
     `engine.layer_layout` is the resolved layout;
     `engine.params` is in it (per_layer: `params["model"]["layers"] == {i: layer i}`), and
     `update_params` takes either layout.
@@ -150,7 +168,7 @@ class Engine:
                  dtype=None, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
                  seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
                  layer_layout: str = "auto", decode_compiler_options: dict | None = None,
-                 record_experts: bool = False):
+                 record_experts: bool = False, batch_invariant: bool = False):
         self._check_sizes(max_concurrent_decodes, max_prefill_length, max_target_length)
         if record_experts and not config.is_moe:
             raise ValueError(f"record_experts=True (router replay) needs a mixture-of-experts model; "
@@ -165,6 +183,7 @@ class Engine:
         self.pad_token_id = int(pad_token_id)
         self.tokenizer = tokenizer
         self.seed = int(seed)
+        self.batch_invariant = bool(batch_invariant)
         self._slots = int(max_concurrent_decodes)
         self._max_prefill = int(max_prefill_length)
         self._max_target = int(max_target_length)
@@ -221,7 +240,7 @@ class Engine:
                    dtype=None, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
                    seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
                    layer_layout: str = "auto", decode_compiler_options: dict | None = None,
-                   record_experts: bool = False) -> "Engine":
+                   record_experts: bool = False, batch_invariant: bool = False) -> "Engine":
         """An engine over an in-memory CausalLM (or `(graphdef, params, ...)` from `nnx.split`).
 
         mesh None: the params' own mesh when they are `NamedSharding`-placed on a
@@ -238,13 +257,14 @@ class Engine:
                    dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                    stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tokenizer=tokenizer,
                    layer_layout=layer_layout, decode_compiler_options=decode_compiler_options,
-                   record_experts=record_experts)
+                   record_experts=record_experts, batch_invariant=batch_invariant)
 
     @classmethod
     def from_pretrained(cls, path: str, *, max_concurrent_decodes: int, max_prefill_length: int,
                         max_target_length: int, dtype=jnp.bfloat16, temperature: float = 1.0,
                         top_k: int = -1, top_p: float = 1.0, seed: int = 0, mesh=None,
-                        rules="rollout", layer_layout: str = "per_layer") -> "Engine":
+                        rules="rollout", layer_layout: str = "per_layer",
+                        batch_invariant: bool = False) -> "Engine":
         """An engine over a Hugging Face folder (config.json + safetensors [+ tokenizer]).
 
         Stop tokens and pad id come from the folder's tokenizer (eos ids) when it has one, else
@@ -272,7 +292,7 @@ class Engine:
                               max_target_length=max_target_length, dtype=dtype,
                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                               stop_token_ids=stop, pad_token_id=pad, tokenizer=tokenizer,
-                              layer_layout=layer_layout)
+                              layer_layout=layer_layout, batch_invariant=batch_invariant)
 
     @property
     def _per_layer(self) -> bool:
@@ -326,6 +346,7 @@ class Engine:
                                    out_shardings=dataclasses.replace(self._prefix_shardings, experts=None))
         self._append_jit = jax.jit(self._append_core, donate_argnums=(1,), out_shardings=st)
         self._init_jit = jax.jit(self._init_core, out_shardings=st)
+        self._join_jit = jax.jit(self._join_core, static_argnums=(1,), out_shardings=self._prefix_shardings)
         self._free_jit = jax.jit(self._free_core, donate_argnums=(0,), out_shardings=st)
         self._set_generated_jit = jax.jit(self._set_generated_core, donate_argnums=(0,), out_shardings=st)
 
@@ -462,6 +483,8 @@ class Engine:
         logits = model.logits(hidden[:, 0])
         keys = jax.vmap(jax.random.fold_in)(state.keys, state.generated)
         tok, logp = sample(logits, keys, state.temperature, state.top_k, state.top_p)
+        if self.batch_invariant:  # the trainer's formula (`algos.token_log_probs_*`), bit for bit
+            logp = _log_softmax_at(logits, tok, state.temperature)
         act = state.active
         generated = state.generated + act.astype(jnp.int32)
         lengths = state.lengths + act.astype(jnp.int32)
@@ -519,13 +542,16 @@ class Engine:
         """The engine's programs lowered for its mesh over abstract inputs (nothing allocated):
         "prefill" (`prefill_rows` prompts at max_prefill_length), "insert" (`insert_rows` of them
         into the slots), "generate" (one decode step of every slot) and "decode_loop" (the RL
-        driver's multi-step loop writing into [out_rows, out_tokens] buffers). The weights are the
+        driver's multi-step loop writing into [out_rows, out_tokens] buffers; a `batch_invariant`
+        engine's prefill is always BATCH_INVARIANT_ROWS prompts). The weights are the
         engine's `params` (abstract on an abstract engine). `sync_from`: abstract trainer params
         (a pure dict with shardings on the same devices) adds "weight_sync", the one program
         `update_params` runs for them (cast + reshard, or cast + relayout), or None when
         `update_params` would share them (zero copy, see `shares_weights`). `programs`: the names to
         lower (None: all; tracing each costs seconds). Returns {name: jax.stages.Lowered | None}."""
         wanted = set(PROGRAM_NAMES if programs is None else programs)
+        if self.batch_invariant:  # the only prefill shape this engine runs (`_prefill_fixed_rows`)
+            prefill_rows = BATCH_INVARIANT_ROWS
         unknown = wanted - set(PROGRAM_NAMES)
         if unknown:
             raise ValueError(f"Engine.lower: unknown programs {sorted(unknown)}; choose from {PROGRAM_NAMES}")
@@ -657,10 +683,40 @@ class Engine:
         return next(b for b in self._buckets if b >= length)
 
     def prefill_batch(self, params, tokens: np.ndarray, true_lengths: np.ndarray) -> Prefix:
-        """Prefills p prompts at once. tokens int32[p, bucket] right-padded, true_lengths int32[p]."""
+        """Prefills p prompts at once. tokens int32[p, bucket] right-padded, true_lengths int32[p].
+        batch_invariant: in calls of exactly BATCH_INVARIANT_ROWS rows, whatever p (see there)."""
         self.check_params(params)
+        if self.batch_invariant:
+            return self._prefill_fixed_rows(params, np.asarray(tokens, np.int32),
+                                            np.asarray(true_lengths, np.int32))
         return self._run(self._prefill_jit, params, jnp.asarray(tokens, jnp.int32),
                          jnp.asarray(true_lengths, jnp.int32))
+
+    def _prefill_fixed_rows(self, params, tokens: np.ndarray, true_lengths: np.ndarray) -> Prefix:
+        """`prefill_batch` as calls of the one [BATCH_INVARIANT_ROWS, bucket] program (rows padded
+        with one-token prompts), their rows joined into one p-row Prefix: a prompt's cache is
+        computed by the same program, at the same shape, alone or among any others."""
+        p, r = tokens.shape[0], BATCH_INVARIANT_ROWS
+        n = -(-p // r) * r
+        padded = np.full((n, tokens.shape[1]), self.pad_token_id, np.int32)
+        padded[:p] = tokens
+        lengths = np.ones(n, np.int32)
+        lengths[:p] = true_lengths
+        parts = [self._run(self._prefill_jit, params, jnp.asarray(padded[lo:lo + r]),
+                           jnp.asarray(lengths[lo:lo + r])) for lo in range(0, n, r)]
+        if n == p == r:  # one call, no padding rows: its prefix as it is
+            return parts[0]
+        return self._run(self._join_jit, parts, p)
+
+    def _join_core(self, parts: list, p: int) -> Prefix:
+        """The first p rows of the prefixes `parts`, concatenated (a copy: no arithmetic)."""
+        axis = 0 if self._per_layer else 1
+
+        def join(axis, *xs):
+            return jax.lax.slice_in_dim(jnp.concatenate(xs, axis=axis), 0, p, axis=axis)
+
+        cache = jax.tree.map(functools.partial(join, axis), *[q.cache for q in parts])
+        return Prefix(cache, join(0, *[q.lengths for q in parts]), join(0, *[q.tokens for q in parts]))
 
     def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int,
                 sampler=None, rng=None) -> Prefix:
@@ -770,6 +826,9 @@ class Engine:
         if tokens.ndim != 2 or tokens.shape[0] != m or tokens.shape[1] not in self._buckets:
             raise ValueError(f"append_rows: tokens must be int32[{m}, bucket] with bucket one of "
                              f"{self._buckets}, got shape {tokens.shape}")
+        if self.batch_invariant and m != BATCH_INVARIANT_ROWS:
+            return self._append_fixed_rows(state, tokens, true_lengths, dst, rows, max_new,
+                                           sampling, key, row_keys)
         mp = _next_pow2(m)
         padded = np.full((mp, tokens.shape[1]), self.pad_token_id, np.int32)
         padded[:m] = tokens
@@ -778,6 +837,35 @@ class Engine:
         return self._run(self._append_jit, self._params, state, jnp.asarray(padded),
                          self._pad_rows(true_lengths, 1, m), self._pad_rows(dst, self._slots, m),
                          *args)
+
+    def _append_fixed_rows(self, state, tokens, true_lengths, dst, rows, max_new, sampling, key,
+                           row_keys) -> DecodeState:
+        """`append_rows` (batch_invariant) as calls of exactly BATCH_INVARIANT_ROWS rows, padded with
+        rows for slot `max_concurrent_decodes` (ignored), so each row's extension is computed by
+        the same program at the same shape whatever its batch-mates."""
+        m, r = len(dst), BATCH_INVARIANT_ROWS
+        n = -(-m // r) * r
+
+        def pad(x, fill):
+            x = np.asarray(x).reshape(m, *np.shape(x)[1:])
+            return np.concatenate([x, np.repeat(np.asarray(fill, x.dtype)[None], n - m, axis=0)])
+
+        tokens = pad(tokens, np.full(tokens.shape[1], self.pad_token_id, np.int32))
+        true_lengths, dst = pad(true_lengths, 1), pad(dst, self._slots)
+        rows, max_new = pad(rows, 0), pad(max_new, 0)
+        if row_keys is not None:
+            row_keys = pad(np.asarray(row_keys, np.uint32), np.asarray(row_keys, np.uint32)[0])
+        if not isinstance(sampling, SamplingParams):
+            sampling = list(sampling)
+            sampling += sampling[:1] * (n - m)
+        for lo in range(0, n, r):
+            part = slice(lo, lo + r)
+            state = self.append_rows(
+                state, tokens=tokens[part], true_lengths=true_lengths[part], dst=dst[part],
+                rows=rows[part], max_new=max_new[part], key=key,
+                sampling=sampling if isinstance(sampling, SamplingParams) else sampling[part],
+                row_keys=None if row_keys is None else row_keys[part])
+        return state
 
     @staticmethod
     def _pad_rows(x, fill, m):

@@ -31,6 +31,10 @@ Randomness: a request with (seed, row) samples its step t with
 `fold_in(fold_in(key(seed), row), t)`, exactly as `RolloutDriver` samples its row `row`, so the
 server reproduces the driver's rows whatever the batch, slot or arrival order.
 
+A `batch_invariant` engine (docs/rollout.md): every prompt is prefilled in full (no parked-KV
+reuse), calls take a multiple of `BATCH_INVARIANT_ROWS` rows, and a sync's re-prefill pads each
+prefix to its own bucket, so a request's numbers depend on none of the requests beside it.
+
 Weight sync (`update_params`): in_flight="hold" applies the new weights at the next sync point;
 running requests stay in their slots with their tokens and log-probs and continue with the new
 weights (`policy_versions` records the version of every token). Their KV cache: partial_rollout_kv
@@ -70,7 +74,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._engine import PREFILL_BUCKETS, Engine, _next_pow2
+from ._engine import BATCH_INVARIANT_ROWS, PREFILL_BUCKETS, Engine, _next_pow2
 from ._sampling import SamplingParams
 
 PARTIAL_ROLLOUT_KV = ("recompute", "keep")
@@ -184,7 +188,8 @@ class RolloutServer:
 
     steps_per_sync: decode steps per host check (new requests wait at most this long for a free
     slot to be noticed). max_prefill_batch: prompts per prefill call. reuse_prefix: append a
-    session's new tokens to its parked KV instead of prefilling the whole prompt.
+    session's new tokens to its parked KV instead of prefilling the whole prompt (off when the
+    engine is `batch_invariant`: see docs/rollout.md).
     partial_rollout_kv: what a weight sync does to the KV of held (running) requests:
     "recompute" (default, as verl) re-prefills each one's kept prefix with the new weights before
     it decodes again, and drops parked sessions' KV; "keep" leaves the KV of the old weights.
@@ -213,7 +218,10 @@ class RolloutServer:
         self.engine = engine
         self.steps_per_sync = int(steps_per_sync)
         self.max_prefill_batch = int(max_prefill_batch)
-        self.reuse_prefix = bool(reuse_prefix)
+        # batch_invariant: a turn's KV must not depend on whether its session's parked slot
+        # survived (an eviction depends on arrival timing; decode-computed KV differs in the last
+        # bits from a prefill's), so every prompt is prefilled in full
+        self.reuse_prefix = bool(reuse_prefix) and not engine.batch_invariant
         self._slots = engine.max_concurrent_decodes
         self._stop = set(engine.stop_token_ids)
         self._cv = threading.Condition()
@@ -599,7 +607,10 @@ class RolloutServer:
         head = max(b for b in REFILL_BUCKETS if b <= limit)
         heads = [r.fill if refill_bucket(len(r.fill), self.engine.max_target_length) <= limit
                  else r.fill[:head] for r in reqs]
-        plan = refill_plan([len(h) for h in heads], self.engine.max_target_length, self.recompute_tokens)
+        if self.engine.batch_invariant:
+            plan = self._own_bucket_plan([len(h) for h in heads])
+        else:
+            plan = refill_plan([len(h) for h in heads], self.engine.max_target_length, self.recompute_tokens)
         for bucket, rows, size in plan:
             self._insert_prefill([reqs[i] for i in rows], bucket, size, [heads[i] for i in rows])
         todo = [r for r in reqs if r.cached < len(r.fill) - 1]
@@ -611,6 +622,16 @@ class RolloutServer:
                                                 self._generated[slots])
         self._stats["recomputed_requests"] += len(reqs)
         return {"recomputed_requests": len(reqs), "recomputed_tokens": n}
+
+    def _own_bucket_plan(self, lengths: list[int]) -> list[tuple]:
+        """`refill_plan` for a batch_invariant engine: each prefix padded to its own refill bucket
+        (in `refill_plan` a call's longest prefix sets every row's bucket, and a row's numbers
+        depend on its bucket), one call per bucket, longest first; the engine computes it in
+        calls of BATCH_INVARIANT_ROWS rows (each holds at most that many rows x the bucket)."""
+        by_bucket: dict[int, list[int]] = {}
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            by_bucket.setdefault(refill_bucket(lengths[i], self.engine.max_target_length), []).append(i)
+        return [(bucket, rows, self._call_rows(len(rows))) for bucket, rows in by_bucket.items()]
 
     def _free_slots(self) -> list[int]:
         parked = {slot for slot, _ in self._parked.values()}
@@ -682,6 +703,14 @@ class RolloutServer:
                     sampling=[r.sampling for r in reqs] + [reqs[0].sampling] * pad,
                     row_keys=np.stack([r.key_data for r in reqs] + [reqs[0].key_data] * pad))
 
+    def _call_rows(self, n: int) -> int:
+        """Rows of a prefill or append call for n prompts: a power of two (at least 4: few shapes
+        to compile), or with a batch_invariant engine, which computes any call as calls of
+        BATCH_INVARIANT_ROWS rows, the multiple of those (no call of padding rows only)."""
+        if self.engine.batch_invariant:
+            return -(-n // BATCH_INVARIANT_ROWS) * BATCH_INVARIANT_ROWS
+        return _next_pow2(max(n, 4))
+
     def _chunks(self, items, length_of):
         """Items grouped by the prefill bucket of length_of(item), at most max_prefill_batch each."""
         by_bucket: dict[int, list] = {}
@@ -695,7 +724,7 @@ class RolloutServer:
         """Full prefill of each request's first max_prefill_length tokens, inserted into its slot."""
         first = {id(r): r.fill[:self.engine.max_prefill_length] for r in reqs}
         for bucket, chunk in self._chunks(reqs, lambda r: len(first[id(r)])):
-            size = _next_pow2(max(len(chunk), 4))  # few shapes to compile
+            size = self._call_rows(len(chunk))
             self._insert_prefill(chunk, bucket, size, [first[id(r)] for r in chunk])
             self._stats["prefill_tokens"] += sum(len(first[id(r)]) for r in chunk)
 
@@ -720,7 +749,7 @@ class RolloutServer:
         e = self.engine
         nxt = {id(r): r.fill[r.cached:r.cached + e.max_prefill_length] for r in reqs}
         for bucket, chunk in self._chunks(reqs, lambda r: len(nxt[id(r)])):
-            size = _next_pow2(max(len(chunk), 4))
+            size = self._call_rows(len(chunk))
             tokens = np.full((size, bucket), e.pad_token_id, np.int32)
             lengths = np.ones(size, np.int32)
             for j, r in enumerate(chunk):

@@ -6,6 +6,7 @@
     python scripts/bench_rollout.py --tiny                # CPU smoke run in seconds (tests call it)
     python scripts/bench_rollout.py --models 1.5b --batches 256 --variants einsum:1 cudnn:1
     python scripts/bench_rollout.py --models 1.5b --batches 256 --no-peer --layouts stacked per_layer
+    python scripts/bench_rollout.py --models 1.5b --batches 64 256 --no-peer --batch-invariant both
 
 Random-init bf16 models with Qwen2.5 shapes; every prompt is `--prompt-len` random tokens and
 generates exactly the requested number of tokens (no stop tokens), sampling at temperature 1.
@@ -34,8 +35,15 @@ What is timed (every call warm: each shape is compiled by an untimed call first)
 
 `--variants ATTN:UNROLL ...` times the decode path under each setting of
 `ModelConfig.decode_attention` (auto | einsum | reduce | cudnn | pallas | triton) and `.decode_unroll`
-(stacked layout only); `--layouts` picks the engine's `layer_layout`. Prints one JSON object per
-line (and `--out` writes the list).
+(stacked layout only); `--layouts` picks the engine's `layer_layout`. `--batch-invariant on|both`
+times the engine with `batch_invariant=True` (rollout.batch_invariant: fixed-row prefill calls, the
+trainer's log-softmax; docs/rollout.md), "both" also the fast path, and adds `vs_fast_path` to the
+invariant record: its ms_per_step, prefill_s and total_s over the fast path's.
+`--invariance-check` instead checks bit-identity on the device: 8 prompts (lengths from half of
+`--prompt-len` up to it) decoded one at a time through a `RolloutServer`, then among `batch`
+requests submitted at once in a shuffled order, with the engine's batch_invariant off and on;
+each record gives `tokens_equal` and `max_abs_logprob_diff` of those 8 (0 and true expected with
+it on). Prints one JSON object per line (and `--out` writes the list).
 """
 from __future__ import annotations
 
@@ -79,6 +87,11 @@ def parse_args(argv=None):
                    help="extra rollout.Engine keyword arguments (ints, floats, true/false, strings)")
     p.add_argument("--decode-xla-option", nargs="*", default=[], metavar="KEY=VALUE",
                    help="XLA options for the engine's decode programs only (decode_compiler_options)")
+    p.add_argument("--batch-invariant", default="off", choices=["off", "on", "both"],
+                   help="time the engine with batch_invariant=True (on), or with and without (both)")
+    p.add_argument("--invariance-check", action="store_true",
+                   help="check that 8 requests decode bit-identically alone and among --batches "
+                   "others, batch_invariant off and on (see the module docstring); no timing")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
     p.add_argument("--trace", default="", help="trace the two timed calls into this folder and "
                    "report decode-only kernel time per step (see the module docstring)")
@@ -89,6 +102,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.tiny:
         args.models, args.batches, args.prompt_len, args.gen_len = ["tiny"], [4], 16, 8
+        if args.invariance_check:  # 8 prompts and others
+            args.batches = [16]
         args.steps_per_sync, args.no_peer = 4, True
     if not args.short_len:
         bucket = 1 << max(0, max(args.gen_len, 16) - 1).bit_length()  # the driver's output buffer
@@ -169,7 +184,7 @@ def _trace_diff(paths, steps: int) -> dict:
             "top_kernels": kernels[:30], "files": [os.path.basename(p) for p in paths]}
 
 
-def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
+def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", batch_invariant=None):
     import rollout
     from jaxrl_llm.models import init_model
     from rollout._engine import PREFILL_BUCKETS
@@ -181,6 +196,8 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
     opts = _engine_opts(args.engine_opt)
     if args.decode_xla_option:
         opts["decode_compiler_options"] = _engine_opts(args.decode_xla_option)
+    if batch_invariant is not None:
+        opts["batch_invariant"] = batch_invariant
     engine = rollout.Engine.from_model(
         model, max_concurrent_decodes=batch, max_prefill_length=prefill_len,
         max_target_length=max(prefill_len + 1, args.prompt_len + args.gen_len), temperature=1.0,
@@ -212,6 +229,7 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
         "engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
         "decode_attention": cfg.decode_attention, "decode_unroll": cfg.decode_unroll,
         "layer_layout": engine.layer_layout, "engine_opts": opts,
+        "batch_invariant": engine.batch_invariant,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "prompt_len": args.prompt_len, "gen_len": long_, "short_len": short, "dtype": str(jnp.dtype(dtype)),
         "device": str(jax.devices()[0].device_kind), "generated_tokens": gen_tokens,
@@ -234,6 +252,38 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
         except ValueError as e:  # e.g. no device track (a CPU run)
             rec["decode_trace"] = {"error": str(e)}
     return rec
+
+
+def check_invariance(name, batch, args, batch_invariant: bool, layout="per_layer") -> dict:
+    """8 prompts alone vs among `batch` shuffled requests through a RolloutServer (sampled at
+    temperature 1, each request its own (seed, row) stream): are their tokens and log-probs equal?"""
+    import rollout
+    from jaxrl_llm.models import init_model
+    from rollout._engine import PREFILL_BUCKETS
+
+    if batch < 9:
+        raise SystemExit(f"--invariance-check needs a batch of at least 9 (8 prompts and others), got {batch}")
+    cfg = _config(name, jnp.float32 if args.tiny else jnp.bfloat16)
+    prefill_len = next(b for b in PREFILL_BUCKETS if b >= args.prompt_len)
+    engine = rollout.Engine.from_model(
+        init_model(cfg, seed=0), max_concurrent_decodes=batch, max_prefill_length=prefill_len,
+        max_target_length=prefill_len + args.gen_len, temperature=1.0, layer_layout=layout,
+        batch_invariant=batch_invariant)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(args.prompt_len // 2, args.prompt_len + 1))).tolist()
+               for _ in range(batch)]
+    kw = dict(sampling=rollout.SamplingParams(1.0), max_new_tokens=args.gen_len, seed=0)
+    with rollout.RolloutServer(engine, steps_per_sync=args.steps_per_sync) as srv:
+        alone = [srv.generate(f"a{r}", prompts[r], row=r, **kw) for r in range(8)]
+        futures = {r: srv.submit(f"b{r}", prompts[r], row=r, **kw) for r in rng.permutation(batch).tolist()}
+        crowd = [futures[r].result() for r in range(8)]
+    diff = max(float(np.max(np.abs(np.asarray(a.log_probs) - np.asarray(c.log_probs)), initial=0.0))
+               if a.token_ids == c.token_ids else float("inf") for a, c in zip(alone, crowd))
+    return {"check": "batch_invariance", "model": f"qwen2.5-{name}", "batch": batch,
+            "layer_layout": engine.layer_layout, "batch_invariant": batch_invariant,
+            "dtype": str(jnp.dtype(cfg.dtype)), "device": jax.devices()[0].device_kind,
+            "tokens_equal": all(a.token_ids == c.token_ids for a, c in zip(alone, crowd)),
+            "max_abs_logprob_diff": diff, "tokens_checked": sum(len(a.token_ids) for a in alone)}
 
 
 def check_variants(variants, layouts=("stacked",)) -> list[dict]:
@@ -349,24 +399,41 @@ def main(argv=None) -> list[dict]:
         for r in check_variants(["einsum:1"] + [v for v in args.variants if v != "einsum:1"],
                                 args.layouts):
             report.add(r)
+    if args.invariance_check:
+        for name in args.models:
+            for batch in args.batches:
+                for layout in args.layouts:
+                    for inv in (False, True):
+                        gc.collect()
+                        report.add(check_invariance(name, batch, args, inv, layout))
+        return report.records
     for name in args.models:
         for batch in args.batches:
             peers = [] if args.no_peer else bench_peer(name, batch, args)
             for p in peers:
                 report.add(p)
+            invariant = {"off": [None], "on": [True], "both": [False, True]}[args.batch_invariant]
             for layout, variant in [] if args.peer_only else [
                     (lay, v) for lay in args.layouts for v in args.variants]:
-                gc.collect()  # the previous engine (a reference cycle through its jits) and its cache
-                try:
-                    ours = bench_ours(name, batch, args, variant, layout)
-                except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
-                    if args.tiny:
-                        raise
-                    ours = {"engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
-                            "variant": variant, "layer_layout": layout, "error": repr(e)[-2000:]}
-                if peers:
-                    ours["vs_peer"] = compare(ours, peers)
-                report.add(ours)
+                fast = None
+                for inv in invariant:
+                    gc.collect()  # the previous engine (a reference cycle through its jits) and its cache
+                    try:
+                        ours = bench_ours(name, batch, args, variant, layout, inv)
+                    except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
+                        if args.tiny:
+                            raise
+                        ours = {"engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
+                                "variant": variant, "layer_layout": layout, "batch_invariant": bool(inv),
+                                "error": repr(e)[-2000:]}
+                    if inv is False and "error" not in ours:
+                        fast = ours
+                    elif inv and fast is not None and "error" not in ours:
+                        ours["vs_fast_path"] = {k: ours[k] / fast[k] for k in ("ms_per_step", "prefill_s", "total_s")
+                                                if fast.get(k)}
+                    if peers:
+                        ours["vs_peer"] = compare(ours, peers)
+                    report.add(ours)
     return report.records
 
 

@@ -172,9 +172,7 @@ def exactness(config: str, overrides: list[str]) -> dict:
 
     c = load_config(config, overrides)
     metrics = c.rollout_source in ("sync", "one_step_off") or bool(c.trainer.v1.deterministic_schedule)
-    # rollout.batch_invariant comes with issue 34's batch-invariant decoding (its own branch):
-    # read as the attribute once both are in
-    engine = metrics and bool(getattr(c.rollout, "batch_invariant", False))
+    engine = metrics and c.rollout.batch_invariant
     reads_engine = c.algorithm.rollout_correction.enabled or c.rollout.use_rollout_log_probs
     return {"metrics": metrics, "engine_log_probs": engine, "weights": engine or (metrics and not reads_engine)}
 

@@ -51,6 +51,7 @@ def base_config() -> ConfigDict:
         n=8, temperature=1.0, top_k=-1, top_p=1.0, max_concurrent_decodes=256,
         steps_per_sync=16, dtype="", use_rollout_log_probs=False,
         log_prob_max_token_len_per_device=0, partial_rollout_kv="recompute", free_cache_engine=True,
+        batch_invariant=False,
         replicas_per_host=1, max_inflight_per_replica=0, replica_backend="local", replica_max_restarts=1,
         val=dict(temperature=0.0, top_k=-1, top_p=1.0, n=1),
         multi_turn=dict(

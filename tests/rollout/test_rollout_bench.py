@@ -1,4 +1,5 @@
-"""scripts/bench_rollout.py --tiny runs on CPU and reports every field the GPU run reports."""
+"""scripts/bench_rollout.py --tiny runs on CPU and reports every field the GPU run reports (with
+--batch-invariant both: the fast and the batch-invariant engine)."""
 import json
 
 import pytest
@@ -6,7 +7,7 @@ import pytest
 
 def test_bench_rollout_tiny_prints_json_with_all_metrics(capsys, load_script):
     bench = load_script("bench_rollout")
-    results = bench.main(["--tiny"])
+    results = bench.main(["--tiny", "--batch-invariant", "both"])
     printed = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert printed == json.loads(json.dumps(results))
     r = printed[0]
@@ -20,6 +21,21 @@ def test_bench_rollout_tiny_prints_json_with_all_metrics(capsys, load_script):
     assert (r["gen_len"], r["short_len"]) == (8, 4)  # decode-only = the difference of the two calls
     assert r["bytes_per_step"] == r["weight_bytes"] + r["kv_read_bytes"]
     assert r["roofline_fraction"] == pytest.approx(r["roofline_ms"] / r["ms_per_step"])
+    # --batch-invariant both: the fast path, then the invariant engine with its cost ratios
+    assert [x["batch_invariant"] for x in printed] == [False, True] and "vs_fast_path" not in r
+    inv = printed[1]
+    assert inv["generated_tokens"] == r["generated_tokens"]
+    assert inv["vs_fast_path"]["ms_per_step"] == pytest.approx(inv["ms_per_step"] / r["ms_per_step"])
+    assert inv["vs_fast_path"]["total_s"] == pytest.approx(inv["total_s"] / r["total_s"])
+
+
+def test_bench_rollout_invariance_check_finds_the_invariant_engine_bit_identical(load_script):
+    """--invariance-check (what the GPU run uses to check the real kernels): 8 requests alone vs
+    among 16, batch_invariant off then on; on, their tokens and log-probs are equal."""
+    records = load_script("bench_rollout").main(["--tiny", "--invariance-check"])
+    assert [(r["batch"], r["batch_invariant"]) for r in records] == [(16, False), (16, True)]
+    on = records[1]
+    assert on["tokens_equal"] and on["max_abs_logprob_diff"] == 0.0 and on["tokens_checked"] == 8 * 8
 
 
 def test_bench_decode_kernels_tiny_times_every_kernel_and_checks_its_numerics(tmp_path, load_script):
