@@ -12,7 +12,8 @@ goes to padding:
 2. first-fit decreasing: each shard's rows -> packs of at most `C` tokens;
 3. micro-batch `i` holds `P` packs per shard: `[dp * P, C]` sequences (device `d` holds
    sequences `d * P ... d * P + P - 1`), with `P * C` at most the token budget; shards with fewer
-   packs get empty ones.
+   packs get empty ones. The rows of a device's micro-batch are then spread evenly over its `P`
+   packs (`spread_rows`: fewer rows per pack, shorter packs).
 
 The pack length `C` is capped (`pack_cap`): the smallest power of two that holds the longest row
 and at least `PACK_LENGTH_FLOOR` tokens (at most the budget). One long pack of many short rows is
@@ -23,8 +24,9 @@ so short rows go into several short packs per device, not one long one.
 
 `C`, `P` (packs per device per micro-batch), the number of micro-batches and the rows per pack
 `R` are rounded up to a few sizes (powers of two, `P` also 3 * 2^k; `C` and `P` may also be
-their cap) so the compiled steps see few shapes; empty micro-batches are skipped on device (`_step`). Per-token row
-fields (response_mask, advantages, ...) travel as `[n_micro, dp * P * R, t]` rows with
+their cap) so the compiled steps see few shapes; empty micro-batches are skipped on device
+(`_step`). Per-token row fields (response_mask, advantages, ...) travel as
+`[n_micro, dp * P * R, t]` rows with
 `token_index` (the position in its pack of the hidden state that predicts each response token),
 so the losses run on rows exactly as in the padded path. The plan is a pure function of the
 lengths: every host computes the same one.
@@ -154,6 +156,37 @@ class PackPlan:
         return self.n_micro, self.packs_per_device, self.pack_len, self.rows_per_pack
 
 
+def spread_rows(lengths, packs: list[list[int]], P: int, cap: int) -> list[list[int]]:
+    """The rows of `packs` (one device's micro-batch, at most `P` packs of at most `cap` tokens)
+    spread over exactly `P` packs: longest row first into the pack with the fewest tokens (then
+    rows) that has room, so the packs' row counts and lengths even out and the most rows in one
+    pack (`R`, the cuDNN bound) is as small as the batch allows. Deterministic; when a row finds
+    no room (packs near full), the given packs are kept."""
+    rows = sorted((r for pk in packs for r in pk), key=lambda r: (-int(lengths[r]), r))
+    heap = [(0, 0, i) for i in range(P)]  # (tokens, rows, pack)
+    out = [[] for _ in range(P)]
+    for r in rows:
+        n = int(lengths[r])
+        skipped = []
+        while heap and heap[0][0] + n > cap:
+            skipped.append(heapq.heappop(heap))
+        if not heap:
+            return [list(pk) for pk in packs] + [[] for _ in range(P - len(packs))]
+        tokens, count, i = heapq.heappop(heap)
+        out[i].append(r)
+        heapq.heappush(heap, (tokens + n, count + 1, i))
+        for x in skipped:
+            heapq.heappush(heap, x)
+    return out
+
+
+def _spread_all(lengths, packs_of_shard, P: int, cap: int):
+    """Each shard's packs, `P` per micro-batch (pack `j` in micro-batch `j // P`), spread over
+    the micro-batch's `P` packs (`spread_rows`)."""
+    return [[pk for i in range(0, len(packs), P) for pk in spread_rows(lengths, packs[i:i + P], P, cap)]
+            for packs in packs_of_shard]
+
+
 def _place(lengths, packs_of_shard, P: int):
     """Rows' (micro, pack, slot, offset) from each shard's packs (lists of row indices): pack `j`
     of a shard is pack `j % P` of micro-batch `j // P`. Also the longest pack and most rows."""
@@ -188,6 +221,8 @@ def plan_packs(lengths, budget: int, dp: int, *, field: str, capped: bool = True
     most = max(budget // cap, 1)  # packs per device per micro-batch within the budget
     n = -(-k // most)
     P = packs_bucket(-(-k // n), most)
+    if capped:
+        packs = _spread_all(lengths, packs, P, cap)
     micro, shard, pack, slot, offset, longest, most_rows = _place(lengths, packs, P)
     return PackPlan(dp=dp, n_micro=_pow2(n), packs_per_device=P, pack_len=pack_length_bucket(longest, cap),
                     rows_per_pack=_pow2(most_rows), micro=micro, shard=shard, pack=pack, slot=slot,
@@ -227,10 +262,9 @@ def plan_rows(lengths, rows_per_device: int, dp: int, cap: int) -> PackPlan:
         size = min(size * 2, cap)
     P = packs_bucket(k, max(cap // size, k))  # (k > cap // size only if `cap` is under a group's tokens)
     # micro-batch i holds groups i*dp .. i*dp + dp - 1: list each shard's packs in micro order
-    by_shard = [[pk for i in range(d, len(groups), dp) for pk in packs[i] + [[]] * (P - len(packs[i]))]
+    by_shard = [[pk for i in range(d, len(groups), dp) for pk in spread_rows(lengths, packs[i], P, size)]
                 for d in range(dp)]
-    micro, shard, pack, slot, offset, longest, _ = _place(lengths, by_shard, P)
-    most_rows = max(len(pk) for p in packs for pk in p)
+    micro, shard, pack, slot, offset, longest, most_rows = _place(lengths, by_shard, P)
     return PackPlan(dp=dp, n_micro=b // (per * dp), packs_per_device=P,
                     pack_len=pack_length_bucket(longest, size), rows_per_pack=_pow2(most_rows),
                     micro=micro, shard=shard, pack=pack, slot=slot, offset=offset, length=lengths)

@@ -18,8 +18,9 @@ from jaxrl_llm.algos._aggregation import LOSS_AGG_MODES
 from jaxrl_llm.config import load_config
 from jaxrl_llm.models._decoder import causal_padding_mask
 from jaxrl_llm.workers._common import build_model
-from jaxrl_llm.workers._packing import (balanced_partition, pack_batch, pack_length_bucket, packs_bucket,
-                                        plan_packs, plan_rows, slot_batch, unpack_rows)
+from jaxrl_llm.workers._packing import (balanced_partition, pack_batch, pack_length_bucket, pack_rows,
+                                        packs_bucket, plan_packs, plan_rows, slot_batch, spread_rows,
+                                        unpack_rows)
 from jaxrl_llm.workers import _packing, _roles
 from jaxrl_llm.workers._roles import (ActorWorker, CriticWorker, ReferenceWorker, RewardModelWorker,
                                       token_budget)
@@ -96,7 +97,10 @@ def test_short_rows_go_into_several_short_packs_per_device():
     assert lengths.sum() <= n * P * C and (plan.offset + lengths).max() <= C
     assert len(set(zip(plan.micro.tolist(), plan.sequence.tolist()))) > P // 2  # packs are used
     per_pack = np.bincount(plan.micro * P + plan.sequence, weights=lengths)
-    assert per_pack.max() <= C and R == 64
+    rows = np.bincount(plan.micro * P + plan.sequence)
+    # the rows are spread over all 24 packs (first-fit alone fills 22 packs with ~25 rows: R 32
+    # would hold, but with rows of 40 a full pack takes 51: R 64)
+    assert per_pack.max() <= C and len(rows) == 24 and rows.max() - rows.min() <= 1 and R == 32
     n2, P2, C2, _ = plan_packs(lengths, 16384, 2, field="f").shapes()
     assert C2 == 2048 and P2 == 6 and n2 == 2  # 11 packs per device: 2 micro-batches of 6
     assert plan_packs([3000, 100, 200], 16384, 1, field="f").shapes()[1:3] == (1, 4096)
@@ -114,6 +118,17 @@ def test_packs_per_device_fall_in_few_buckets():
     assert packs_bucket(17, 20) == 20 and packs_bucket(5, 5) == 5
     lengths = np.full(256, 68)  # 30 rows per pack of 2,048: 9 packs
     assert plan_packs(lengths, 49152, 1, field="f").shapes()[1:3] == (12, 2048)
+
+
+def test_spreading_rows_evens_the_packs_and_keeps_full_packs_that_do_not_spread():
+    lengths = np.array([10, 9, 3, 3, 3, 3, 2, 2])
+    packs = pack_rows(lengths, 16)  # first fit: [10, 3, 3], [9, 3, 3], [2, 2]
+    spread = spread_rows(lengths, packs, 4, 16)
+    assert sorted(r for pk in spread for r in pk) == list(range(8)) and len(spread) == 4
+    assert [int(lengths[pk].sum()) for pk in spread] == [10, 9, 8, 8]  # first fit's longest: 16
+    tight = np.array([6, 5, 5, 4, 4, 4, 4])  # 2 x 16 exactly: only first fit's packs hold them
+    packs = pack_rows(tight, 16)
+    assert spread_rows(tight, packs, 2, 16) == packs and spread_rows(tight, packs, 3, 16) != packs + [[]]
 
 
 def test_row_plan_raises_the_pack_length_while_its_packs_exceed_the_cap(monkeypatch):
@@ -445,7 +460,8 @@ def test_several_packs_per_device_rolled_attention_and_values_equal_padded(setup
     cfg = load_config(f"{QUICKSTART}:tiny,local", ["model.dtype=float32", "model.train_attention=rolled"])
     padded, packed = _actor(cfg, mesh), _several_packs(cfg, mesh, batch, "both", monkeypatch)
     real = batch["attention_mask"][:, -8:]
-    _close(padded.compute_log_prob(batch)["old_log_probs"], packed.compute_log_prob(batch)["old_log_probs"], real)
+    _close(padded.compute_log_prob(batch)["old_log_probs"],
+           packed.compute_log_prob(batch)["old_log_probs"], real)
     values = []
     for dyn in (False, True):
         c = dataclasses.replace(cfg.critic, ppo_micro_batch_size_per_device=2, use_dynamic_bsz=dyn,
