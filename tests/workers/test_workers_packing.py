@@ -110,6 +110,22 @@ def test_short_rows_go_into_several_short_packs_per_device():
     assert (n3, C3) == (4, 2048) and 1 < P3 <= 64 * 192 // 2048
 
 
+def test_a_run_of_short_rows_sees_few_pack_shapes():
+    """30 batches of the gym run's shape (512 rows of 44-68 prompt tokens, mean response growing
+    from ~6 to ~37 tokens): each pass's plan takes at most 2 shapes (n_micro, P, C, R), so it
+    compiles at most 2 programs."""
+    log_prob, update, rows = set(), set(), set()
+    for s in range(30):
+        rng = np.random.default_rng(s)
+        lengths = rng.integers(44, 69, 512) + rng.integers(4, 8 + 2 * s, 512)
+        log_prob.add(plan_packs(lengths, 49152, 1, field="f").shapes())
+        update.update(plan_packs(lengths[i:i + 256], 49152, 1, field="f").shapes() for i in (0, 256))
+        rows.add(plan_rows(lengths, 256, 1, cap=256 * 192).shapes())
+    print(f"pack shapes: log-prob {sorted(log_prob)}, update {sorted(update)}, rows {sorted(rows)}")
+    assert len(log_prob) <= 2 and len(update) <= 2 and len(rows) <= 2
+    assert all(C == 2048 and P > 1 for shapes in (log_prob, update, rows) for _, P, C, _ in shapes)
+
+
 def test_packs_per_device_fall_in_few_buckets():
     """P steps through 2^k and 3 * 2^k (an empty pack costs a full one in the matmuls: 9 packs
     take 12 slots, not 16), capped by the packs that fit the budget."""
