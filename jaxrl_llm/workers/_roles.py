@@ -5,8 +5,8 @@ comes from `jaxrl_llm.algos`.
 Batches arrive as `data.Batch`es (or dicts) with verl's field names; sequences are `input_ids [b, p + t]`
 (left-padded prompt, right-padded response), `responses [b, t]`, `response_mask [b, t]`.
 Two switches, apart or together, change how a pass forms micro-batches (`_packing`):
-`model.use_remove_padding` packs rows (the model sees `[dp, L]` packs with segment ids, the losses
-the same `[rows, t]` fields), a token budget (`actor.use_dynamic_bsz`, `critic.use_dynamic_bsz`,
+`model.use_remove_padding` packs rows (the model sees `[dp * P, C]` packs with segment ids, the
+losses the same `[rows, t]` fields), a token budget (`actor.use_dynamic_bsz`, `critic.use_dynamic_bsz`,
 `reward.model.use_dynamic_bsz`) sizes micro-batches by tokens instead of rows (`_micro_batches`).
 """
 from __future__ import annotations
@@ -39,8 +39,8 @@ def _model_kwargs(m, router_logits: bool, replay: bool) -> dict:
 
 
 def rows_from_packs(x, m):
-    """[dp, L] per pack position -> [dp * R, t] per row slot and response token, through
-    `token_index` (the pack position that predicts each token); 0 past a row's response."""
+    """[dp * P, C] per pack position -> [dp * P * R, t] per row slot and response token, through
+    `token_index` (the position in its pack that predicts each token); 0 past a row's response."""
     idx = m["token_index"]
     rows = jnp.take_along_axis(x, idx.reshape(x.shape[0], -1), axis=1).reshape(idx.shape)
     return jnp.where(m["token_valid"] > 0, rows, jnp.zeros((), x.dtype))
@@ -84,7 +84,7 @@ def response_hidden(model, m, router_logits=False, replay=False):
 
 
 def response_log_probs(model, m, temperature, return_entropy=False, router_logits=False, replay=False):
-    """Log-probs [b, t] of the response tokens (and entropies); packed micro-batches: [dp * R, t].
+    """Log-probs [b, t] of the response tokens (and entropies); packed micro-batches: [dp * P * R, t].
     `router_logits` (MoE): returns (that, router logits [L, *m["attention_mask"].shape, E]), the
     logits of the model's input rows (packs when packed), masked by `m["attention_mask"] != 0`.
     `replay` (MoE, router replay): every layer routes each token to `m["routed_experts"]`
@@ -192,7 +192,7 @@ def _micro_batches(mesh, arrays, *, rows: int, micro_per_device: int, budget: tu
                                token_keys=token_keys)
     elif budget[0]:
         plan, out = slot_batch(arrays, t, budget[0], dp, field=budget[1])
-    else:  # rows per device, one pack each: at most the padded micro-batch's tokens
+    else:  # rows per device, in packs of at most the padded micro-batch's tokens per device
         per = micro_size_for(rows, micro_per_device, dp) // dp
         plan, out = pack_batch(arrays, t, per * arrays["input_ids"].shape[1], dp, field="",
                                row_keys=row_keys, rows_per_device=per, token_keys=token_keys)
@@ -452,7 +452,7 @@ class ReferenceWorker:
 
 
 def response_values(model, m):
-    """Values [b, t] at the positions that predict each response token; packed: [dp * R, t]."""
+    """Values [b, t] at the positions that predict each response token; packed: [dp * P * R, t]."""
     packed = is_packed(m)  # static: whether the micro-batch carries the pack layout
     v = model(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"],
               packed=rows_per_pack(m) if packed else False)
@@ -495,7 +495,7 @@ class CriticWorker(_Trained):
 
 def last_token_values(model, m):
     """Values at the response tokens themselves (the state after reading each token). [b, t];
-    packed: [dp * R, t] (one position past the one that predicts each token)."""
+    packed: [dp * P * R, t] (one position past the one that predicts each token)."""
     packed = is_packed(m)
     v = model(m["input_ids"], attention_mask=m["attention_mask"], positions=m["position_ids"],
               packed=rows_per_pack(m) if packed else False)

@@ -36,7 +36,7 @@ def denominators(mask: jax.Array, row_valid: jax.Array | None = None) -> dict[st
 
 def is_packed(mb) -> bool:
     """Whether a micro-batch dict holds packed rows (`_packing.pack_batch`): the model sees
-    `[dp, L]` packs and per-row fields map through `token_index`."""
+    `[dp * P, C]` packs and per-row fields map through `token_index`."""
     return "token_index" in mb
 
 
@@ -125,8 +125,9 @@ def micro_batches(mesh, arrays: dict[str, np.ndarray], micro_size: int) -> dict[
 
 
 def packed_micro_batches(mesh, packed: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """`_packing.pack_batch` / `slot_batch` output [n_micro, dp (x R), ...] -> global arrays, slot d of every
-    micro-batch on data-parallel device d."""
+    """`_packing.pack_batch` / `slot_batch` output [n_micro, dp x k, ...] -> global arrays: slots
+    d * k ... d * k + k - 1 of every micro-batch (device d's packs, or their row slots) on
+    data-parallel device d."""
     return put_batch(mesh, packed, batch_axis=1)
 
 

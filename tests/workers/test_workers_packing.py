@@ -18,9 +18,10 @@ from jaxrl_llm.algos._aggregation import LOSS_AGG_MODES
 from jaxrl_llm.config import load_config
 from jaxrl_llm.models._decoder import causal_padding_mask
 from jaxrl_llm.workers._common import build_model
-from jaxrl_llm.workers._packing import (balanced_partition, pack_batch, pack_length_bucket, plan_packs,
-                                        plan_rows, slot_batch, unpack_rows)
-from jaxrl_llm.workers import _roles
+from jaxrl_llm.workers._packing import (balanced_partition, pack_batch, pack_length_bucket, pack_rows,
+                                        packs_bucket, plan_packs, plan_rows, slot_batch, spread_rows,
+                                        unpack_rows)
+from jaxrl_llm.workers import _packing, _roles
 from jaxrl_llm.workers._roles import (ActorWorker, CriticWorker, ReferenceWorker, RewardModelWorker,
                                       token_budget)
 from jaxrl_llm.workers._step import denominators
@@ -68,19 +69,95 @@ def test_plan_respects_the_budget_buckets_lengths_and_is_deterministic():
     again = plan_packs(lengths.copy(), budget, dp, field="actor.ppo_max_token_len_per_device")
     assert all(np.array_equal(getattr(plan, f), getattr(again, f))
                for f in ("micro", "shard", "slot", "offset"))
-    n, L, R = plan.shapes()
-    assert L in (128, 256, 512, 1024, 2048, 4096) and L <= budget
-    assert n & (n - 1) == 0 and R & (R - 1) == 0
+    n, P, C, R = plan.shapes()
+    assert C in (128, 256, 512, 1024, 2048, 4096) and P * C <= budget
+    assert n & (n - 1) == 0 and R & (R - 1) == 0 and P in (1, 2)  # packs of 2,048: 2 fit the budget
     ends = plan.offset + lengths
-    assert ends.max() <= L
+    assert ends.max() <= C and plan.pack.max() < P
     assert len(set(plan.dest.tolist())) == len(lengths)  # one slot per row
-    for key in set(zip(plan.micro.tolist(), plan.shard.tolist())):  # rows of a pack do not overlap
-        rows = np.nonzero((plan.micro == key[0]) & (plan.shard == key[1]))[0]
+    for key in set(zip(plan.micro.tolist(), plan.sequence.tolist())):  # rows of a pack do not overlap
+        rows = np.nonzero((plan.micro == key[0]) & (plan.sequence == key[1]))[0]
         spans = sorted(zip(plan.offset[rows], ends[rows]))
         assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
-        assert sum(lengths[rows]) <= budget
+    for key in set(zip(plan.micro.tolist(), plan.shard.tolist())):  # a device's micro-batch: the budget
+        assert lengths[(plan.micro == key[0]) & (plan.shard == key[1])].sum() <= budget
     tokens = [lengths[plan.shard == d].sum() for d in range(dp)]
     assert max(tokens) - min(tokens) <= lengths.max()
+
+
+def test_short_rows_go_into_several_short_packs_per_device():
+    """Rows far shorter than the budget (the SmolLM2 gym run: 512 rows of ~40-130 tokens, a 49,152
+    budget) go into packs of `PACK_LENGTH_FLOOR` tokens, several per device per micro-batch, not
+    one pack of the whole budget (slow under cuDNN's packed attention); the budget still bounds
+    P * C, and a row longer than the floor raises the cap to its power of two."""
+    lengths = np.random.default_rng(7).integers(40, 131, 512)
+    plan = plan_packs(lengths, 49152, 1, field="f")
+    n, P, C, R = plan.shapes()
+    assert (C, P, n) == (2048, 24, 1)  # 24 = the budget's packs of 2,048 (a cap, not a power of two)
+    assert lengths.sum() <= n * P * C and (plan.offset + lengths).max() <= C
+    assert len(set(zip(plan.micro.tolist(), plan.sequence.tolist()))) > P // 2  # packs are used
+    per_pack = np.bincount(plan.micro * P + plan.sequence, weights=lengths)
+    rows = np.bincount(plan.micro * P + plan.sequence)
+    # the rows are spread over all 24 packs (first-fit alone fills 22 packs with ~25 rows: R 32
+    # would hold, but with rows of 40 a full pack takes 51: R 64)
+    assert per_pack.max() <= C and len(rows) == 24 and rows.max() - rows.min() <= 1 and R == 32
+    n2, P2, C2, _ = plan_packs(lengths, 16384, 2, field="f").shapes()
+    assert C2 == 2048 and P2 == 6 and n2 == 2  # 11 packs per device: 2 micro-batches of 6
+    assert plan_packs([3000, 100, 200], 16384, 1, field="f").shapes()[1:3] == (1, 4096)
+    assert plan_packs([3000, 100, 200], 2000 + 1000, 1, field="f").shapes()[1:3] == (1, 3000)
+    # a row-count plan: 64 rows per device (cap: 64 padded rows of 192) into packs of 2,048
+    n3, P3, C3, _ = plan_rows(lengths, 64, 2, cap=64 * 192).shapes()
+    assert (n3, C3) == (4, 2048) and 1 < P3 <= 64 * 192 // 2048
+
+
+def test_a_run_of_short_rows_sees_few_pack_shapes():
+    """30 batches of the gym run's shape (512 rows of 44-68 prompt tokens, mean response growing
+    from ~6 to ~37 tokens): each pass's plan takes at most 2 shapes (n_micro, P, C, R), so it
+    compiles at most 2 programs."""
+    log_prob, update, rows = set(), set(), set()
+    for s in range(30):
+        rng = np.random.default_rng(s)
+        lengths = rng.integers(44, 69, 512) + rng.integers(4, 8 + 2 * s, 512)
+        log_prob.add(plan_packs(lengths, 49152, 1, field="f").shapes())
+        update.update(plan_packs(lengths[i:i + 256], 49152, 1, field="f").shapes() for i in (0, 256))
+        rows.add(plan_rows(lengths, 256, 1, cap=256 * 192).shapes())
+    print(f"pack shapes: log-prob {sorted(log_prob)}, update {sorted(update)}, rows {sorted(rows)}")
+    assert len(log_prob) <= 2 and len(update) <= 2 and len(rows) <= 2
+    assert all(C == 2048 and P > 1 for shapes in (log_prob, update, rows) for _, P, C, _ in shapes)
+
+
+def test_packs_per_device_fall_in_few_buckets():
+    """P steps through 2^k and 3 * 2^k (an empty pack costs a full one in the matmuls: 9 packs
+    take 12 slots, not 16), capped by the packs that fit the budget."""
+    assert [packs_bucket(n, 64) for n in range(1, 18)] == \
+        [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 24]
+    assert packs_bucket(17, 20) == 20 and packs_bucket(5, 5) == 5
+    lengths = np.full(256, 68)  # 30 rows per pack of 2,048: 9 packs
+    assert plan_packs(lengths, 49152, 1, field="f").shapes()[1:3] == (12, 2048)
+
+
+def test_spreading_rows_evens_the_packs_and_keeps_full_packs_that_do_not_spread():
+    lengths = np.array([10, 9, 3, 3, 3, 3, 2, 2])
+    packs = pack_rows(lengths, 16)  # first fit: [10, 3, 3], [9, 3, 3], [2, 2]
+    spread = spread_rows(lengths, packs, 4, 16)
+    assert sorted(r for pk in spread for r in pk) == list(range(8)) and len(spread) == 4
+    assert [int(lengths[pk].sum()) for pk in spread] == [10, 9, 8, 8]  # first fit's longest: 16
+    tight = np.array([6, 5, 5, 4, 4, 4, 4])  # 2 x 16 exactly: only first fit's packs hold them
+    packs = pack_rows(tight, 16)
+    assert spread_rows(tight, packs, 2, 16) == packs and spread_rows(tight, packs, 3, 16) != packs + [[]]
+
+
+def test_row_plan_raises_the_pack_length_while_its_packs_exceed_the_cap(monkeypatch):
+    """plan_rows keeps P * C within the padded micro-batch's tokens: when the rows' packs of the
+    floor length would not fit, the packs get longer (down to one pack per device)."""
+    monkeypatch.setattr(_packing, "PACK_LENGTH_FLOOR", 8)
+    lengths = np.array([9, 9, 9, 9, 5, 5, 5, 5])  # 4 rows per device: packs of 16 hold one 9
+    plan = plan_rows(lengths, 4, 2, cap=4 * 10)
+    n, P, C, R = plan.shapes()
+    assert P * C <= 40 and (plan.offset + lengths).max() <= C
+    assert (n, P, C) == (1, 2, 16)  # 9 + 5 per pack of 16, two packs per device
+    tight = plan_rows(np.array([9, 9, 9, 9, 9, 9, 9, 9]), 4, 2, cap=4 * 9)
+    assert tight.shapes()[1:3] == (1, 36)  # 2 x 16 < 36 tokens: one pack of 36
 
 
 def test_pack_lengths_fall_in_few_buckets():
@@ -120,13 +197,13 @@ def test_packed_tokens_and_row_fields_round_trip():
     plan, packed = pack_batch(b, t, 24, 2, field="f", row_keys=("response_mask",))
     for r in range(len(b["input_ids"])):
         real = b["attention_mask"][r] > 0
-        at = (plan.micro[r], plan.shard[r], slice(plan.offset[r], plan.offset[r] + real.sum()))
+        at = (plan.micro[r], plan.sequence[r], slice(plan.offset[r], plan.offset[r] + real.sum()))
         np.testing.assert_array_equal(packed["input_ids"][at], b["input_ids"][r][real])
         np.testing.assert_array_equal(packed["position_ids"][at], np.arange(real.sum()))
         assert (packed["attention_mask"][at] == plan.slot[r] + 1).all()
         # the position before each response token is where it is predicted from
         k = b["attention_mask"][r, -t:].sum()
-        flat = packed["input_ids"][plan.micro[r], plan.shard[r]]
+        flat = packed["input_ids"][plan.micro[r], plan.sequence[r]]
         idx = unpack_rows(plan, packed["token_index"])[r, :k]
         np.testing.assert_array_equal(flat[idx + 1], b["responses"][r, :k])
     np.testing.assert_array_equal(unpack_rows(plan, packed["response_mask"]), b["response_mask"])
@@ -141,7 +218,7 @@ def test_fixed_row_plan_keeps_the_row_count_and_balances_tokens():
     plan = plan_rows(lengths, 4, 2, cap=4 * 400)
     again = plan_rows(lengths.copy(), 4, 2, cap=4 * 400)
     assert all(np.array_equal(getattr(plan, f), getattr(again, f)) for f in ("micro", "shard", "slot", "offset"))
-    assert plan.shapes()[0] == 4 and plan.shapes()[2] == 4 and len(set(plan.dest.tolist())) == 32
+    assert plan.shapes()[0] == 4 and plan.shapes()[3] == 4 and len(set(plan.dest.tolist())) == 32
     group = plan.micro * 2 + plan.shard
     assert (np.bincount(group) == 4).all()
     sums = np.bincount(group, weights=lengths)
@@ -198,13 +275,13 @@ def setup():
 MODES = {"remove_padding": (False, True), "dynamic_bsz": (True, False), "both": (True, True)}
 
 
-def _actor(cfg, mesh, *, mode=None, budget=24, **actor_kw):
-    """mode None: padded rows of ppo_micro_batch_size_per_device (2); else a key of MODES."""
+def _actor(cfg, mesh, *, mode=None, budget=24, micro=2, **actor_kw):
+    """mode None: padded rows of ppo_micro_batch_size_per_device (`micro`); else a key of MODES."""
     dyn, rmpad = MODES[mode] if mode else (False, False)
     # Adam with eps 1: the first step moves each weight by lr * g / (|g| + 1), about lr * g, so
     # equal params after the step mean equal gradients (not just equal signs)
     optim = dataclasses.replace(cfg.actor.optim, lr=1.0, eps=1.0, clip_grad=0.0, weight_decay=0.0)
-    a = dataclasses.replace(cfg.actor, optim=optim, ppo_micro_batch_size_per_device=2,
+    a = dataclasses.replace(cfg.actor, optim=optim, ppo_micro_batch_size_per_device=micro,
                             use_dynamic_bsz=dyn, ppo_max_token_len_per_device=budget, **actor_kw)
     model = build_model(cfg.model, vocab_size=20, mesh=mesh)
     return ActorWorker(model, a, mesh=mesh, total_steps=4, temperature=0.7, remove_padding=rmpad)
@@ -354,6 +431,61 @@ def test_critic_values_and_update_equal_padded(setup, mode):
     diff = jax.tree.leaves(jax.tree.map(lambda x, y: np.abs(np.asarray(x) - np.asarray(y)).max(),
                                         padded.state.params, other.state.params))
     assert max(diff) < TOL
+
+
+def _several_packs(cfg, mesh, batch, mode, monkeypatch, **kw):
+    """An actor whose micro-batches hold several packs per device: packs capped at 16 tokens
+    (PACK_LENGTH_FLOOR patched down from 2,048: the tiny rows are <= 14 tokens), a budget of 32
+    (both switches) or 4 rows per device (remove_padding alone, 56 padded tokens)."""
+    monkeypatch.setattr(_packing, "PACK_LENGTH_FLOOR", 16)
+    actor = _actor(cfg, mesh, mode=mode, budget=32, micro=4 if mode == "remove_padding" else 2, **kw)
+    arrays = {k: batch[k] for k in _roles._SEQ_KEYS + ("responses",)}
+    plan, mb = _roles._micro_batches(mesh, arrays, rows=8, micro_per_device=actor.micro_per_device,
+                                     budget=actor.log_prob_budget, remove_padding=True)
+    n, P, C, R = plan.shapes()
+    assert P > 1 and C == 16 and mb["input_ids"].shape == (n, 2 * P, 16), plan.shapes()
+    return actor
+
+
+@pytest.mark.parametrize("mode", ["remove_padding", "both"])
+def test_several_packs_per_device_equal_padded(setup, mode, monkeypatch):
+    """Micro-batches of `[dp * P, C]` packs (P > 1 per device): log-probs, entropy, the actor
+    update (pg, entropy and kl losses, gradients via the params after one step) equal padded."""
+    cfg, mesh, batch = setup
+    kw = dict(policy_loss="vanilla", loss_agg_mode="seq-mean-token-sum-norm", entropy_coeff=0.01,
+              use_kl_loss=True)
+    padded, other = _actor(cfg, mesh, **kw), _several_packs(cfg, mesh, batch, mode, monkeypatch, **kw)
+    real = batch["attention_mask"][:, -8:]
+    a, b = padded.compute_log_prob(batch), other.compute_log_prob(batch)
+    _close(a["old_log_probs"], b["old_log_probs"], real)
+    _close(a["entropys"], b["entropys"], real)
+    b = dict(batch, old_log_probs=a["old_log_probs"] - 0.05 * real, ref_log_prob=a["old_log_probs"] - 0.1)
+    ma, mb = padded.update(b, mini_rows=8, seed=0), other.update(b, mini_rows=8, seed=0)
+    for k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
+        assert abs(ma[k] - mb[k]) < TOL, (k, ma[k], mb[k])
+    assert ma["actor/grad_norm"] > 1e-3
+    diff = jax.tree.leaves(jax.tree.map(lambda x, y: np.abs(np.asarray(x) - np.asarray(y)).max(),
+                                        padded.state.params, other.state.params))
+    assert max(diff) < TOL
+
+
+def test_several_packs_per_device_rolled_attention_and_values_equal_padded(setup, monkeypatch):
+    """The rolled path (cuDNN's packed layout as an XLA mask: runs per sequence, at most R) on
+    `[dp * P, C]` packs, and the critic's values (gathered one position later) equal padded."""
+    _, mesh, batch = setup
+    cfg = load_config(f"{QUICKSTART}:tiny,local", ["model.dtype=float32", "model.train_attention=rolled"])
+    padded, packed = _actor(cfg, mesh), _several_packs(cfg, mesh, batch, "both", monkeypatch)
+    real = batch["attention_mask"][:, -8:]
+    _close(padded.compute_log_prob(batch)["old_log_probs"],
+           packed.compute_log_prob(batch)["old_log_probs"], real)
+    values = []
+    for dyn in (False, True):
+        c = dataclasses.replace(cfg.critic, ppo_micro_batch_size_per_device=2, use_dynamic_bsz=dyn,
+                                ppo_max_token_len_per_device=32)
+        model = build_model(cfg.model, vocab_size=20, mesh=mesh, value_head=True)
+        values.append(CriticWorker(model, c, mesh=mesh, total_steps=4,
+                                   remove_padding=dyn).compute_values(batch)["values"])
+    _close(values[0], values[1], real)
 
 
 def _reward_model(cfg, mesh, mode=None, budget=14):
