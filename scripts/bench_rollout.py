@@ -6,6 +6,7 @@
     python scripts/bench_rollout.py --tiny                # CPU smoke run in seconds (tests call it)
     python scripts/bench_rollout.py --models 1.5b --batches 256 --variants einsum:1 cudnn:1
     python scripts/bench_rollout.py --models 1.5b --batches 256 --no-peer --layouts stacked per_layer
+    python scripts/bench_rollout.py --models 1.5b --batches 256 --no-peer --quantization none fp8 int8
 
 Random-init bf16 models with Qwen2.5 shapes; every prompt is `--prompt-len` random tokens and
 generates exactly the requested number of tokens (no stop tokens), sampling at temperature 1.
@@ -31,6 +32,14 @@ What is timed (every call warm: each shape is compiled by an untimed call first)
 - `--trace DIR`: after timing, traces both calls with `jax.profiler` and reports the difference
   of their device-kernel times per kind and per kernel divided by the step difference
   (`decode_trace`: decode-only kernel ms per step, prefill excluded).
+
+`--quantization none fp8 int8` times the engine once per `rollout.quantization` (the dense
+projections' weights; `jaxrl_llm.models._quant`) in the same run: `weight_bytes` is then the
+engine's real weight bytes (quantized kernels + scales + bf16 embedding/head/norms), the fp8
+record's matmul FLOPs count against `--fp8-tflops` (int8 is weight-only: bf16 compute), and
+each quantized record gets `vs_unquantized` = {"decode_only": the `none` record's ms_per_step /
+its own, "whole_call": total_s ratio} when `none` ran in the same run with the same model, batch,
+layout and variant (list `none` first).
 
 `--variants ATTN:UNROLL ...` times the decode path under each setting of
 `ModelConfig.decode_attention` (auto | einsum | reduce | cudnn | pallas | triton) and `.decode_unroll`
@@ -75,6 +84,10 @@ def parse_args(argv=None):
     p.add_argument("--layouts", nargs="+", default=["per_layer"],
                    choices=["per_layer", "per_layer_fused", "stacked", "auto"],
                    help="engine layer_layout(s) to compare (see the module docstring)")
+    p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8", "int8"],
+                   help="engine weight format(s) to compare in this run (rollout.quantization)")
+    p.add_argument("--fp8-tflops", type=float, default=1979.0,
+                   help="dense fp8 peak, TFLOP/s (H200: 1979), for the fp8 roofline")
     p.add_argument("--engine-opt", nargs="*", default=[], metavar="KEY=VALUE",
                    help="extra rollout.Engine keyword arguments (ints, floats, true/false, strings)")
     p.add_argument("--decode-xla-option", nargs="*", default=[], metavar="KEY=VALUE",
@@ -132,18 +145,23 @@ def _peak_bytes():
     return stats.get("peak_bytes_in_use")
 
 
-def step_cost(c, n_params: int, batch: int, context: float, *, hbm_gbs: float, tflops: float) -> dict:
+def step_cost(c, n_params: int, batch: int, context: float, *, hbm_gbs: float, tflops: float,
+              weight_bytes: int | None = None, matmul_tflops: float | None = None) -> dict:
     """Least bytes and FLOPs of one decode step of `batch` rows at mean `context` cached tokens,
-    and the roofline time max(bytes / HBM, FLOPs / peak) in ms."""
+    and the roofline time max(bytes / HBM, FLOPs / peak) in ms. `weight_bytes` (default: n_params
+    in param_dtype) and `matmul_tflops` (the weight matmuls' peak, default `tflops`) for a
+    quantized engine."""
     itemsize = jnp.dtype(c.dtype).itemsize
-    weight_bytes = n_params * jnp.dtype(c.param_dtype).itemsize
+    if weight_bytes is None:
+        weight_bytes = n_params * jnp.dtype(c.param_dtype).itemsize
     kv_bytes = batch * context * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * itemsize
     # the embedding lookup is a gather, not a matmul; a tied embedding is also the unembed matmul
     matmul_params = n_params - (0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size)
-    flops = (2 * batch * matmul_params
-             + 4 * batch * context * c.num_attention_heads * c.head_dim * c.num_hidden_layers)
+    attn_flops = 4 * batch * context * c.num_attention_heads * c.head_dim * c.num_hidden_layers
+    flops = 2 * batch * matmul_params + attn_flops
     bytes_ = weight_bytes + kv_bytes
-    mem_ms, flop_ms = bytes_ / (hbm_gbs * 1e9) * 1e3, flops / (tflops * 1e12) * 1e3
+    mem_ms = bytes_ / (hbm_gbs * 1e9) * 1e3
+    flop_ms = (2 * batch * matmul_params / ((matmul_tflops or tflops) * 1e12) + attn_flops / (tflops * 1e12)) * 1e3
     return {"bytes_per_step": int(bytes_), "weight_bytes": int(weight_bytes), "kv_read_bytes": int(kv_bytes),
             "flops_per_step": int(flops), "roofline_ms": max(mem_ms, flop_ms),
             "bound": "memory" if mem_ms >= flop_ms else "compute"}
@@ -169,7 +187,7 @@ def _trace_diff(paths, steps: int) -> dict:
             "top_kernels": kernels[:30], "files": [os.path.basename(p) for p in paths]}
 
 
-def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
+def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", quantization="none"):
     import rollout
     from jaxrl_llm.models import init_model
     from rollout._engine import PREFILL_BUCKETS
@@ -184,7 +202,7 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
     engine = rollout.Engine.from_model(
         model, max_concurrent_decodes=batch, max_prefill_length=prefill_len,
         max_target_length=max(prefill_len + 1, args.prompt_len + args.gen_len), temperature=1.0,
-        layer_layout=layout, **opts)
+        layer_layout=layout, quantization=quantization, **opts)
     del model
     driver = rollout.RolloutDriver(engine, steps_per_sync=args.steps_per_sync,
                                    max_prefill_batch=min(batch, 64))
@@ -207,11 +225,14 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
     c = engine.config
     n_params = sum(x.size for x in jax.tree.leaves(engine.params))
     context = args.prompt_len + (short + long_) / 2  # mean cached tokens over the timed steps
-    cost = step_cost(c, n_params, batch, context, hbm_gbs=args.hbm_gbs, tflops=args.tflops)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))
+    cost = step_cost(c, n_params, batch, context, hbm_gbs=args.hbm_gbs, tflops=args.tflops,
+                     weight_bytes=weight_bytes,
+                     matmul_tflops=args.fp8_tflops if quantization == "fp8" else None)
     rec = {
         "engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
         "decode_attention": cfg.decode_attention, "decode_unroll": cfg.decode_unroll,
-        "layer_layout": engine.layer_layout, "engine_opts": opts,
+        "layer_layout": engine.layer_layout, "quantization": quantization, "engine_opts": opts,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "prompt_len": args.prompt_len, "gen_len": long_, "short_len": short, "dtype": str(jnp.dtype(dtype)),
         "device": str(jax.devices()[0].device_kind), "generated_tokens": gen_tokens,
@@ -225,7 +246,7 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer"):
         "decode_loops": out.stats["decode_loops"], "steps_per_sync": args.steps_per_sync,
     }
     if args.trace:
-        tag = f"{engine.layer_layout}_{variant.replace(':', '_')}_b{batch}"
+        tag = f"{engine.layer_layout}_{variant.replace(':', '_')}_{quantization}_b{batch}"
         paths = [os.path.join(args.trace, f"trace_{tag}_{n}.json.gz") for n in (short, long_)]
         for gen, path in zip((short, long_), paths):
             perfetto_trace(lambda gen=gen: run(gen), path)
@@ -354,18 +375,26 @@ def main(argv=None) -> list[dict]:
             peers = [] if args.no_peer else bench_peer(name, batch, args)
             for p in peers:
                 report.add(p)
-            for layout, variant in [] if args.peer_only else [
-                    (lay, v) for lay in args.layouts for v in args.variants]:
+            unquantized = {}
+            for layout, variant, quant in [] if args.peer_only else [
+                    (lay, v, q) for lay in args.layouts for v in args.variants for q in args.quantization]:
                 gc.collect()  # the previous engine (a reference cycle through its jits) and its cache
                 try:
-                    ours = bench_ours(name, batch, args, variant, layout)
+                    ours = bench_ours(name, batch, args, variant, layout, quant)
                 except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
                     if args.tiny:
                         raise
                     ours = {"engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
-                            "variant": variant, "layer_layout": layout, "error": repr(e)[-2000:]}
+                            "variant": variant, "layer_layout": layout, "quantization": quant,
+                            "error": repr(e)[-2000:]}
                 if peers:
                     ours["vs_peer"] = compare(ours, peers)
+                if quant == "none":
+                    unquantized[(layout, variant)] = ours
+                elif "ms_per_step" in ours and "ms_per_step" in unquantized.get((layout, variant), {}):
+                    base = unquantized[(layout, variant)]
+                    ours["vs_unquantized"] = {"decode_only": base["ms_per_step"] / ours["ms_per_step"],
+                                              "whole_call": base["total_s"] / ours["total_s"]}
                 report.add(ours)
     return report.records
 

@@ -203,3 +203,20 @@ def test_quantized_engine_greedy_tokens_mostly_equal_bf16_and_report_the_mismatc
         assert free >= _FLOORS[fmt]["free"] and teacher >= _FLOORS[fmt]["teacher"], (free, teacher)
         assert teacher < 1.0 or fmt == "int8"  # fp8 does change some argmaxes here (it quantized)
     assert k3["none"] < k3["fp8"] < 0.01 and k3["int8"] < 1e-3
+
+
+def test_bench_rollout_times_quantized_engines_against_unquantized_in_one_run(capsys, load_script):
+    """scripts/bench_rollout.py --tiny --quantization none fp8 (CPU): one record per format, each
+    with the engine's real weight bytes, the quantized one with its ratio to none (int8 takes
+    the same path)."""
+    records = load_script("bench_rollout").main(["--tiny", "--quantization", "none", "fp8"])
+    capsys.readouterr()
+    by = {r["quantization"]: r for r in records}
+    assert sorted(by) == ["fp8", "none"]
+    r = by["fp8"]
+    assert r["generated_tokens"] == 4 * 8 and r["ms_per_step"] > 0 and "error" not in r
+    assert r["weight_bytes"] < by["none"]["weight_bytes"]  # fp32 tiny model: kernels 4 -> 1 byte
+    assert r["vs_unquantized"]["decode_only"] == pytest.approx(by["none"]["ms_per_step"] / r["ms_per_step"])
+    assert r["bytes_per_step"] == r["weight_bytes"] + r["kv_read_bytes"]
+    assert r["roofline_ms"] < by["none"]["roofline_ms"]
+    assert "vs_unquantized" not in by["none"]
