@@ -122,6 +122,10 @@ def test_quantized_sync_runs_on_device_and_quantizes_only_the_dense_projections(
     own previous (donated) weights, and `engine.params` syncs back as it is (zero copy)."""
     e = _engine(tiny_model, fmt, layer_layout="auto")
     assert e.layer_layout == "per_layer" and e.quantization == fmt and not e.shares_weights(tiny_model)
+    # the model's own dtype and sharding: unquantized, auto would share its buffers (stacked)
+    same = rollout.Engine.from_model(tiny_model, max_concurrent_decodes=8, max_prefill_length=16,
+                                     max_target_length=32, quantization=fmt)
+    assert same.layer_layout == "per_layer" and not same.shares_weights(tiny_model)
     summary = _params_summary(e.params)
     qdtype = jnp.dtype(_quant.storage_dtype(fmt))
     for name, (shape, dtype) in summary.items():
