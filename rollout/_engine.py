@@ -159,9 +159,9 @@ class Engine:
             dtype = to_dtype(dtype)
             config = config.replace(dtype=dtype, param_dtype=dtype)
         check_quantization(quantization)
-        source_config = config.replace(quantization="none")  # the trainer's trees (sync sources)
-        if quantization != "none":
-            config = config.replace(quantization=quantization)
+        # the trainer's trees (what a sync takes); under quantization the engine's own differ
+        source_config = config if config.quantization == "none" else config.replace(quantization="none")
+        config = source_config if quantization == "none" else source_config.replace(quantization=quantization)
         self.config = config
         self.quantization = quantization
         self.sampling = SamplingParams(temperature, top_k, top_p)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import rollout
-from conftest import trainer_log_probs
+from conftest import full_logits, trainer_log_probs
 from jaxrl_llm import algos
 from jaxrl_llm.models import _quant, from_pretrained
 
@@ -181,7 +181,6 @@ def test_quantized_engine_greedy_tokens_mostly_equal_bf16_and_report_the_mismatc
     """Greedy tokens of fp8 / int8 engines vs a bf16 engine on an HF fixture, and the rollout
     correction's mismatch metrics (`algos.rollout_offpolicy_metrics`, what the trainer logs
     under rollout_corr/) of each engine's log-probs against the fp32 trainer's."""
-    from conftest import full_logits
     path = os.path.join(FIXTURES, family)
     trainer = from_pretrained(path)
     rng = np.random.default_rng(0)
