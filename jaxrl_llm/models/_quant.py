@@ -13,8 +13,9 @@ A quantized projection's param dict is {"kernel": q, "scale": s} (plus any bias)
   s: float32 [*out], one scale per output channel: w ~= q * s (symmetric, absmax / qmax).
 
 The matmul (`linear`):
-  int8: weight-only (W8A16): dot(x, q as x.dtype) in fp32, times s. On TPU XLA fuses the int8 ->
-    bf16 convert into the matmul's operand fetch.
+  int8: weight-only (W8A16): dot(x, q as x.dtype) in fp32, times s. On TPU the compiler reads
+    the int8 weights inside the matmul fusion (no bf16 copy written; tests/rollout/
+    test_rollout_quant_aot.py checks the compiled v5e decode step).
   fp8: W8A8 with dynamic per-token activation scales: x is scaled by its row's absmax / 448 and
     cast to e4m3, `lax.dot_general(x_fp8, q_fp8, preferred_element_type=float32)`, then times
     (row scale x channel scale). Both operands fp8 is the pattern XLA's GPU GEMM rewriter turns

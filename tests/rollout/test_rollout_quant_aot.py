@@ -2,6 +2,7 @@
 machine, `scripts/tpu/aot_compile.py`): the decode step and the quantizing weight sync, with the
 engine's resident weights smaller than bf16's. Skipped only when libtpu is not installed."""
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ def test_int8_rollout_decode_and_sync_compile_for_v5e():
     spec = importlib.util.spec_from_file_location("aot_compile", path)
     aot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(aot)
+    texts, pallas_kernels = [], aot.pallas_kernels  # the compiled programs' HLO text, as the script reads it
+    aot.pallas_kernels = lambda text: (texts.append(text), pallas_kernels(text))[1]
     out = {q: aot.run_aot("v5e:2x2", "configs/quickstart.py:tiny", TINY + (f"--config.rollout.quantization={q}",),
                           programs=programs, cost=False)
            for q, programs in (("int8", ("generate", "weight_sync")), ("none", ("weight_sync",)))}
@@ -26,5 +29,26 @@ def test_int8_rollout_decode_and_sync_compile_for_v5e():
     for name in ("generate", "weight_sync"):
         assert int8["programs"][name]["argument_bytes"] > 0 and int8["programs"][name]["code_bytes"] > 0
     assert int8["programs"]["generate"]["pallas_kernels"] == ["jaxrl_decode_attention"]
+    # the TPU compiler feeds the int8 kernels straight into the matmul fusions (re-tiled inside the
+    # fusion, in VMEM): every top-level consumer of an s8 parameter (through prefetch copies) is a
+    # fusion that contains a convolution; none writes a bf16 copy of the weight first
+    comps = re.split(r"\n(?=\S)", next(t for t in texts if "jit(_generate_core)" in t))
+    bodies = {c.split(" ", 1)[0]: c for c in comps}
+    entry = next(c for c in comps if c.startswith("ENTRY"))
+    names = set(re.findall(r"(%[\w.-]+) = s8\[[\d,]+\]\{[^}]*\} parameter\(", entry))
+    assert names
+    consumers = []
+    for line in entry.splitlines()[1:]:
+        m = re.match(r"\s*(?:ROOT )?(%[\w.-]+) = .*? ([\w-]+)\((.*?)\)", line)
+        if not m or not names & set(re.findall(r"%[\w.-]+", m.group(3))):
+            continue
+        if m.group(2) in ("copy-start", "copy-done", "bitcast", "get-tuple-element"):
+            names.add(m.group(1))  # the same bytes, elsewhere
+        else:
+            consumers.append(line)
+    assert consumers
+    for line in consumers:
+        called = re.search(r"calls=(%[\w.-]+)", line)
+        assert " fusion(" in line and called and "convolution(" in bodies[called.group(1)], line[:200]
     # the projections at 1 byte + scales instead of 2 bytes (embedding and head stay bf16)
     assert int8["resident_bytes"]["engine_params"] < 0.7 * out["none"]["resident_bytes"]["engine_params"]
