@@ -39,7 +39,8 @@ engine's real weight bytes (quantized kernels + scales + bf16 embedding/head/nor
 record's matmul FLOPs count against `--fp8-tflops` (int8 is weight-only: bf16 compute), and
 each quantized record gets `vs_unquantized` = {"decode_only": the `none` record's ms_per_step /
 its own, "whole_call": total_s ratio} when `none` ran in the same run with the same model, batch,
-layout and variant (list `none` first).
+layout and variant (list `none` first). With `--check`, each format's one-token decode is
+also compared with the fp32 reference (`check_variants`).
 
 `--variants ATTN:UNROLL ...` times the decode path under each setting of
 `ModelConfig.decode_attention` (auto | einsum | reduce | cudnn | pallas | triton) and `.decode_unroll`
@@ -95,8 +96,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
     p.add_argument("--trace", default="", help="trace the two timed calls into this folder and "
                    "report decode-only kernel time per step (see the module docstring)")
-    p.add_argument("--check", action="store_true", help="first compare each variant's one-token "
-                   "decode with an fp32 einsum reference on a small bf16 model (relative error)")
+    p.add_argument("--check", action="store_true", help="first compare each variant's (and each "
+                   "--quantization's) one-token decode with an fp32 einsum reference on a small bf16 "
+                   "model (relative error)")
     p.add_argument("--tiny", "--dry-run", dest="tiny", action="store_true",
                    help="tiny model, batch 4, 16+8 tokens, fp32, no peer: a CPU smoke run")
     args = p.parse_args(argv)
@@ -257,10 +259,12 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", quantiza
     return rec
 
 
-def check_variants(variants, layouts=("stacked",)) -> list[dict]:
-    """Relative error of each (layout, variant)'s one-token decode vs an fp32 stacked einsum
-    reference (bf16 model, head_dim 128, GQA 4:1, rows at different cache offsets)."""
-    from jaxrl_llm.models import ModelConfig, _decoder, init_model
+def check_variants(variants, layouts=("stacked",), quantizations=("none",)) -> list[dict]:
+    """Relative error of each (layout, variant, quantization)'s one-token decode vs an fp32
+    stacked einsum reference (bf16 model, head_dim 128, GQA 4:1, rows at different cache
+    offsets); a quantized check runs the weights the engine's sync would make
+    (`_quant.quantize_params`), so on a GPU it checks the FP8 GEMM's numbers."""
+    from jaxrl_llm.models import ModelConfig, _decoder, _quant, init_model
     from flax import nnx
     out = []
     base = dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
@@ -271,7 +275,7 @@ def check_variants(variants, layouts=("stacked",)) -> list[dict]:
     index = jnp.asarray(rng.integers(1, 100, b), jnp.int32)
     tok = jnp.asarray(rng.integers(0, 1024, (b, 1)), jnp.int32)
 
-    def decode(dtype, variant, layout="stacked"):
+    def decode(dtype, variant, layout="stacked", quant="none"):
         attn, unroll = variant.split(":")
         config = ModelConfig(**base, dtype=dtype, param_dtype=dtype, decode_attention=attn,
                              decode_unroll=int(unroll))
@@ -279,10 +283,14 @@ def check_variants(variants, layouts=("stacked",)) -> list[dict]:
         _, pre = model.prefill(ids)
         pad = [(0, 0), (0, 0), (0, s - 100), (0, 0), (0, 0)]
         cache = _decoder.KVCache(jnp.pad(pre.k, pad), jnp.pad(pre.v, pad))
-        if layout == "per_layer":
+        if layout == "per_layer" or quant != "none":
             pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-            graphdef, _ = nnx.split(_decoder.abstract_model(config, layer_layout="per_layer"), nnx.Param)
-            model = nnx.merge(graphdef, _decoder.unstack_layers(pure))
+            pure = _decoder.unstack_layers(pure) if layout == "per_layer" else pure
+            pure = pure if quant == "none" else _quant.quantize_params(pure, quant)
+            graphdef, _ = nnx.split(_decoder.abstract_model(config.replace(quantization=quant), layer_layout=layout),
+                                    nnx.Param)
+            model = nnx.merge(graphdef, pure)
+        if layout == "per_layer":
             cache = _decoder.KVCache(tuple(cache.k), tuple(cache.v))
         graphdef, state = nnx.split(model)
         fn = jax.jit(lambda st, c: nnx.merge(graphdef, st).decode(tok, positions=index[:, None], cache=c,
@@ -292,12 +300,13 @@ def check_variants(variants, layouts=("stacked",)) -> list[dict]:
     ref = decode(jnp.float32, "einsum:1")
     for layout in dict.fromkeys("stacked" if lay == "auto" else lay for lay in layouts):
         for v in variants:
-            try:
-                h = decode(jnp.bfloat16, v, layout)
-                out.append({"check": v, "layer_layout": layout,
-                            "rel_err": float(np.linalg.norm(h - ref) / np.linalg.norm(ref))})
-            except Exception as e:  # noqa: BLE001
-                out.append({"check": v, "layer_layout": layout, "error": repr(e)[-1000:]})
+            for quant in quantizations:
+                rec = {"check": v, "layer_layout": layout, "quantization": quant}
+                try:
+                    h = decode(jnp.bfloat16, v, layout, quant)
+                    out.append({**rec, "rel_err": float(np.linalg.norm(h - ref) / np.linalg.norm(ref))})
+                except Exception as e:  # noqa: BLE001
+                    out.append({**rec, "error": repr(e)[-1000:]})
     return out
 
 
@@ -368,7 +377,7 @@ def main(argv=None) -> list[dict]:
     report = JsonReport(args.out)
     if args.check:
         for r in check_variants(["einsum:1"] + [v for v in args.variants if v != "einsum:1"],
-                                args.layouts):
+                                args.layouts, args.quantization):
             report.add(r)
     for name in args.models:
         for batch in args.batches:
