@@ -40,7 +40,9 @@ record's matmul FLOPs count against `--fp8-tflops` (int8 is weight-only: bf16 co
 each quantized record gets `vs_unquantized` = {"decode_only": the `none` record's ms_per_step /
 its own, "whole_call": total_s ratio} when `none` ran in the same run with the same model, batch,
 layout and variant (list `none` first). With `--check`, each format's one-token decode is
-also compared with the fp32 reference (`check_variants`).
+also compared with the fp32 reference (`check_variants`). Every record has `sync_ms`: the median
+of `--sync-repeats` warm `engine.update_params` of the model's bf16 stacked weights (relayout,
+plus quantization when on; `sync_bytes_written`, `sync_donated`).
 
 `--variants ATTN:UNROLL ...` times the decode path under each setting of
 `ModelConfig.decode_attention` (auto | einsum | reduce | cudnn | pallas | triton) and `.decode_unroll`
@@ -87,6 +89,8 @@ def parse_args(argv=None):
                    help="engine layer_layout(s) to compare (see the module docstring)")
     p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8", "int8"],
                    help="engine weight format(s) to compare in this run (rollout.quantization)")
+    p.add_argument("--sync-repeats", type=int, default=5,
+                   help="time this many weight syncs of the model into the engine (sync_ms: median)")
     p.add_argument("--fp8-tflops", type=float, default=1979.0,
                    help="dense fp8 peak, TFLOP/s (H200: 1979), for the fp8 roofline")
     p.add_argument("--engine-opt", nargs="*", default=[], metavar="KEY=VALUE",
@@ -104,7 +108,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.tiny:
         args.models, args.batches, args.prompt_len, args.gen_len = ["tiny"], [4], 16, 8
-        args.steps_per_sync, args.no_peer = 4, True
+        args.steps_per_sync, args.no_peer, args.sync_repeats = 4, True, 2
     if not args.short_len:
         bucket = 1 << max(0, max(args.gen_len, 16) - 1).bit_length()  # the driver's output buffer
         args.short_len = bucket // 2 + 1 if args.gen_len > 16 else max(1, args.gen_len // 2)
@@ -169,6 +173,21 @@ def step_cost(c, n_params: int, batch: int, context: float, *, hbm_gbs: float, t
             "bound": "memory" if mem_ms >= flop_ms else "compute"}
 
 
+def _time_sync(engine, model, repeats: int) -> dict:
+    """The median of `repeats` warm `engine.update_params(model)` (the model's bf16 stacked
+    weights into the engine's layout, quantized when the engine is; compiled by the engine's
+    first sync at construction, and the donating variant by an untimed first call here):
+    `sync_ms`, and the engine's weight bytes it wrote."""
+    engine.update_params(model)
+    times, stats = [], {}
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        stats = engine.update_params(model)
+        times.append(time.perf_counter() - t0)
+    return {"sync_ms": float(np.median(times)) * 1e3, "sync_bytes_written": int(stats["bytes_moved"]),
+            "sync_donated": bool(stats["donated"])}
+
+
 def _trace_diff(paths, steps: int) -> dict:
     """Decode-only kernel time per step: (long trace - short trace) / steps, per kind and kernel."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -205,6 +224,7 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", quantiza
         model, max_concurrent_decodes=batch, max_prefill_length=prefill_len,
         max_target_length=max(prefill_len + 1, args.prompt_len + args.gen_len), temperature=1.0,
         layer_layout=layout, quantization=quantization, **opts)
+    sync = _time_sync(engine, model, args.sync_repeats)
     del model
     driver = rollout.RolloutDriver(engine, steps_per_sync=args.steps_per_sync,
                                    max_prefill_batch=min(batch, 64))
@@ -245,7 +265,7 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", quantiza
         "roofline_fraction": cost["roofline_ms"] / (step_s * 1e3),
         "hbm_fraction": cost["bytes_per_step"] / step_s / (args.hbm_gbs * 1e9),
         "kv_cache_bytes": int(engine.kv_cache_bytes()), "peak_bytes": _peak_bytes(),
-        "decode_loops": out.stats["decode_loops"], "steps_per_sync": args.steps_per_sync,
+        "decode_loops": out.stats["decode_loops"], "steps_per_sync": args.steps_per_sync, **sync,
     }
     if args.trace:
         tag = f"{engine.layer_layout}_{variant.replace(':', '_')}_{quantization}_b{batch}"

@@ -223,6 +223,7 @@ def test_bench_rollout_times_quantized_engines_against_unquantized_in_one_run(ca
     assert r["vs_unquantized"]["decode_only"] == pytest.approx(by["none"]["ms_per_step"] / r["ms_per_step"])
     assert r["bytes_per_step"] == r["weight_bytes"] + r["kv_read_bytes"]
     assert r["roofline_ms"] < by["none"]["roofline_ms"]
+    assert r["sync_ms"] > 0 and r["sync_bytes_written"] == r["weight_bytes"] and r["sync_donated"]
     assert "vs_unquantized" not in by["none"]
 
 
