@@ -49,3 +49,9 @@ def test_bypass_mode_leaves_tis_off_under_quantization_with_a_warning(caplog):
 def test_bad_quantization_values_are_config_errors(field, value, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_config(QUICKSTART, [f"{field}={value}"])
+
+
+def test_config_choices_are_the_engines_formats():
+    from jaxrl_llm.config._load import ROLLOUT_QUANTIZATIONS
+    from jaxrl_llm.models._quant import QUANTIZATIONS
+    assert ROLLOUT_QUANTIZATIONS == QUANTIZATIONS
