@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import sharding
 from jaxrl_llm import models
 from jaxrl_llm.models import LAYER_LAYOUTS, CausalLM, KVCache, ModelConfig, abstract_model, to_dtype
+from jaxrl_llm.models._quant import check_quantization
 
 from ._sampling import SamplingParams, sample
 from ._state import DecodeState, Prefix, ResultTokens
@@ -161,6 +162,12 @@ class Engine:
     `engine.layer_layout` is the resolved layout;
     `engine.params` is in it (per_layer: `params["model"]["layers"] == {i: layer i}`), and
     `update_params` takes either layout.
+    quantization: "none" (default) | "fp8" | "int8" — the dense projections' weights in the
+    engine (`jaxrl_llm.models._quant`: per-output-channel scales, quantized inside the sync
+    program; embedding, LM head, norms and MoE experts stay in `dtype`); "auto" then never
+    picks stacked (a quantized sync always copies). `engine.params` then holds the quantized
+    tree ({"kernel", "scale"} per projection); `update_params` takes the trainer's params in any
+    layout or that tree.
     """
 
     def __init__(self, config: ModelConfig, params: Any, *, mesh=None, rules="rollout",
@@ -168,7 +175,8 @@ class Engine:
                  dtype=None, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
                  seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
                  layer_layout: str = "auto", decode_compiler_options: dict | None = None,
-                 record_experts: bool = False, batch_invariant: bool = False):
+                 record_experts: bool = False, batch_invariant: bool = False,
+                 quantization: str = "none"):
         self._check_sizes(max_concurrent_decodes, max_prefill_length, max_target_length)
         if record_experts and not config.is_moe:
             raise ValueError(f"record_experts=True (router replay) needs a mixture-of-experts model; "
@@ -177,7 +185,12 @@ class Engine:
         if dtype is not None:
             dtype = to_dtype(dtype)
             config = config.replace(dtype=dtype, param_dtype=dtype)
+        check_quantization(quantization)
+        # the trainer's trees (what a sync takes); under quantization the engine's own differ
+        source_config = config if config.quantization == "none" else config.replace(quantization="none")
+        config = source_config if quantization == "none" else source_config.replace(quantization=quantization)
         self.config = config
+        self.quantization = quantization
         self.sampling = SamplingParams(temperature, top_k, top_p)
         self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
         self.pad_token_id = int(pad_token_id)
@@ -193,20 +206,26 @@ class Engine:
         self._mesh = mesh if mesh is not None else _default_mesh(pure)
         self._graphdefs, self._layout_shardings = {}, {}
         for layout in LAYER_LAYOUTS:
-            graphdef, abstract = nnx.split(abstract_model(config, layer_layout=layout), nnx.Param)
+            graphdef, abstract = nnx.split(abstract_model(source_config, layer_layout=layout), nnx.Param)
             self._graphdefs[layout] = graphdef
             self._layout_shardings[layout] = nnx.to_pure_dict(
                 sharding.state_shardings(abstract, self._mesh, self._rules))
         self._layout = resolve_layout(layer_layout, pure, self._layout_shardings, config.param_dtype,
-                                      self._mesh.devices.flat[0].platform)
+                                      self._mesh.devices.flat[0].platform, quantized=quantization != "none")
         self._graphdef = self._graphdefs[self._layout]
         self._param_shardings = self._layout_shardings[self._layout]
+        if quantization != "none":  # the engine's own tree: quantized projections
+            graphdef, abstract = nnx.split(abstract_model(config, layer_layout=self._layout), nnx.Param)
+            self._graphdef = graphdef
+            self._param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, self._mesh, self._rules))
         if decode_compiler_options is None:  # measured: cuBLAS beats Triton on the fused decode
             gpu = self._mesh.devices.flat[0].platform == "gpu"
+            # (int8 keeps Triton: it can fuse the int8 -> bf16 weight convert into the GEMM; not measured)
             decode_compiler_options = ({"xla_gpu_enable_triton_gemm": False}
-                                       if gpu and self._layout == "per_layer_fused" else {})
+                                       if gpu and self._layout == "per_layer_fused" and quantization != "int8" else {})
         self._decode_options = dict(decode_compiler_options)
-        self._sync = WeightSync(self._layout, self._layout_shardings, config.param_dtype, self._mesh)
+        self._sync = WeightSync(self._layout, self._layout_shardings, config.param_dtype, self._mesh,
+                                quantization, self._param_shardings)
         self._state_shardings = self._decode_state_shardings()
         self._replicated = NamedSharding(self._mesh, PartitionSpec())
         self._prefix_shardings = self._prefix_sharding_tree()
@@ -240,7 +259,8 @@ class Engine:
                    dtype=None, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
                    seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
                    layer_layout: str = "auto", decode_compiler_options: dict | None = None,
-                   record_experts: bool = False, batch_invariant: bool = False) -> "Engine":
+                   record_experts: bool = False, batch_invariant: bool = False,
+                   quantization: str = "none") -> "Engine":
         """An engine over an in-memory CausalLM (or `(graphdef, params, ...)` from `nnx.split`).
 
         mesh None: the params' own mesh when they are `NamedSharding`-placed on a
@@ -257,14 +277,15 @@ class Engine:
                    dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                    stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tokenizer=tokenizer,
                    layer_layout=layer_layout, decode_compiler_options=decode_compiler_options,
-                   record_experts=record_experts, batch_invariant=batch_invariant)
+                   record_experts=record_experts, batch_invariant=batch_invariant,
+                   quantization=quantization)
 
     @classmethod
     def from_pretrained(cls, path: str, *, max_concurrent_decodes: int, max_prefill_length: int,
                         max_target_length: int, dtype=jnp.bfloat16, temperature: float = 1.0,
                         top_k: int = -1, top_p: float = 1.0, seed: int = 0, mesh=None,
                         rules="rollout", layer_layout: str = "per_layer",
-                        batch_invariant: bool = False) -> "Engine":
+                        batch_invariant: bool = False, quantization: str = "none") -> "Engine":
         """An engine over a Hugging Face folder (config.json + safetensors [+ tokenizer]).
 
         Stop tokens and pad id come from the folder's tokenizer (eos ids) when it has one, else
@@ -292,7 +313,8 @@ class Engine:
                               max_target_length=max_target_length, dtype=dtype,
                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                               stop_token_ids=stop, pad_token_id=pad, tokenizer=tokenizer,
-                              layer_layout=layer_layout, batch_invariant=batch_invariant)
+                              layer_layout=layer_layout, batch_invariant=batch_invariant,
+                              quantization=quantization)
 
     @property
     def _per_layer(self) -> bool:

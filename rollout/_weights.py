@@ -1,6 +1,8 @@
 """The engine's weights in its layer layout: which layout a param tree is in, what `auto` picks,
 and the weight sync into the engine (`WeightSync`: a zero-copy-where-possible reshard in the same
-layout, one cast + relayout program otherwise). Layouts are `jaxrl_llm.models.LAYER_LAYOUTS`.
+layout, one cast + relayout program otherwise; with `quantization` fp8/int8 always that program,
+quantizing the dense projections as it writes them, `jaxrl_llm.models._quant`). Layouts are
+`jaxrl_llm.models.LAYER_LAYOUTS`.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 
 import sharding
 from jaxrl_llm.models import LAYER_LAYOUTS, convert_layers
+from jaxrl_llm.models._quant import check_quantization, quantize_params
 
 
 # Layers per sync program for per-layer targets: the host's per-output work (allocating and
@@ -44,19 +47,21 @@ def layout_of(pure, layout_shardings: dict) -> str:
                      f"layout).\nengine: {want}\ngot:    {got}")
 
 
-def resolve_layout(layer_layout: str, pure, layout_shardings: dict, dtype, platform: str = "cpu") -> str:
+def resolve_layout(layer_layout: str, pure, layout_shardings: dict, dtype, platform: str = "cpu",
+                   quantized: bool = False) -> str:
     """"auto" -> "stacked" when every leaf of `pure` is already a stacked leaf with the engine's
     dtype and sharding (a sync can share it: zero copy), else the per-layer layout that decodes
     fastest on `platform`: "per_layer_fused" on GPU (measured, docs/benchmarks.md §3), "per_layer"
     elsewhere (the fused layout is not measured on TPU). Both split the layers during the copy the
     sync makes anyway, and both shard alike under tensor parallelism (the fused q/k/v kernel is
-    split by kv head, each with its own query heads)."""
+    split by kv head, each with its own query heads). `quantized` (the engine quantizes its
+    weights, so a sync always copies): "auto" never picks "stacked"."""
     if layer_layout in LAYER_LAYOUTS:
         return layer_layout
     if layer_layout != "auto":
         raise ValueError(f"layer_layout must be 'auto' or one of {LAYER_LAYOUTS}, got {layer_layout!r}")
     per_layer = "per_layer_fused" if platform == "gpu" else "per_layer"
-    if layout_of(pure, layout_shardings) != "stacked":
+    if quantized or layout_of(pure, layout_shardings) != "stacked":
         return per_layer
     dtype = jnp.dtype(dtype)
 
@@ -84,18 +89,34 @@ class WeightSync:
     `SYNC_LAYERS_PER_PROGRAM` layers, enqueued back to back, into the engine's previous weights
     when the caller may donate them (`may_donate`). What a relayout decides per input
     (whether it must move devices first, its byte counts) is cached by the input's tree, shapes,
-    dtypes and shardings, so a repeated sync does no per-leaf device-set check or byte count."""
+    dtypes and shardings, so a repeated sync does no per-leaf device-set check or byte count.
 
-    def __init__(self, layout: str, layout_shardings: dict, dtype, mesh: jax.sharding.Mesh):
+    `quantization` "fp8" / "int8": the engine's tree is `quantized_shardings` (`layout`'s tree
+    with each dense projection as {"kernel" int8/e4m3 [*out, *in], "scale" f32 [*out]}); every
+    sync of trainer params (any layout, same one included) runs the programs above with
+    `_quant.quantize_params` after the cast and relayout (on device, no host round trip), and a
+    tree already in the engine's quantized form (e.g. `engine.params`) is resharded as it is,
+    under the layout name "quantized". "none": exactly the programs and buffers above."""
+
+    def __init__(self, layout: str, layout_shardings: dict, dtype, mesh: jax.sharding.Mesh,
+                 quantization: str = "none", quantized_shardings=None):
         self._layout, self._layout_shardings, self._mesh = layout, layout_shardings, mesh
-        self._shardings = layout_shardings[layout]
+        self._quant = check_quantization(quantization)
+        self._shardings = layout_shardings[layout] if self._quant == "none" else quantized_shardings
+        self._own = layout if self._quant == "none" else "quantized"  # the name of the engine's tree
         self._dtype = jnp.dtype(dtype)
         self._treedefs = {name: jax.tree.structure(s) for name, s in layout_shardings.items()}
+        if self._quant != "none":
+            self._treedefs["quantized"] = jax.tree.structure(quantized_shardings)
         self._devices = frozenset(mesh.devices.flat)
         self._plans: dict = {}  # input signature -> (moves first, stats): the relayout's decisions
 
-        def convert(p):
-            return convert_layers(self._cast(p), layout)
+        if self._quant == "none":
+            def convert(p):
+                return convert_layers(self._cast(p), layout)
+        else:
+            def convert(p):
+                return quantize_params(convert_layers(self._cast(p), layout), self._quant)
 
         self._relayout = jax.jit(convert, out_shardings=self._shardings)  # the whole sync, for `lower`
         # (program, program writing into donated old weights, which part of the tree it writes)
@@ -116,14 +137,14 @@ class WeightSync:
     def shares(self, pure) -> bool:
         """Whether a sync of `pure` (arrays, or ShapeDtypeStructs with shardings) would keep its
         buffers: zero copy, nothing runs."""
-        return (layout_of(pure, self._layout_shardings) == self._layout == "stacked"
+        return (self._quant == "none" and layout_of(pure, self._layout_shardings) == self._layout == "stacked"
                 and resolve_layout("auto", pure, self._layout_shardings, self._dtype) == "stacked")
 
     def lower(self, pure):
         """The sync program lowered for (abstract) params on the engine's devices (a layout
         change: the whole copy as one program, the union of the layer-chunk programs that run);
         None when the sync shares every leaf."""
-        if layout_of(pure, self._layout_shardings) != self._layout:
+        if self._quant != "none" or layout_of(pure, self._layout_shardings) != self._layout:
             return self._relayout.lower(pure)
         if self.shares(pure):
             return None
@@ -137,8 +158,9 @@ class WeightSync:
         them)."""
         leaves, treedef = jax.tree.flatten(pure)
         layout = self._layout_of(treedef, pure)
-        if layout == self._layout:  # the zero-copy check is per leaf (a buffer may have been freed)
-            new, stats = sharding.reshard_with_stats(pure, self._shardings, dtype=self._dtype)
+        if layout == self._own:  # the zero-copy check is per leaf (a buffer may have been freed)
+            dtype = self._dtype if self._quant == "none" else None  # quantized: the dtypes are the engine's
+            new, stats = sharding.reshard_with_stats(pure, self._shardings, dtype=dtype)
             return jax.tree.map(self._own_mesh, new, self._shardings), {**stats, "fresh": False, "donated": False}
         key = _signature(treedef, leaves)
         plan = self._plans.get(key) if key is not None else None
@@ -177,7 +199,7 @@ class WeightSync:
         `owned` is the caller's only reference to them: `SYNC_DONATE` is on, the sync relayouts,
         and nothing else holds that dict or any of its sub-dicts or arrays (e.g. a kept
         `p = engine.params`, or its `p["model"]["layers"][0]`, keeps them all intact)."""
-        return (SYNC_DONATE and owned.get("params") is not None and layout != self._layout
+        return (SYNC_DONATE and owned.get("params") is not None and layout != self._own
                 and _only_held_by_parent(owned))
 
     def _layout_of(self, treedef, pure) -> str:

@@ -20,8 +20,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KEYS = ("batch", "layer_layout", "ms_per_step", "roofline_fraction", "prefill_s", "total_s",
-        "tokens_per_s", "compile_s", "decode_context", "bytes_per_step", "flops_per_step")
+KEYS = ("batch", "layer_layout", "quantization", "ms_per_step", "roofline_fraction", "prefill_s", "total_s",
+        "tokens_per_s", "compile_s", "decode_context", "bytes_per_step", "flops_per_step", "vs_unquantized")
 
 
 def run_case(case: dict, common: list[str], base_dir: str, out_dir: str) -> dict:

@@ -7,6 +7,7 @@
     python scripts/bench_rollout.py --models 1.5b --batches 256 --variants einsum:1 cudnn:1
     python scripts/bench_rollout.py --models 1.5b --batches 256 --no-peer --layouts stacked per_layer
     python scripts/bench_rollout.py --models 1.5b --batches 64 256 --no-peer --batch-invariant both
+    python scripts/bench_rollout.py --models 1.5b --batches 256 --no-peer --quantization none fp8 int8
 
 Random-init bf16 models with Qwen2.5 shapes; every prompt is `--prompt-len` random tokens and
 generates exactly the requested number of tokens (no stop tokens), sampling at temperature 1.
@@ -32,6 +33,17 @@ What is timed (every call warm: each shape is compiled by an untimed call first)
 - `--trace DIR`: after timing, traces both calls with `jax.profiler` and reports the difference
   of their device-kernel times per kind and per kernel divided by the step difference
   (`decode_trace`: decode-only kernel ms per step, prefill excluded).
+
+`--quantization none fp8 int8` times the engine once per `rollout.quantization` (the dense
+projections' weights; `jaxrl_llm.models._quant`) in the same run: `weight_bytes` is then the
+engine's real weight bytes (quantized kernels + scales + bf16 embedding/head/norms), the fp8
+record's matmul FLOPs count against `--fp8-tflops` (int8 is weight-only: bf16 compute), and
+each quantized record gets `vs_unquantized` = {"decode_only": the `none` record's ms_per_step /
+its own, "whole_call": total_s ratio} when `none` ran in the same run with the same model, batch,
+layout and variant (list `none` first). With `--check`, each format's one-token decode is
+also compared with the fp32 reference (`check_variants`). Every record has `sync_ms`: the median
+of `--sync-repeats` warm `engine.update_params` of the model's bf16 stacked weights (relayout,
+plus quantization when on; `sync_bytes_written`, `sync_donated`).
 
 `--variants ATTN:UNROLL ...` times the decode path under each setting of
 `ModelConfig.decode_attention` (auto | einsum | reduce | cudnn | pallas | triton) and `.decode_unroll`
@@ -83,6 +95,12 @@ def parse_args(argv=None):
     p.add_argument("--layouts", nargs="+", default=["per_layer"],
                    choices=["per_layer", "per_layer_fused", "stacked", "auto"],
                    help="engine layer_layout(s) to compare (see the module docstring)")
+    p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8", "int8"],
+                   help="engine weight format(s) to compare in this run (rollout.quantization)")
+    p.add_argument("--sync-repeats", type=int, default=5,
+                   help="time this many weight syncs of the model into the engine (sync_ms: median)")
+    p.add_argument("--fp8-tflops", type=float, default=1979.0,
+                   help="dense fp8 peak, TFLOP/s (H200: 1979), for the fp8 roofline")
     p.add_argument("--engine-opt", nargs="*", default=[], metavar="KEY=VALUE",
                    help="extra rollout.Engine keyword arguments (ints, floats, true/false, strings)")
     p.add_argument("--decode-xla-option", nargs="*", default=[], metavar="KEY=VALUE",
@@ -95,8 +113,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
     p.add_argument("--trace", default="", help="trace the two timed calls into this folder and "
                    "report decode-only kernel time per step (see the module docstring)")
-    p.add_argument("--check", action="store_true", help="first compare each variant's one-token "
-                   "decode with an fp32 einsum reference on a small bf16 model (relative error)")
+    p.add_argument("--check", action="store_true", help="first compare each variant's (and each "
+                   "--quantization's) one-token decode with an fp32 einsum reference on a small bf16 "
+                   "model (relative error)")
     p.add_argument("--tiny", "--dry-run", dest="tiny", action="store_true",
                    help="tiny model, batch 4, 16+8 tokens, fp32, no peer: a CPU smoke run")
     args = p.parse_args(argv)
@@ -104,7 +123,7 @@ def parse_args(argv=None):
         args.models, args.batches, args.prompt_len, args.gen_len = ["tiny"], [4], 16, 8
         if args.invariance_check:  # 8 prompts and others
             args.batches = [16]
-        args.steps_per_sync, args.no_peer = 4, True
+        args.steps_per_sync, args.no_peer, args.sync_repeats = 4, True, 2
     if not args.short_len:
         bucket = 1 << max(0, max(args.gen_len, 16) - 1).bit_length()  # the driver's output buffer
         args.short_len = bucket // 2 + 1 if args.gen_len > 16 else max(1, args.gen_len // 2)
@@ -147,21 +166,41 @@ def _peak_bytes():
     return stats.get("peak_bytes_in_use")
 
 
-def step_cost(c, n_params: int, batch: int, context: float, *, hbm_gbs: float, tflops: float) -> dict:
+def step_cost(c, n_params: int, batch: int, context: float, *, hbm_gbs: float, tflops: float,
+              weight_bytes: int | None = None, matmul_tflops: float | None = None) -> dict:
     """Least bytes and FLOPs of one decode step of `batch` rows at mean `context` cached tokens,
-    and the roofline time max(bytes / HBM, FLOPs / peak) in ms."""
+    and the roofline time max(bytes / HBM, FLOPs / peak) in ms. `weight_bytes` (default: n_params
+    in param_dtype) and `matmul_tflops` (the weight matmuls' peak, default `tflops`) for a
+    quantized engine."""
     itemsize = jnp.dtype(c.dtype).itemsize
-    weight_bytes = n_params * jnp.dtype(c.param_dtype).itemsize
+    if weight_bytes is None:
+        weight_bytes = n_params * jnp.dtype(c.param_dtype).itemsize
     kv_bytes = batch * context * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * itemsize
     # the embedding lookup is a gather, not a matmul; a tied embedding is also the unembed matmul
     matmul_params = n_params - (0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size)
-    flops = (2 * batch * matmul_params
-             + 4 * batch * context * c.num_attention_heads * c.head_dim * c.num_hidden_layers)
+    attn_flops = 4 * batch * context * c.num_attention_heads * c.head_dim * c.num_hidden_layers
+    flops = 2 * batch * matmul_params + attn_flops
     bytes_ = weight_bytes + kv_bytes
-    mem_ms, flop_ms = bytes_ / (hbm_gbs * 1e9) * 1e3, flops / (tflops * 1e12) * 1e3
+    mem_ms = bytes_ / (hbm_gbs * 1e9) * 1e3
+    flop_ms = (2 * batch * matmul_params / ((matmul_tflops or tflops) * 1e12) + attn_flops / (tflops * 1e12)) * 1e3
     return {"bytes_per_step": int(bytes_), "weight_bytes": int(weight_bytes), "kv_read_bytes": int(kv_bytes),
             "flops_per_step": int(flops), "roofline_ms": max(mem_ms, flop_ms),
             "bound": "memory" if mem_ms >= flop_ms else "compute"}
+
+
+def _time_sync(engine, model, repeats: int) -> dict:
+    """The median of `repeats` warm `engine.update_params(model)` (the model's bf16 stacked
+    weights into the engine's layout, quantized when the engine is; compiled by the engine's
+    first sync at construction, and the donating variant by an untimed first call here):
+    `sync_ms`, and the engine's weight bytes it wrote."""
+    engine.update_params(model)
+    times, stats = [], {}
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        stats = engine.update_params(model)
+        times.append(time.perf_counter() - t0)
+    return {"sync_ms": float(np.median(times)) * 1e3, "sync_bytes_written": int(stats["bytes_moved"]),
+            "sync_donated": bool(stats["donated"])}
 
 
 def _trace_diff(paths, steps: int) -> dict:
@@ -184,7 +223,8 @@ def _trace_diff(paths, steps: int) -> dict:
             "top_kernels": kernels[:30], "files": [os.path.basename(p) for p in paths]}
 
 
-def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", batch_invariant=None):
+def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", batch_invariant=None,
+               quantization="none"):
     import rollout
     from jaxrl_llm.models import init_model
     from rollout._engine import PREFILL_BUCKETS
@@ -201,7 +241,8 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", batch_in
     engine = rollout.Engine.from_model(
         model, max_concurrent_decodes=batch, max_prefill_length=prefill_len,
         max_target_length=max(prefill_len + 1, args.prompt_len + args.gen_len), temperature=1.0,
-        layer_layout=layout, **opts)
+        layer_layout=layout, quantization=quantization, **opts)
+    sync = _time_sync(engine, model, args.sync_repeats)
     del model
     driver = rollout.RolloutDriver(engine, steps_per_sync=args.steps_per_sync,
                                    max_prefill_batch=min(batch, 64))
@@ -224,11 +265,14 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", batch_in
     c = engine.config
     n_params = sum(x.size for x in jax.tree.leaves(engine.params))
     context = args.prompt_len + (short + long_) / 2  # mean cached tokens over the timed steps
-    cost = step_cost(c, n_params, batch, context, hbm_gbs=args.hbm_gbs, tflops=args.tflops)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))
+    cost = step_cost(c, n_params, batch, context, hbm_gbs=args.hbm_gbs, tflops=args.tflops,
+                     weight_bytes=weight_bytes,
+                     matmul_tflops=args.fp8_tflops if quantization == "fp8" else None)
     rec = {
         "engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
         "decode_attention": cfg.decode_attention, "decode_unroll": cfg.decode_unroll,
-        "layer_layout": engine.layer_layout, "engine_opts": opts,
+        "layer_layout": engine.layer_layout, "quantization": quantization, "engine_opts": opts,
         "batch_invariant": engine.batch_invariant,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "prompt_len": args.prompt_len, "gen_len": long_, "short_len": short, "dtype": str(jnp.dtype(dtype)),
@@ -240,10 +284,10 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", batch_in
         "roofline_fraction": cost["roofline_ms"] / (step_s * 1e3),
         "hbm_fraction": cost["bytes_per_step"] / step_s / (args.hbm_gbs * 1e9),
         "kv_cache_bytes": int(engine.kv_cache_bytes()), "peak_bytes": _peak_bytes(),
-        "decode_loops": out.stats["decode_loops"], "steps_per_sync": args.steps_per_sync,
+        "decode_loops": out.stats["decode_loops"], "steps_per_sync": args.steps_per_sync, **sync,
     }
     if args.trace:
-        tag = f"{engine.layer_layout}_{variant.replace(':', '_')}_b{batch}"
+        tag = f"{engine.layer_layout}_{variant.replace(':', '_')}_{quantization}_b{batch}"
         paths = [os.path.join(args.trace, f"trace_{tag}_{n}.json.gz") for n in (short, long_)]
         for gen, path in zip((short, long_), paths):
             perfetto_trace(lambda gen=gen: run(gen), path)
@@ -286,10 +330,12 @@ def check_invariance(name, batch, args, batch_invariant: bool, layout="per_layer
             "max_abs_logprob_diff": diff, "tokens_checked": sum(len(a.token_ids) for a in alone)}
 
 
-def check_variants(variants, layouts=("stacked",)) -> list[dict]:
-    """Relative error of each (layout, variant)'s one-token decode vs an fp32 stacked einsum
-    reference (bf16 model, head_dim 128, GQA 4:1, rows at different cache offsets)."""
-    from jaxrl_llm.models import ModelConfig, _decoder, init_model
+def check_variants(variants, layouts=("stacked",), quantizations=("none",)) -> list[dict]:
+    """Relative error of each (layout, variant, quantization)'s one-token decode vs an fp32
+    stacked einsum reference (bf16 model, head_dim 128, GQA 4:1, rows at different cache
+    offsets); a quantized check runs the weights the engine's sync would make
+    (`_quant.quantize_params`), so on a GPU it checks the FP8 GEMM's numbers."""
+    from jaxrl_llm.models import ModelConfig, _decoder, _quant, init_model
     from flax import nnx
     out = []
     base = dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
@@ -300,7 +346,7 @@ def check_variants(variants, layouts=("stacked",)) -> list[dict]:
     index = jnp.asarray(rng.integers(1, 100, b), jnp.int32)
     tok = jnp.asarray(rng.integers(0, 1024, (b, 1)), jnp.int32)
 
-    def decode(dtype, variant, layout="stacked"):
+    def decode(dtype, variant, layout="stacked", quant="none"):
         attn, unroll = variant.split(":")
         config = ModelConfig(**base, dtype=dtype, param_dtype=dtype, decode_attention=attn,
                              decode_unroll=int(unroll))
@@ -308,10 +354,14 @@ def check_variants(variants, layouts=("stacked",)) -> list[dict]:
         _, pre = model.prefill(ids)
         pad = [(0, 0), (0, 0), (0, s - 100), (0, 0), (0, 0)]
         cache = _decoder.KVCache(jnp.pad(pre.k, pad), jnp.pad(pre.v, pad))
-        if layout == "per_layer":
+        if layout == "per_layer" or quant != "none":
             pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-            graphdef, _ = nnx.split(_decoder.abstract_model(config, layer_layout="per_layer"), nnx.Param)
-            model = nnx.merge(graphdef, _decoder.unstack_layers(pure))
+            pure = _decoder.unstack_layers(pure) if layout == "per_layer" else pure
+            pure = pure if quant == "none" else _quant.quantize_params(pure, quant)
+            graphdef, _ = nnx.split(_decoder.abstract_model(config.replace(quantization=quant), layer_layout=layout),
+                                    nnx.Param)
+            model = nnx.merge(graphdef, pure)
+        if layout == "per_layer":
             cache = _decoder.KVCache(tuple(cache.k), tuple(cache.v))
         graphdef, state = nnx.split(model)
         fn = jax.jit(lambda st, c: nnx.merge(graphdef, st).decode(tok, positions=index[:, None], cache=c,
@@ -321,12 +371,13 @@ def check_variants(variants, layouts=("stacked",)) -> list[dict]:
     ref = decode(jnp.float32, "einsum:1")
     for layout in dict.fromkeys("stacked" if lay == "auto" else lay for lay in layouts):
         for v in variants:
-            try:
-                h = decode(jnp.bfloat16, v, layout)
-                out.append({"check": v, "layer_layout": layout,
-                            "rel_err": float(np.linalg.norm(h - ref) / np.linalg.norm(ref))})
-            except Exception as e:  # noqa: BLE001
-                out.append({"check": v, "layer_layout": layout, "error": repr(e)[-1000:]})
+            for quant in quantizations:
+                rec = {"check": v, "layer_layout": layout, "quantization": quant}
+                try:
+                    h = decode(jnp.bfloat16, v, layout, quant)
+                    out.append({**rec, "rel_err": float(np.linalg.norm(h - ref) / np.linalg.norm(ref))})
+                except Exception as e:  # noqa: BLE001
+                    out.append({**rec, "error": repr(e)[-1000:]})
     return out
 
 
@@ -397,7 +448,7 @@ def main(argv=None) -> list[dict]:
     report = JsonReport(args.out)
     if args.check:
         for r in check_variants(["einsum:1"] + [v for v in args.variants if v != "einsum:1"],
-                                args.layouts):
+                                args.layouts, args.quantization):
             report.add(r)
     if args.invariance_check:
         for name in args.models:
@@ -413,19 +464,20 @@ def main(argv=None) -> list[dict]:
             for p in peers:
                 report.add(p)
             invariant = {"off": [None], "on": [True], "both": [False, True]}[args.batch_invariant]
-            for layout, variant in [] if args.peer_only else [
-                    (lay, v) for lay in args.layouts for v in args.variants]:
+            unquantized = {}
+            for layout, variant, quant in [] if args.peer_only else [
+                    (lay, v, q) for lay in args.layouts for v in args.variants for q in args.quantization]:
                 fast = None
                 for inv in invariant:
                     gc.collect()  # the previous engine (a reference cycle through its jits) and its cache
                     try:
-                        ours = bench_ours(name, batch, args, variant, layout, inv)
+                        ours = bench_ours(name, batch, args, variant, layout, inv, quant)
                     except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
                         if args.tiny:
                             raise
                         ours = {"engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
                                 "variant": variant, "layer_layout": layout, "batch_invariant": bool(inv),
-                                "error": repr(e)[-2000:]}
+                                "quantization": quant, "error": repr(e)[-2000:]}
                     if inv is False and "error" not in ours:
                         fast = ours
                     elif inv and fast is not None and "error" not in ours:
@@ -433,6 +485,12 @@ def main(argv=None) -> list[dict]:
                                                 if fast.get(k)}
                     if peers:
                         ours["vs_peer"] = compare(ours, peers)
+                    if quant == "none":
+                        unquantized[(layout, variant, inv)] = ours
+                    elif "ms_per_step" in ours and "ms_per_step" in unquantized.get((layout, variant, inv), {}):
+                        base = unquantized[(layout, variant, inv)]
+                        ours["vs_unquantized"] = {"decode_only": base["ms_per_step"] / ours["ms_per_step"],
+                                                  "whole_call": base["total_s"] / ours["total_s"]}
                     report.add(ours)
     return report.records
 

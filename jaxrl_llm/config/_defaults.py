@@ -49,7 +49,7 @@ def base_config() -> ConfigDict:
     c.ref = dict(log_prob_max_token_len_per_device=0)
     c.rollout = dict(
         n=8, temperature=1.0, top_k=-1, top_p=1.0, max_concurrent_decodes=256,
-        steps_per_sync=16, dtype="", use_rollout_log_probs=False,
+        steps_per_sync=16, dtype="", quantization="none", use_rollout_log_probs=False,
         log_prob_max_token_len_per_device=0, partial_rollout_kv="recompute", free_cache_engine=True,
         batch_invariant=False,
         replicas_per_host=1, max_inflight_per_replica=0, replica_backend="local", replica_max_restarts=1,
@@ -67,7 +67,7 @@ def base_config() -> ConfigDict:
         use_kl_in_reward=False, kl_penalty="kl",
         kl_ctrl=dict(type="fixed", kl_coef=0.001, target_kl=0.1, horizon=10000),
         rollout_correction=dict(
-            rollout_is="", rollout_is_threshold=2.0, rollout_is_batch_normalize=False,
+            rollout_is="auto", rollout_is_threshold=2.0, rollout_is_batch_normalize=False,
             rollout_rs="", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.0,
             rollout_token_veto_threshold=0.0, bypass_mode=False),
         filter_groups=dict(enable=False, metric="acc", max_num_gen_batches=0))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import os
 import types
@@ -22,6 +23,8 @@ from jaxrl_llm.sandbox import SANDBOX_KINDS
 
 from ._schema import ROUTER_REPLAY_MODES, RunConfig
 
+_log = logging.getLogger(__name__)
+
 ADV_ESTIMATORS = ("gae", "grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus",
                   "reinforce_plus_plus_baseline", "remax", "gpg")
 POLICY_LOSSES = ("vanilla", "gspo", "gpg", "cispo", "geo_mean", "sapo")
@@ -30,6 +33,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
                 "kl+", "k1+", "abs+", "low_var_kl+", "k3+")  # "+": k2's gradient (straight-through)
 ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_QUANTIZATIONS = ("none", "fp8", "int8")  # jaxrl_llm.models._quant.QUANTIZATIONS
 ROLLOUT_RS_LEVELS = ("token", "sequence", "geometric")
 TOOL_CALL_FORMATS = ("hermes", "llama3_json", "qwen3_coder")
 BUILTIN_TASKS = ("", "arithmetic", "arithmetic_tools", "countdown")
@@ -176,9 +180,14 @@ def resolve_aliases(cfg: ConfigDict | Mapping[str, Any]) -> dict:
 
     verl's `algorithm.rollout_correction.bypass_mode` is an alias of
     `rollout.use_rollout_log_probs` (the field the trainer reads): either set makes both True,
-    so the loaded config says the same under both names."""
+    so the loaded config says the same under both names.
+
+    `algorithm.rollout_correction.rollout_is='auto'` (the default) becomes 'token' (truncated
+    importance sampling per token) when `rollout.quantization` is fp8/int8 and the old-log-prob
+    pass runs (no bypass), else '' (off); a value the user set is kept."""
     d = cfg.to_dict() if isinstance(cfg, ConfigDict) else _plain_dict(cfg)
     _resolve_bypass_mode(d)
+    _resolve_rollout_is(d)
     v1 = d.get("trainer", {}).get("v1")
     if not isinstance(v1, dict) or not all(isinstance(v1.get(k), dict) for k in
                                            ("colocate_async", "separate_async", "sampler")):
@@ -233,6 +242,27 @@ def _resolve_bypass_mode(d: dict) -> None:
     r = d.get("rollout")
     if isinstance(rc, dict) and isinstance(r, dict) and (rc.get("bypass_mode") or r.get("use_rollout_log_probs")):
         rc["bypass_mode"] = r["use_rollout_log_probs"] = True
+
+
+def _resolve_rollout_is(d: dict) -> None:
+    """`rollout_is='auto'` -> 'token' under a quantized rollout (the engine's policy then differs
+    from the trainer's by the quantization error; TIS corrects it), else '' (logged when on)."""
+    rc, r = d.get("algorithm", {}).get("rollout_correction"), d.get("rollout")
+    if not isinstance(rc, dict) or not isinstance(r, dict) or rc.get("rollout_is") != "auto":
+        return
+    quant = r.get("quantization", "none")
+    if quant not in ROLLOUT_QUANTIZATIONS:  # validate() names the field
+        rc["rollout_is"] = ""
+        return
+    on = quant != "none" and not r.get("use_rollout_log_probs")
+    rc["rollout_is"] = "token" if on else ""
+    if on:
+        _log.info("rollout.quantization=%s: algorithm.rollout_correction.rollout_is='token' (truncated IS, "
+                  "threshold %s) on by default; set rollout_is='' to turn it off", quant,
+                  rc.get("rollout_is_threshold"))
+    elif quant != "none":
+        _log.warning("rollout.quantization=%s with rollout.use_rollout_log_probs=True: no rollout "
+                     "correction (bypass mode); the quantization mismatch enters the PPO ratio", quant)
 
 
 def _plain_dict(x):
@@ -295,6 +325,7 @@ def validate(c: RunConfig) -> None:
             "model.decode_attention")
     _choice(c.rollout.dtype, ("", "float32", "bfloat16"), "rollout.dtype")
     _choice(c.rollout.partial_rollout_kv, ("recompute", "keep"), "rollout.partial_rollout_kv")
+    _choice(c.rollout.quantization, ROLLOUT_QUANTIZATIONS, "rollout.quantization")
     for name in ("max_prompt_length", "max_response_length", "train_batch_size", "val_batch_size"):
         _positive(getattr(c.data, name), f"data.{name}")
     _positive(c.rollout.n, "rollout.n")

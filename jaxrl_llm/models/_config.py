@@ -15,6 +15,7 @@ MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 TRAIN_ATTENTIONS = ("auto", "xla", "cudnn", "rolled", "splash")
+QUANTIZATIONS = ("none", "fp8", "int8")  # `_quant.QUANTIZATIONS`
 DECODE_ATTENTIONS = ("auto", "einsum", "reduce", "cudnn", "pallas", "triton")
 
 _DTYPES = {
@@ -116,6 +117,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.001  # config.json's value, round trip only (actor: model.moe.aux_loss_coef)
+    # The rollout engine's weight format for the dense linear layers (`_quant`): "none" (param_dtype),
+    # "fp8" (e4m3 weights + activations, per-channel / per-token scales) or "int8" (weight-only);
+    # set by `rollout.Engine(quantization=...)`, never by a trainer.
+    quantization: str = "none"
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
@@ -126,6 +131,8 @@ class ModelConfig:
             raise ValueError(f"train_attention={self.train_attention!r}; choose one of {TRAIN_ATTENTIONS}")
         if self.decode_attention not in DECODE_ATTENTIONS:
             raise ValueError(f"decode_attention={self.decode_attention!r}; choose one of {DECODE_ATTENTIONS}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r}; choose one of {QUANTIZATIONS}")
         for name in ("decode_unroll", "layer_unroll"):
             value = getattr(self, name)
             if isinstance(value, bool) or int(value) < 0:

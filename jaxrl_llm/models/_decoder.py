@@ -29,7 +29,7 @@ from flax import nnx
 
 import sharding
 
-from . import _kernels
+from . import _kernels, _quant
 from ._config import ModelConfig
 from ._context_parallel import context_attention, context_parts
 from ._lora import lora_delta
@@ -67,6 +67,15 @@ def _lead(n, shape, axes):
 def _param(rngs, shape, axes, dtype, std=0.02):
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype),
                      logical_axes=axes)
+
+
+def _linear(rngs, c: ModelConfig, n, shape, axes, n_in: int = 1) -> nnx.Dict:
+    """A projection's {"kernel"} ([layers]? + in + out, `n_in` input axes), or under
+    `c.quantization` its quantized {"kernel", "scale"} (`_quant`: the engine's weights)."""
+    shape, axes = _lead(n, shape, axes)
+    if c.quantization != "none":
+        return _quant.quantized_param(shape, axes, n_in, c.quantization)
+    return nnx.Dict(kernel=_param(rngs, shape, axes, c.param_dtype))
 
 
 def _ones(shape, axes, dtype):
@@ -191,22 +200,19 @@ class Attention(nnx.Module):
     def __init__(self, c: ModelConfig, n: int | None, rngs: nnx.Rngs, *, fused: bool = False):
         e, h, kvh, d, pd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.param_dtype
 
-        def param(shape, axes):
-            return _param(rngs, *_lead(n, shape, axes), pd)
-
         def zeros(shape, axes):
             return _zeros(*_lead(n, shape, axes), pd)
 
         if fused:  # one [e, kvh, g + 2, d] matmul: each kv head's g query heads, its key, its value
             g = h // kvh
-            self.qkv_proj = nnx.Dict(kernel=param((e, kvh, g + 2, d), ("embed", "kv_heads", None, "head_dim")))
+            self.qkv_proj = _linear(rngs, c, n, (e, kvh, g + 2, d), ("embed", "kv_heads", None, "head_dim"))
             if c.attention_bias:
                 self.qkv_proj["bias"] = zeros((kvh, g + 2, d), ("kv_heads", None, "head_dim"))
         else:
-            self.q_proj = nnx.Dict(kernel=param((e, h, d), ("embed", "heads", "head_dim")))
-            self.k_proj = nnx.Dict(kernel=param((e, kvh, d), ("embed", "kv_heads", "head_dim")))
-            self.v_proj = nnx.Dict(kernel=param((e, kvh, d), ("embed", "kv_heads", "head_dim")))
-        self.o_proj = nnx.Dict(kernel=param((h, d, e), ("heads", "head_dim", "embed")))
+            self.q_proj = _linear(rngs, c, n, (e, h, d), ("embed", "heads", "head_dim"))
+            self.k_proj = _linear(rngs, c, n, (e, kvh, d), ("embed", "kv_heads", "head_dim"))
+            self.v_proj = _linear(rngs, c, n, (e, kvh, d), ("embed", "kv_heads", "head_dim"))
+        self.o_proj = _linear(rngs, c, n, (h, d, e), ("heads", "head_dim", "embed"), n_in=2)
         if c.attention_bias:
             if not fused:
                 self.q_proj["bias"] = zeros((h, d), ("heads", "head_dim"))
@@ -222,7 +228,10 @@ class Attention(nnx.Module):
 
 
     def _proj(self, p, x, out_axes):
-        y = jnp.einsum("bte,e...->bt...", x, p["kernel"][...].astype(x.dtype))
+        if "scale" in p:  # a quantized engine's weights
+            y = _quant.linear(x, p, 1)
+        else:
+            y = jnp.einsum("bte,e...->bt...", x, p["kernel"][...].astype(x.dtype))
         y = y + lora_delta(p, x, 1, self.lora_scale)
         if "bias" in p:
             y = y + p["bias"][...].astype(x.dtype)
@@ -244,7 +253,10 @@ class Attention(nnx.Module):
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def out(self, o):
-        y = jnp.einsum("bthd,hde->bte", o, self.o_proj["kernel"][...].astype(o.dtype))
+        if "scale" in self.o_proj:  # a quantized engine's weights
+            y = _quant.linear(o, self.o_proj, 2)
+        else:
+            y = jnp.einsum("bthd,hde->bte", o, self.o_proj["kernel"][...].astype(o.dtype))
         y = y + lora_delta(self.o_proj, o, 2, self.lora_scale)
         if "bias" in self.o_proj:
             y = y + self.o_proj["bias"][...].astype(o.dtype)
@@ -253,16 +265,18 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, c: ModelConfig, n: int | None, rngs: nnx.Rngs, *, fused: bool = False):
-        e, f, pd = c.hidden_size, c.intermediate_size, c.param_dtype
+        e, f = c.hidden_size, c.intermediate_size
         if fused:  # gate and up as one [e, 2, f] matmul
-            self.gate_up_proj = nnx.Dict(kernel=_param(rngs, *_lead(n, (e, 2, f), ("embed", None, "mlp")), pd))
+            self.gate_up_proj = _linear(rngs, c, n, (e, 2, f), ("embed", None, "mlp"))
         else:
-            self.gate_proj = nnx.Dict(kernel=_param(rngs, *_lead(n, (e, f), ("embed", "mlp")), pd))
-            self.up_proj = nnx.Dict(kernel=_param(rngs, *_lead(n, (e, f), ("embed", "mlp")), pd))
-        self.down_proj = nnx.Dict(kernel=_param(rngs, *_lead(n, (f, e), ("mlp", "embed")), pd))
+            self.gate_proj = _linear(rngs, c, n, (e, f), ("embed", "mlp"))
+            self.up_proj = _linear(rngs, c, n, (e, f), ("embed", "mlp"))
+        self.down_proj = _linear(rngs, c, n, (f, e), ("mlp", "embed"))
         self.lora_scale = None  # α/r once `add_lora` gave the projections adapters
 
     def _lin(self, p, x, spec):
+        if "scale" in p:  # a quantized engine's weights
+            return _quant.linear(x, p, 1) + lora_delta(p, x, 1, self.lora_scale)
         return jnp.einsum(spec, x, p["kernel"][...].astype(x.dtype)) + lora_delta(p, x, 1, self.lora_scale)
 
     def __call__(self, x):

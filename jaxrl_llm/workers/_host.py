@@ -158,7 +158,8 @@ class HostWorker:
                          dtype=c.rollout.dtype or c.model.dtype, temperature=c.rollout.temperature,
                          top_k=c.rollout.top_k, top_p=c.rollout.top_p, seed=c.trainer.seed,
                          stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id,
-                         batch_invariant=c.rollout.batch_invariant)
+                         batch_invariant=c.rollout.batch_invariant,
+                         quantization=c.rollout.quantization)
         if c.rollout.replica_backend == "process":  # each replica a child process (no engine here)
             self._start_process_replicas(engine_kw)
             return self.sync_weights()  # the children start on zero weights
