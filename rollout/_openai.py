@@ -348,14 +348,19 @@ class OpenAIServer:
         if events is not None:
             for i, f in enumerate(futures):
                 f.add_done_callback(lambda _, i=i: events.put((i, None)))
-            streamer.start(rid)
-            left = len(futures)
-            while left:
-                i, ids = events.get()
-                if ids is None:
-                    left -= 1
-                else:
-                    streamer.tokens(i, ids)
+            try:
+                streamer.start(rid)
+                left = len(futures)
+                while left:
+                    i, ids = events.get()
+                    if ids is None:
+                        left -= 1
+                    else:
+                        streamer.tokens(i, ids)
+            except BaseException:  # e.g. the tokenizer failing: the requests are aborted
+                for f in futures:
+                    f.cancel()
+                raise
         outs = [f.result() for f in futures]
         if self.recorder is not None:
             for o in outs:
@@ -608,12 +613,19 @@ def stream_safe(text: str, stops: list[str]) -> str:
 
 class _Streamer:
     """One streaming request's text as its tokens arrive (see `RolloutServer.submit`'s
-    on_tokens): each choice's new `stream_safe` text goes out as a chunk at once."""
+    on_tokens): each choice's new `stream_safe` text goes out as a chunk at once.
+
+    Decoding is incremental, as detokenizers do it: each arrival decodes only the tokens since
+    the last settled point with the previous arrival's tokens as context (`decode(ids[prefix:])`
+    minus `decode(ids[prefix:read])`), and settles them once that text extends the context's and
+    ends in no partial character; unsettled text waits for the next arrival (or the end)."""
 
     def __init__(self, api: OpenAIServer, writer, opts, kind: str):
         self.api, self.writer, self.kind, self.stops = api, writer, kind, opts["stop"]
-        self.ids = [[] for _ in range(opts["n"])]
-        self.sent = ["" for _ in range(opts["n"])]
+        n = opts["n"]
+        self.ids = [[] for _ in range(n)]
+        self.text, self.sent = ["" for _ in range(n)], ["" for _ in range(n)]
+        self.prefix, self.read = [0] * n, [0] * n
         self.started = False
 
     def start(self, rid: str) -> None:
@@ -628,7 +640,15 @@ class _Streamer:
 
     def tokens(self, i: int, ids: list[int]) -> None:
         self.ids[i] += ids
-        safe = stream_safe(self.api.tokenizer.decode(self.ids[i]), self.stops)
+        decode, every = self.api.tokenizer.decode, self.ids[i]
+        start, read = self.prefix[i], self.read[i]
+        context, text = decode(every[start:read]), decode(every[start:])
+        current = self.text[i]
+        if text.startswith(context):
+            current += text[len(context):]  # stream_safe drops a partial character's U+FFFD
+            if not text.endswith("\ufffd"):
+                self.text[i], self.prefix[i], self.read[i] = current, read, len(every)
+        safe = stream_safe(current, self.stops)
         sent = self.sent[i]
         if len(safe) > len(sent) and safe.startswith(sent):
             self.sent[i] = safe

@@ -1,6 +1,7 @@
 """The OpenAI-compatible endpoint (rollout/_openai.py) over a RolloutServer on the session's tiny
 engine, driven over loopback HTTP by http.client (and by the official `openai` client when it is
 installed): results equal `RolloutServer.generate`, streaming, tool calls, errors, sessions."""
+import collections
 import concurrent.futures
 import http.client
 import json
@@ -513,3 +514,28 @@ def test_a_character_split_across_tokens_is_streamed_whole_before_the_request_en
     assert fake.released, "no text chunk reached the client before the request ended"
     assert "".join(deltas) == "a€bc" and all("\ufffd" not in d for d in deltas)
     assert deltas[0] == "a" and "€" in deltas[1]
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_incremental_decoding_with_a_byte_level_bpe_equals_the_whole_decode(group):
+    """smollm2's byte-level BPE splits 日, 語 and 😀 over several tokens: arrivals of `group`
+    tokens stream deltas with no U+FFFD that concatenate to decode(all), with and without a stop
+    string (the rest, as the endpoint sends it at the end, from the whole text)."""
+    from jaxrl_llm.models import load_tokenizer
+    from rollout._openai import _Streamer
+
+    bpe = load_tokenizer(SMOLLM)
+    text = "Grüße, naïve café — 日本語 😀 ok"
+    ids = bpe.encode(text)
+    assert bpe.decode(ids) == text and any("\ufffd" in bpe.decode([t]) for t in ids)
+    api = type("A", (), {"tokenizer": bpe, "model_name": MODEL, "stats": collections.Counter()})()
+    for stop in ([], ["語 😀"]):
+        events = []
+        s = _Streamer(api, events.append, {"stop": stop, "n": 1}, "completion")
+        s.start("x")
+        for k in range(0, len(ids), group):
+            s.tokens(0, ids[k:k + group])
+        deltas = [e["choices"][0]["text"] for e in events]
+        final = text[:text.index(stop[0])] if stop else text
+        assert all("\ufffd" not in d for d in deltas) and len(deltas) > 3
+        assert "".join(deltas) == s.sent[0] == final
