@@ -18,9 +18,17 @@ one a request), `stop` (a string or up to 4; the text is cut before the first on
 itself only ends on the model's stop tokens or the budget), `stream` (+ `stream_options.include_usage`),
 `logprobs` (chat: bool, `top_logprobs` must be 0; completions: 0 or 1): the sampled tokens'
 log-probs in OpenAI's shape, plus (extensions, for trainers) `prompt_token_ids` on the response and
-`token_ids` / `policy_versions` on each choice. Streaming sends the finished generation as
-server-sent events (a chunk per token's text, then the tool calls, the finish reason, `[DONE]`):
-the `RolloutServer` returns a request whole, so the first chunk comes when the generation ends.
+`token_ids` / `policy_versions` on each choice. Streaming (server-sent events) is
+incremental: the `RolloutServer` hands each streaming request its new tokens after every decode
+loop (`steps_per_sync` decode steps; `submit(on_tokens=...)`), and each choice's new text goes out
+as one chunk (`index`: the choice) at once, then the finish reason (with the text held back, below),
+the usage chunk (`stream_options.include_usage`) and `[DONE]`. Held back until more tokens come:
+the bytes of a character split across tokens, and with `stop` the last len(longest stop) - 1
+characters and everything from a stop string on, so the streamed text never shows stop text and
+concatenates to the non-streamed text. Sent when the generation ends instead (as chunks of the
+finished response): requests with `tools` (the parsed `tool_calls` in one chunk before the finish
+reason; no tool-call deltas), with `logprobs`, and over a server whose `submit` takes no
+`on_tokens` (a `ReplicaRouter`). Streaming changes no token, log-prob or recorded trajectory.
 
 Errors: a bad request (unknown model, a field of the wrong type or range, a prompt too long for the
 KV cache, token ids outside the vocabulary, an unknown route) answers HTTP 400/404 with OpenAI's
@@ -31,10 +39,13 @@ files the request's token ids, log-probs and policy versions under that session.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hmac
 import http.server
+import inspect
 import json
+import queue
 import random
 import threading
 import time
@@ -160,6 +171,9 @@ class OpenAIServer:
         # choices (n per request) submitted and not finished; past max_in_flight, HTTP 429
         self.max_in_flight, self._in_flight = max_in_flight, 0
         self._count = threading.Lock()
+        self._on_tokens = None  # whether server.submit takes on_tokens (streaming), once known
+        # "stream_chunks_while_generating": text chunks sent before their request ended
+        self.stats = collections.Counter()
         self.created = int(time.time())
         owner = self
 
@@ -293,7 +307,7 @@ class OpenAIServer:
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
         return tools, (schemas if choice == "auto" else None)
 
-    def _generate(self, prompt_ids, opts, session_id):
+    def _generate(self, prompt_ids, opts, session_id, streamer=None):
         if opts["max_tokens"] is None:
             opts["max_tokens"] = max(1, self.max_target_length - len(prompt_ids))
         n = opts["n"]
@@ -307,26 +321,46 @@ class OpenAIServer:
                                    code="rate_limit_exceeded", type="rate_limit_error")
             self._in_flight += n
         try:
-            return self._submit_all(prompt_ids, opts, session_id)
+            return self._submit_all(prompt_ids, opts, session_id, streamer)
         finally:
             with self._count:
                 self._in_flight -= n
 
-    def _submit_all(self, prompt_ids, opts, session_id):
+    def _submit_all(self, prompt_ids, opts, session_id, streamer=None):
         rid = uuid.uuid4().hex
         futures = []
+        # streaming: the scheduler thread queues (choice, new token ids) after each decode loop
+        # and (choice, None) when a choice ends; this (the connection's) thread writes the chunks
+        events = queue.SimpleQueue() if streamer is not None else None
         try:
             for i in range(opts["n"]):
+                kwargs = {} if events is None else {"on_tokens": lambda ids, i=i: events.put((i, ids))}
                 futures.append(self.server.submit(
                     f"{rid}-{i}", prompt_ids, sampling=opts["sampling"],
                     max_new_tokens=opts["max_tokens"], seed=opts["seed"],
                     row=opts.get("row", 0) + i,
-                    session_id=session_id if opts["n"] == 1 else None))
+                    session_id=session_id if opts["n"] == 1 else None, **kwargs))
         except (ValueError, TypeError) as e:
             for f in futures:
                 f.cancel()
             code = "context_length_exceeded" if "max_target_length" in str(e) else None
             raise RequestError(str(e), param="messages" if code else None, code=code) from None
+        if events is not None:
+            for i, f in enumerate(futures):
+                f.add_done_callback(lambda _, i=i: events.put((i, None)))
+            try:
+                streamer.start(rid)
+                left = len(futures)
+                while left:
+                    i, ids = events.get()
+                    if ids is None:
+                        left -= 1
+                    else:
+                        streamer.tokens(i, ids)
+            except BaseException:  # e.g. the tokenizer failing: the requests are aborted
+                for f in futures:
+                    f.cancel()
+                raise
         outs = [f.result() for f in futures]
         if self.recorder is not None:
             for o in outs:
@@ -362,7 +396,21 @@ class OpenAIServer:
             prev = cur
         return out
 
-    def chat(self, body: dict, session_id: str | None):
+    def _streamer(self, writer, opts, kind: str):
+        """A `_Streamer` when this request's text can go out as it is generated: a streaming
+        request to a server whose `submit` takes `on_tokens`; else None (sent when it ends)."""
+        if writer is None or not opts["stream"]:
+            return None
+        if self._on_tokens is None:
+            try:
+                self._on_tokens = "on_tokens" in inspect.signature(self.server.submit).parameters
+            except (TypeError, ValueError):
+                self._on_tokens = False
+        if not self._on_tokens:
+            return None
+        return _Streamer(self, writer, opts, kind)
+
+    def chat(self, body: dict, session_id: str | None, writer=None):
         opts = self._common(body)
         if body.get("max_completion_tokens") is not None:
             opts["max_tokens"] = _field(body, "max_completion_tokens", int, check=lambda v: v >= 1,
@@ -376,7 +424,10 @@ class OpenAIServer:
         hook = self.session_hook
         if hook is not None:
             prompt_ids = hook.before(session_id, messages, tools, prompt_ids, opts)
-        rid, outs = self._generate(prompt_ids, opts, session_id)
+        # tool calls and log-probs: the stream is sent when the generation ends
+        streamer = self._streamer(writer if schemas is None and not logprobs else None, opts,
+                                  "chat")
+        rid, outs = self._generate(prompt_ids, opts, session_id, streamer)
         choices = []
         for i, out in enumerate(outs):
             text, ids, lps, vers, reason = self._finish(out, opts["stop"])
@@ -392,7 +443,9 @@ class OpenAIServer:
             if calls:
                 message["tool_calls"] = calls
             choice = {"index": i, "message": message, "finish_reason": reason, "logprobs": None}
-            if opts["stream"]:
+            if streamer is not None and streamer.started:
+                choice["_streamed"] = streamer.sent[i]
+            elif opts["stream"]:
                 choice["_pieces"] = self._token_texts(ids)
             if logprobs:
                 choice["logprobs"] = {"content": [
@@ -405,7 +458,7 @@ class OpenAIServer:
         return self._response(f"chatcmpl-{rid}", "chat.completion", prompt_ids, outs, choices,
                               logprobs)
 
-    def completions(self, body: dict, session_id: str | None):
+    def completions(self, body: dict, session_id: str | None, writer=None):
         opts = self._common(body)
         logprobs = _field(body, "logprobs", int, None, check=lambda v: v in (0, 1),
                           want="0 or 1 (only the sampled token's log-prob is returned)")
@@ -429,14 +482,17 @@ class OpenAIServer:
         hook = self.session_hook
         if hook is not None:
             prompt_ids = hook.before(session_id, None, None, prompt_ids, opts)
-        rid, outs = self._generate(prompt_ids, opts, session_id)
+        streamer = self._streamer(writer if logprobs is None else None, opts, "completion")
+        rid, outs = self._generate(prompt_ids, opts, session_id, streamer)
         if hook is not None:
             hook.after(session_id, None, None, outs[0])
         choices = []
         for i, out in enumerate(outs):
             text, ids, lps, vers, reason = self._finish(out, opts["stop"])
             choice = {"index": i, "text": text, "finish_reason": reason, "logprobs": None}
-            if opts["stream"] and logprobs is None:
+            if streamer is not None and streamer.started:
+                choice["_streamed"] = streamer.sent[i]
+            elif opts["stream"] and logprobs is None:
                 choice["_pieces"] = self._token_texts(ids)
             if logprobs is not None:
                 toks = self._token_texts(ids)
@@ -459,16 +515,23 @@ class OpenAIServer:
         return resp
 
     def chat_chunks(self, resp: dict, include_usage: bool):
-        """The server-sent events of a finished chat completion (each a dict)."""
+        """The server-sent events of a finished chat completion (each a dict); for a choice whose
+        text was streamed while it was generated (`_streamed`: the text sent), what is left."""
         base = {"id": resp["id"], "object": "chat.completion.chunk", "created": resp["created"],
                 "model": resp["model"]}
         for c in resp["choices"]:
             i, msg = c["index"], c["message"]
-            yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]}
+            content = msg["content"] or ""
+            if "_streamed" in c:
+                sent = c.pop("_streamed")
+                content = content[len(sent):] if content.startswith(sent) else ""
+            else:
+                yield {**base, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                  "content": ""},
+                                            "logprobs": None, "finish_reason": None}]}
             entries = (c["logprobs"] or {}).get("content")
-            pieces = c.pop("_pieces", None) or [msg["content"] or ""]
-            for j, p in _split(msg["content"] or "", pieces):
+            pieces = c.pop("_pieces", None) or [content]
+            for j, p in _split(content, pieces):
                 lp = {"content": [entries[j]]} if entries is not None and j >= 0 else None
                 yield {**base, "choices": [{"index": i, "delta": {"content": p},
                                             "logprobs": lp, "finish_reason": None}]}
@@ -487,8 +550,12 @@ class OpenAIServer:
         base = {"id": resp["id"], "object": "text_completion", "created": resp["created"],
                 "model": resp["model"]}
         for c in resp["choices"]:
-            pieces = c["logprobs"]["tokens"] if c["logprobs"] else c.pop("_pieces", [c["text"]])
-            for j, p in _split(c["text"], pieces):
+            text = c["text"]
+            if "_streamed" in c:
+                sent = c.pop("_streamed")
+                text = text[len(sent):] if text.startswith(sent) else ""
+            pieces = c["logprobs"]["tokens"] if c["logprobs"] else c.pop("_pieces", [text])
+            for j, p in _split(text, pieces):
                 lp = None if not c["logprobs"] or j < 0 else {
                     "tokens": [p], "token_logprobs": [c["logprobs"]["token_logprobs"][j]],
                     "top_logprobs": None, "text_offset": [c["logprobs"]["text_offset"][j]]}
@@ -527,6 +594,73 @@ def _split(content: str, pieces: list[str]):
         yield -1, content[sent:]
 
 
+def stream_safe(text: str, stops: list[str]) -> str:
+    """The part of `text` (the decoded tokens so far) that can be streamed now: without trailing
+    U+FFFD (the bytes of a character the next tokens complete), before the first stop string,
+    and without the last len(longest stop) - 1 characters (the start of a stop string that the
+    next tokens may complete). Whatever follows, the final text starts with it."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    text = text[:end]
+    if stops:
+        end = max(0, end - (max(len(s) for s in stops) - 1))
+        cut = min((text.find(s) for s in stops if s in text), default=-1)
+        if cut >= 0:
+            end = min(end, cut)
+    return text[:end]
+
+
+class _Streamer:
+    """One streaming request's text as its tokens arrive (see `RolloutServer.submit`'s
+    on_tokens): each choice's new `stream_safe` text goes out as a chunk at once.
+
+    Decoding is incremental, as detokenizers do it: each arrival decodes only the tokens since
+    the last settled point with the previous arrival's tokens as context (`decode(ids[prefix:])`
+    minus `decode(ids[prefix:read])`), and settles them once that text extends the context's and
+    ends in no partial character; unsettled text waits for the next arrival (or the end)."""
+
+    def __init__(self, api: OpenAIServer, writer, opts, kind: str):
+        self.api, self.writer, self.kind, self.stops = api, writer, kind, opts["stop"]
+        n = opts["n"]
+        self.ids = [[] for _ in range(n)]
+        self.text, self.sent = ["" for _ in range(n)], ["" for _ in range(n)]
+        self.prefix, self.read = [0] * n, [0] * n
+        self.started = False
+
+    def start(self, rid: str) -> None:
+        self.started = True
+        prefix, obj = ("chatcmpl", "chat.completion.chunk") if self.kind == "chat" else \
+            ("cmpl", "text_completion")
+        self.base = {"id": f"{prefix}-{rid}", "object": obj, "created": int(time.time()),
+                     "model": self.api.model_name}
+        if self.kind == "chat":
+            for i in range(len(self.ids)):
+                self._send(i, {"delta": {"role": "assistant", "content": ""}})
+
+    def tokens(self, i: int, ids: list[int]) -> None:
+        self.ids[i] += ids
+        decode, every = self.api.tokenizer.decode, self.ids[i]
+        start, read = self.prefix[i], self.read[i]
+        context, text = decode(every[start:read]), decode(every[start:])
+        current = self.text[i]
+        if text.startswith(context):
+            current += text[len(context):]  # stream_safe drops a partial character's U+FFFD
+            if not text.endswith("\ufffd"):
+                self.text[i], self.prefix[i], self.read[i] = current, read, len(every)
+        safe = stream_safe(current, self.stops)
+        sent = self.sent[i]
+        if len(safe) > len(sent) and safe.startswith(sent):
+            self.sent[i] = safe
+            delta = safe[len(sent):]
+            self._send(i, {"delta": {"content": delta}} if self.kind == "chat" else {"text": delta})
+            self.api.stats["stream_chunks_while_generating"] += 1
+
+    def _send(self, i: int, fields: dict) -> None:
+        self.writer({**self.base, "choices": [{"index": i, **fields, "logprobs": None,
+                                               "finish_reason": None}]})
+
+
 class _HTTPServer(http.server.ThreadingHTTPServer):
     # the listen backlog: socketserver's default of 5 resets connections when a trainer's many
     # agents (a batch of trajectories) connect at once
@@ -549,17 +683,32 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    _events_started = False
+
+    def _send_event(self, event: dict) -> None:
+        """One server-sent event (the response's headers before the first); a client that has
+        gone away gets no more (its request still runs to the end and is recorded)."""
+        self._write(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+    def _write(self, data: bytes) -> None:
+        try:
+            if not self._events_started:
+                self._events_started = True
+                self.close_connection = True
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.end_headers()
+            self.wfile.write(data)
+            self.wfile.flush()
+        except OSError:
+            pass
+
     def _send_events(self, events) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
         for e in events:
-            self.wfile.write(b"data: " + json.dumps(e).encode() + b"\n\n")
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
-        self.close_connection = True
+            self._send_event(e)
+        self._write(b"data: [DONE]\n\n")
 
     def _authorized(self) -> bool:
         token = self.api.auth_token
@@ -601,17 +750,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 raise RequestError("the request body must be a JSON object")
             session = self.headers.get(SESSION_HEADER) or None
             run, chunks = routes[path]
-            resp = run(body, session)
+            resp = run(body, session, self._send_event if body.get("stream") is True else None)
             if body.get("stream"):
                 include = bool((body.get("stream_options") or {}).get("include_usage"))
                 return self._send_events(chunks(resp, include))
             return self._send_json(200, resp)
         except RequestError as e:
+            if self._events_started:  # mid-stream: an error event ends it
+                return self._send_events([e.body()])
             return self._send_json(e.status, e.body())
         except Exception as e:  # the server's fault: answered, and the server keeps serving
-            return self._send_json(500, {"error": {"message": f"{type(e).__name__}: {e}",
-                                                   "type": "server_error", "param": None,
-                                                   "code": None}})
+            error = {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error",
+                               "param": None, "code": None}}
+            if self._events_started:
+                return self._send_events([error])
+            return self._send_json(500, error)
 
     def do_GET(self):
         self._route("GET")

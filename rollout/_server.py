@@ -19,6 +19,7 @@ an on-device multi-step loop, one scheduler thread runs all stages in turn:
    it exits early once enough slots are free for the waiting requests);
 4. results: one small transfer of every slot's active flag and token count; finished slots'
    tokens and log-probs are gathered and their futures resolved (detokenizing is the caller's).
+   Requests submitted with `on_tokens` (streaming) are given their new tokens after each loop.
 
 Slots are free, running, or parked: when a request with a `session_id` ends, its slot keeps the
 KV cache of prompt + completion (all but the last token, which is pending) and the server
@@ -122,6 +123,8 @@ class _Request:
     versions: list = dataclasses.field(default_factory=list)  # [(first token index, version)]
     offset: int = 0  # step_offset: the key step of the first token (a resumed request's)
     fill: list = dataclasses.field(default_factory=list)  # the tokens whose KV the slot is getting
+    on_tokens: Any = None  # submit's on_tokens callback (streaming), or None
+    streamed: int = 0  # tokens generated (from step 0) that on_tokens has been given
 
 
 @dataclasses.dataclass(eq=False)
@@ -249,7 +252,7 @@ class RolloutServer:
     # ------------------------------------------------------------------ public API
     def submit(self, request_id: str, prompt_ids, *, sampling: SamplingParams, max_new_tokens: int,
                session_id: str | None = None, seed: int = 0, row: int = 0,
-               step_offset: int = 0) -> concurrent.futures.Future:
+               step_offset: int = 0, on_tokens=None) -> concurrent.futures.Future:
         """Queues a request; returns a Future[GenerateOutput]. Errors in the request raise here.
 
         prompt_ids: token ids (the whole conversation so far for a session turn). seed, row: the
@@ -257,13 +260,18 @@ class RolloutServer:
         stream step of the first new token (a request resumed with its first k tokens appended to
         the prompt passes k, so it samples as the uninterrupted request would). session_id: park
         the slot afterwards so the session's next turn reuses its KV. Cancelling the future aborts.
+        on_tokens (streaming): `on_tokens(token_ids)` is called on the scheduler thread after each
+        decode loop that leaves the request running, with the tokens generated since its last call
+        (one gather of the streaming slots' rows a loop); the tokens of the loop the request ends
+        in come only in the future's output, which holds them all. It must be quick and must not
+        block (e.g. put on a queue); if it raises it is dropped. It changes no token or log-prob.
         """
         prompt = self._validate(request_id, prompt_ids, sampling, max_new_tokens, session_id, seed, row)
         if isinstance(step_offset, bool) or not isinstance(step_offset, (int, np.integer)) or step_offset < 0:
             raise ValueError(f"step_offset must be an int >= 0, got {step_offset!r}")
         req = _Request(request_id, prompt, sampling, int(max_new_tokens), session_id,
                        _row_key_data(int(seed), int(row)), concurrent.futures.Future(),
-                       offset=int(step_offset))
+                       offset=int(step_offset), on_tokens=on_tokens, streamed=int(step_offset))
         with self._cv:
             self._check_running()
             if request_id in self._live:
@@ -776,7 +784,25 @@ class RolloutServer:
         self._stats["decode_steps"] += int(steps)
         for slot in self._running:
             self._generated[slot] = generated[slot]
+        self._stream([s for s, r in self._running.items() if r.on_tokens is not None
+                      and active[s] and self._generated[s] > r.streamed])
         self._finish([slot for slot in self._running if not active[slot]])
+
+    def _stream(self, slots: list[int]) -> None:
+        """Gives running streaming requests (submit's on_tokens) their tokens generated so far."""
+        if not slots:
+            return
+        idx = np.full(_next_pow2(max(len(slots), 4)), self._slots, np.int32)
+        idx[:len(slots)] = slots
+        tokens, _ = jax.device_get(_gather_rows(self._out["tokens"], self._out["log_probs"],
+                                                jnp.asarray(idx)))
+        for j, slot in enumerate(slots):
+            req, n = self._running[slot], int(self._generated[slot])
+            new, req.streamed = [int(t) for t in tokens[j, req.streamed:n]], n
+            try:
+                req.on_tokens(new)
+            except Exception:  # the caller's bug must not stop the scheduler: no more calls
+                req.on_tokens = None
 
     def _abort_running(self, reqs: list[_Request]) -> None:
         slots = [r.slot for r in reqs if self._running.get(r.slot) is r]

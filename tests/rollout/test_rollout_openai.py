@@ -1,9 +1,11 @@
 """The OpenAI-compatible endpoint (rollout/_openai.py) over a RolloutServer on the session's tiny
 engine, driven over loopback HTTP by http.client (and by the official `openai` client when it is
 installed): results equal `RolloutServer.generate`, streaming, tool calls, errors, sessions."""
+import collections
 import concurrent.futures
 import http.client
 import json
+import threading
 
 import pytest
 
@@ -363,3 +365,177 @@ def test_tools_render_through_a_real_chat_template_as_the_tool_agent_loop_does()
         as_written = ask + [{"role": "assistant", "content": call_text}, history[-1]]
         assert fake.prompts[1] == bpe.encode(bpe.apply_chat_template(
             as_written, add_generation_prompt=True, tools=TOOLS))
+
+
+# ------------------------------------------------------------------ incremental streaming
+def test_rollout_server_on_tokens_gives_the_tokens_while_the_request_runs(served, tok):
+    """`submit(on_tokens=...)`: the tokens before the loop a request ends in, in order, and the
+    output equals the same request's without it."""
+    srv = served.server
+    prompt = tok.encode("abc")
+    calls = []
+    fut = srv.submit("otk", prompt, sampling=rollout.SamplingParams(1.0), max_new_tokens=16,
+                     seed=4, on_tokens=lambda ids: calls.append((fut.done(), list(ids))))
+    out = fut.result()
+    ref = srv.generate("otk-ref", prompt, sampling=rollout.SamplingParams(1.0), max_new_tokens=16,
+                       seed=4)
+    assert out.token_ids == ref.token_ids and out.log_probs == ref.log_probs
+    assert len(out.token_ids) > 2 * srv.steps_per_sync, "a request of several decode loops"
+    assert len(calls) >= 2 and not any(done for done, _ in calls)
+    got = [t for _, ids in calls for t in ids]
+    assert got == out.token_ids[:len(got)] and all(ids for _, ids in calls)
+    # a callback that raises is dropped; the request and the server go on
+    bad = srv.submit("otk-bad", prompt, sampling=rollout.SamplingParams(1.0), max_new_tokens=16,
+                     seed=4, on_tokens=lambda ids: 1 / 0)
+    assert bad.result().token_ids == ref.token_ids
+
+
+def _openai_client(api):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"http://{api.host}:{api.port}/v1", api_key="unused",
+                         max_retries=0, timeout=120)
+
+
+def test_official_client_stream_is_incremental_and_equals_the_non_stream_reply(served):
+    """A 16-token reply (4 decode loops of 4 steps) with the official client: text chunks go out
+    while the request decodes, each choice's deltas (n=2, by index) concatenate to the
+    non-streamed text of the same seed, and the recorded trajectory is the same."""
+    client = _openai_client(served)
+    kwargs = dict(model=MODEL, messages=HELLO, max_tokens=16, temperature=1.0, seed=4, n=2)
+    whole = client.chat.completions.create(**kwargs)
+    assert all(c.finish_reason == "length" for c in whole.choices)  # 16 tokens each, no EOS
+    recorded = served.recorder.turns(None)[-2:]
+    before = served.stats["stream_chunks_while_generating"]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True,
+                                                 stream_options={"include_usage": True}))
+    early = served.stats["stream_chunks_while_generating"] - before
+    assert early >= 2 * 2  # each choice: chunks after the loops 1..3 that did not end it
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        content = [d for d in mine if d.delta.content]
+        assert len(content) > 1 and mine[-1].finish_reason == "length"
+        assert all(d.finish_reason is None for d in mine[:-1])
+        assert "".join(d.delta.content or "" for d in mine) == whole.choices[i].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 32
+    assert [(t.response_ids, t.log_probs, t.policy_versions)
+            for t in served.recorder.turns(None)[-2:]] == \
+        [(t.response_ids, t.log_probs, t.policy_versions) for t in recorded]
+    # /v1/completions the same way
+    before = served.stats["stream_chunks_while_generating"]
+    ckw = dict(model=MODEL, prompt="abc", max_tokens=16, temperature=1.0, seed=4)
+    text = client.completions.create(**ckw).choices[0].text
+    parts = list(client.completions.create(**ckw, stream=True))
+    assert served.stats["stream_chunks_while_generating"] - before >= 2
+    assert "".join(p.choices[0].text for p in parts) == text
+
+
+def test_streamed_text_never_shows_a_stop_string(served):
+    client = _openai_client(served)
+    kwargs = dict(model=MODEL, messages=HELLO, max_tokens=16, temperature=1.0, seed=5)
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert len(full) >= 12
+    for stop in (full[9:11], [full[6:9], full[8]], full[3]):
+        cut = client.chat.completions.create(**kwargs, stop=stop).choices[0].message.content
+        deltas = [c.choices[0].delta.content or "" for c in
+                  client.chat.completions.create(**kwargs, stop=stop, stream=True) if c.choices]
+        text = "".join(deltas)
+        assert text == cut and len(cut) < len(full)
+        for s in [stop] if isinstance(stop, str) else stop:
+            assert s not in text
+
+
+def test_stream_safe_holds_back_split_characters_and_stop_prefixes():
+    from rollout._openai import stream_safe
+
+    euro = "€".encode()
+    assert stream_safe((b"ab" + euro[:2]).decode(errors="replace"), []) == "ab"
+    assert stream_safe((b"ab" + euro).decode(errors="replace"), []) == "ab€"
+    assert stream_safe("hello wor", ["world"]) == "hello"  # "wor" may become "world"
+    assert stream_safe("hello world and", ["world"]) == "hello "
+    assert stream_safe("abcd", ["abcdef", "d"]) == ""  # "abcdef" may start at 0
+    assert stream_safe("xyzabcd", ["abcdef", "d"]) == "xy"
+    assert stream_safe("", ["x"]) == ""
+
+
+class _ByteTokenizer:
+    """Bytes as token ids: a character of several bytes spans several tokens."""
+
+    eos_token_id = 256
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+        return "".join(m["content"] for m in messages) + ">"
+
+
+class _Stepped:
+    """A stand-in RolloutServer that hands `steps` (lists of token ids) to on_tokens one at a time
+    from its own thread; before the last one it waits for `seen` (set by the client on its first
+    content chunk), so a stream that is only sent at the end never sees it set."""
+
+    def __init__(self, steps):
+        self.steps, self.seen, self.released = steps, threading.Event(), None
+        self.engine = type("E", (), {"max_target_length": 512})()
+
+    def submit(self, request_id, prompt_ids, *, sampling, max_new_tokens, seed, row, session_id,
+               on_tokens=None):
+        f = concurrent.futures.Future()
+
+        def run():
+            for ids in self.steps[:-1]:
+                if on_tokens is not None:
+                    on_tokens(ids)
+            self.released = self.seen.wait(30)  # the old, end-only stream fails here after 30 s
+            ids = [t for s in self.steps for t in s]
+            f.set_result(rollout.GenerateOutput(request_id, ids, [-0.5] * len(ids), "stop",
+                                                len(prompt_ids), 0, len(prompt_ids), 0,
+                                                [0] * len(ids)))
+
+        threading.Thread(target=run, daemon=True).start()
+        return f
+
+
+def test_a_character_split_across_tokens_is_streamed_whole_before_the_request_ends():
+    euro = list("€".encode())
+    steps = [[ord("a"), euro[0]], euro[1:], [ord("b")], [ord("c"), 256]]
+    fake = _Stepped(steps)
+    with OpenAIServer(fake, _ByteTokenizer(), model_name=MODEL) as api:
+        client = _openai_client(api)
+        deltas = []
+        for c in client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8,
+                                                stream=True):
+            if c.choices and c.choices[0].delta.content:
+                deltas.append(c.choices[0].delta.content)
+                fake.seen.set()
+    assert fake.released, "no text chunk reached the client before the request ended"
+    assert "".join(deltas) == "a€bc" and all("\ufffd" not in d for d in deltas)
+    assert deltas[0] == "a" and "€" in deltas[1]
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_incremental_decoding_with_a_byte_level_bpe_equals_the_whole_decode(group):
+    """smollm2's byte-level BPE splits 日, 語 and 😀 over several tokens: arrivals of `group`
+    tokens stream deltas with no U+FFFD that concatenate to decode(all), with and without a stop
+    string (the rest, as the endpoint sends it at the end, from the whole text)."""
+    from jaxrl_llm.models import load_tokenizer
+    from rollout._openai import _Streamer
+
+    bpe = load_tokenizer(SMOLLM)
+    text = "Grüße, naïve café — 日本語 😀 ok"
+    ids = bpe.encode(text)
+    assert bpe.decode(ids) == text and any("\ufffd" in bpe.decode([t]) for t in ids)
+    api = type("A", (), {"tokenizer": bpe, "model_name": MODEL, "stats": collections.Counter()})()
+    for stop in ([], ["語 😀"]):
+        events = []
+        s = _Streamer(api, events.append, {"stop": stop, "n": 1}, "completion")
+        s.start("x")
+        for k in range(0, len(ids), group):
+            s.tokens(0, ids[k:k + group])
+        deltas = [e["choices"][0]["text"] for e in events]
+        final = text[:text.index(stop[0])] if stop else text
+        assert all("\ufffd" not in d for d in deltas) and len(deltas) > 3
+        assert "".join(deltas) == s.sent[0] == final
