@@ -60,3 +60,29 @@ def test_no_recording_without_record_experts(model):
                                        max_target_length=48)
     with rollout.RolloutServer(engine, steps_per_sync=4) as server:
         assert server.generate("a", PROMPT, sampling=SAMPLED, max_new_tokens=3).routed_experts is None
+
+
+def test_a_sync_that_re_prefills_a_held_request_records_the_new_weights_experts(model, engine, monkeypatch):
+    """partial_rollout_kv="recompute": the held request's prompt and tokens so far are re-prefilled
+    with the new weights, so its whole record is the new model's routing (the earlier decode
+    steps' records are replaced by the re-prefill's)."""
+    import jax
+
+    from conftest import hook_decode
+
+    other = models.from_pretrained(FIXTURE)
+    gate = other.model.layers.mlp.gate  # a changed router: other top-k choices
+    gate["kernel"][...] = gate["kernel"][...] + jax.random.normal(jax.random.key(5), gate["kernel"][...].shape)
+    try:
+        with rollout.RolloutServer(engine, steps_per_sync=2) as server:
+            sync = {}
+            hook_decode(monkeypatch, engine, {2: lambda: sync.setdefault("f", server.submit_update(other))})
+            out = server.generate("r", PROMPT, sampling=SAMPLED, max_new_tokens=10, seed=2)
+            assert sync["f"].result()["held_requests"] == 1 and server.stats["recomputed_requests"] == 1
+        assert out.policy_versions[:2] == [0, 0] and out.policy_versions[-1] == 1
+        _check(other, out, PROMPT)
+        seq = PROMPT + out.token_ids
+        assert (np.sort(out.routed_experts[:-1], -1) != _own_top_k(model, seq)[:-1]).any()  # the sync mattered
+    finally:
+        monkeypatch.undo()
+        engine.update_params(model)
