@@ -366,7 +366,8 @@ class Engine:
                                  out_shardings=(st, None, self._replicated), **opts)
         self._extend_jit = jax.jit(self._extend_core, static_argnums=(4,),  # records no experts
                                    out_shardings=dataclasses.replace(self._prefix_shardings, experts=None))
-        self._append_jit = jax.jit(self._append_core, donate_argnums=(1,), out_shardings=st)
+        self._append_jit = jax.jit(self._append_core, donate_argnums=(1,),
+                                   out_shardings=(st, self._replicated if self.record_experts else None))
         self._init_jit = jax.jit(self._init_core, out_shardings=st)
         self._join_jit = jax.jit(self._join_core, static_argnums=(1,), out_shardings=self._prefix_shardings)
         self._free_jit = jax.jit(self._free_core, donate_argnums=(0,), out_shardings=st)
@@ -448,15 +449,18 @@ class Engine:
             top_k=put(state.top_k, jnp.broadcast_to(top_k, (m,)).astype(jnp.int32)),
             top_p=put(state.top_p, jnp.broadcast_to(top_p, (m,)).astype(jnp.float32)))
 
-    def _extend_cache(self, params, cache: KVCache, tokens, start) -> KVCache:
+    def _extend_cache(self, params, cache: KVCache, tokens, start, record: bool = False):
         """Chunked prefill: appends tokens int32[m, t] to cache rows [m, s] at positions
         start[i], start[i] + 1, ... (int32[m]); writes past s are dropped. Every token is written,
         so entries past a row's real tokens hold padding (never read: a query at position q only
-        sees cache slots <= q, and decoding overwrites slot q before reading it)."""
+        sees cache slots <= q, and decoding overwrites slot q before reading it). `record`:
+        returns (cache, the experts of every fed token [m, t, L, k]), else the cache."""
         positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-        _, cache = self._model(params).decode(tokens, positions=positions, cache=cache,
-                                              cache_index=start)
-        return cache
+        out = self._model(params).decode(tokens, positions=positions, cache=cache,
+                                         cache_index=start, record_experts=record)
+        if record:  # [L, m, t, k] -> [m, t, L, k]
+            return out[1], jnp.moveaxis(out[2], 0, 2).astype(self.expert_ids[1])
+        return out[1]
 
     def _extend_core(self, params, prefix: Prefix, tokens, true_lengths, length: int) -> Prefix:
         """`prefix` (p rows) followed by tokens int32[p, bucket] (true_lengths int32[p] >= 1, the
@@ -484,14 +488,20 @@ class Engine:
             sub = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), state.cache)
         else:
             sub = jax.tree.map(lambda x: jnp.take(x, idx, axis=1), state.cache)
-        sub = self._extend_cache(params, sub, tokens, start)
+        experts = None
+        if self.record_experts:  # the cached tokens' (all but each row's last); -1 past them
+            sub, experts = self._extend_cache(params, sub, tokens, start, record=True)
+            cached = jnp.arange(tokens.shape[1])[None, :] < (true_lengths - 1)[:, None]
+            experts = jnp.where(cached[:, :, None, None], experts, -1).astype(experts.dtype)
+        else:
+            sub = self._extend_cache(params, sub, tokens, start)
         if self._per_layer:
             cache = jax.tree.map(lambda buf, val: buf.at[dst].set(val, mode="drop"), state.cache, sub)
         else:
             cache = jax.tree.map(lambda buf, val: buf.at[:, dst].set(val, mode="drop"), state.cache, sub)
         last = jnp.take_along_axis(tokens, (true_lengths - 1)[:, None], axis=1)[:, 0]
         return self._arm(state, cache, dst, last, start + true_lengths - 1, rows, max_new,
-                         temperature, top_k, top_p, key)
+                         temperature, top_k, top_p, key), experts
 
     def _step(self, params, state: DecodeState):
         """One decode step for all slots. Returns (state, tokens, log_probs, valid, generated,
@@ -831,7 +841,7 @@ class Engine:
                          self._pad_rows(dst, self._slots, len(dst)), *args)
 
     def append_rows(self, state, *, tokens, true_lengths, dst, rows, max_new, sampling, key=None,
-                    row_keys=None) -> DecodeState:
+                    row_keys=None, with_experts: bool = False):
         """Prefix reuse on parked slots: appends tokens[i, :true_lengths[i]] to slot dst[i]'s KV
         cache at the slot's current length and re-arms the slot for a new request.
 
@@ -842,6 +852,8 @@ class Engine:
         lengths = old + true_length - 1, tokens = the last new token, generated 0 and the given
         max_new / sampling / key (as `insert_rows`), active; other slots are untouched. Prefill
         work is proportional to the new tokens. Compiles once per (power-of-two m, bucket).
+        with_experts: returns (state, experts): with `record_experts` the experts of the tokens
+        the rows cache, [m, bucket, layers, k] (-1 from each row's last token on), else None.
         """
         tokens = np.asarray(tokens, np.int32)
         m = len(dst)
@@ -849,20 +861,24 @@ class Engine:
             raise ValueError(f"append_rows: tokens must be int32[{m}, bucket] with bucket one of "
                              f"{self._buckets}, got shape {tokens.shape}")
         if self.batch_invariant and m != BATCH_INVARIANT_ROWS:
-            return self._append_fixed_rows(state, tokens, true_lengths, dst, rows, max_new,
-                                           sampling, key, row_keys)
+            state, experts = self._append_fixed_rows(state, tokens, true_lengths, dst, rows, max_new,
+                                                     sampling, key, row_keys)
+            return (state, experts) if with_experts else state
         mp = _next_pow2(m)
         padded = np.full((mp, tokens.shape[1]), self.pad_token_id, np.int32)
         padded[:m] = tokens
         self.check_params()
         args = self._row_args(m, rows, max_new, sampling, key, row_keys)
-        return self._run(self._append_jit, self._params, state, jnp.asarray(padded),
-                         self._pad_rows(true_lengths, 1, m), self._pad_rows(dst, self._slots, m),
-                         *args)
+        state, experts = self._run(self._append_jit, self._params, state, jnp.asarray(padded),
+                                   self._pad_rows(true_lengths, 1, m), self._pad_rows(dst, self._slots, m),
+                                   *args)
+        if not with_experts:
+            return state
+        return state, (None if experts is None else experts[:m])
 
     def _append_fixed_rows(self, state, tokens, true_lengths, dst, rows, max_new, sampling, key,
-                           row_keys) -> DecodeState:
-        """`append_rows` (batch_invariant) as calls of exactly BATCH_INVARIANT_ROWS rows, padded with
+                           row_keys) -> tuple:
+        """(state, experts or None): `append_rows` (batch_invariant) as calls of exactly BATCH_INVARIANT_ROWS rows, padded with
         rows for slot `max_concurrent_decodes` (ignored), so each row's extension is computed by
         the same program at the same shape whatever its batch-mates."""
         m, r = len(dst), BATCH_INVARIANT_ROWS
@@ -880,14 +896,16 @@ class Engine:
         if not isinstance(sampling, SamplingParams):
             sampling = list(sampling)
             sampling += sampling[:1] * (n - m)
+        parts = []
         for lo in range(0, n, r):
             part = slice(lo, lo + r)
-            state = self.append_rows(
+            state, experts = self.append_rows(
                 state, tokens=tokens[part], true_lengths=true_lengths[part], dst=dst[part],
                 rows=rows[part], max_new=max_new[part], key=key,
                 sampling=sampling if isinstance(sampling, SamplingParams) else sampling[part],
-                row_keys=None if row_keys is None else row_keys[part])
-        return state
+                row_keys=None if row_keys is None else row_keys[part], with_experts=True)
+            parts.append(experts)
+        return state, (None if parts[0] is None else jnp.concatenate(parts)[:m])
 
     @staticmethod
     def _pad_rows(x, fill, m):

@@ -94,6 +94,12 @@ class GenerateOutput:
     is included), "length" (max_new_tokens or the KV cache) or "abort". num_cached_tokens: prompt
     tokens whose KV came from the session's parked slot; num_computed_prompt_tokens: the rest
     (they sum to num_prompt_tokens). policy_version: the server's version when the request ended.
+    routed_experts (an engine with `record_experts`, router replay; else None): int8/int16
+    [num_prompt_tokens + len(token_ids), layers, k], the experts every layer chose for each token
+    the engine fed, prompt then completion; -1 where none was fed (the last generated token). A
+    prompt token whose KV came from the session's parked slot has the experts recorded when that
+    KV was computed; after a sync's re-prefill (partial_rollout_kv="recompute") or a wake, the
+    re-prefilled tokens (prompt and completion so far) have the re-prefill's.
     """
 
     request_id: str
@@ -105,6 +111,7 @@ class GenerateOutput:
     num_computed_prompt_tokens: int
     policy_version: int
     policy_versions: list[int]
+    routed_experts: np.ndarray | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -125,6 +132,10 @@ class _Request:
     fill: list = dataclasses.field(default_factory=list)  # the tokens whose KV the slot is getting
     on_tokens: Any = None  # submit's on_tokens callback (streaming), or None
     streamed: int = 0  # tokens generated (from step 0) that on_tokens has been given
+    # record_experts: host [len(prompt) + max_new, L, k] by sequence position (-1: none yet), and
+    # the first position the decode loop's record is taken for (earlier ones: a prefill's)
+    experts: np.ndarray | None = None
+    decoded_from: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -173,6 +184,11 @@ def _row_key_data(seed: int, row: int) -> np.ndarray:
 @jax.jit
 def _gather_rows(tokens, log_probs, idx):
     return jnp.take(tokens, idx, axis=0, mode="clip"), jnp.take(log_probs, idx, axis=0, mode="clip")
+
+
+@jax.jit
+def _gather_experts(experts, idx):
+    return jnp.take(experts, idx, axis=0, mode="clip")
 
 
 def _set_future(future, result=None, error=None) -> None:
@@ -241,7 +257,8 @@ class RolloutServer:
         self._stats = collections.Counter()
         # the scheduler thread's own
         self._running: dict[int, _Request] = {}
-        self._parked: collections.OrderedDict[str, tuple[int, list[int]]] = collections.OrderedDict()
+        # session -> (slot, the tokens it knows, record_experts: the experts of its cached ones)
+        self._parked: collections.OrderedDict[str, tuple] = collections.OrderedDict()
         self._generated = np.zeros(self._slots, np.int64)
         self._stale: set[int] = set()  # running slots whose KV is rebuilt before they decode again
         self._suspended = self._asleep = False
@@ -472,6 +489,9 @@ class RolloutServer:
             self._out = {"tokens": jnp.zeros((self._slots, t), jnp.int32),
                          "log_probs": jnp.zeros((self._slots, t), jnp.float32),
                          "lengths": jnp.zeros((self._slots,), jnp.int32)}
+            if self.engine.record_experts:  # the experts of the token each decode step fed
+                (layers, k), dtype = self.engine.expert_ids
+                self._out["experts"] = jnp.full((self._slots, t, layers, k), -1, dtype)
             while self._step():
                 pass
         except BaseException as error:  # noqa: BLE001 - every waiter must hear about it
@@ -607,6 +627,7 @@ class RolloutServer:
         for j, slot in enumerate(slots):
             req = self._running[slot]
             req.fill = req.prompt + [int(t) for t in tokens[j, req.offset:self._generated[slot]]]
+            req.decoded_from = len(req.fill) - 1  # the re-prefill records the tokens before
             reqs.append(req)
         n = sum(len(r.fill) for r in reqs)
         # one row holds at most `limit` tokens (the call's memory); a longer prefix is prefilled
@@ -642,11 +663,12 @@ class RolloutServer:
         return [(bucket, rows, self._call_rows(len(rows))) for bucket, rows in by_bucket.items()]
 
     def _free_slots(self) -> list[int]:
-        parked = {slot for slot, _ in self._parked.values()}
+        parked = {slot for slot, *_ in self._parked.values()}
         return [s for s in range(self._slots) if s not in self._running and s not in parked]
 
     def _claim(self) -> list[tuple[_Request, list[int] | None]]:
-        """Pops the pending requests that get a slot now: (request, known tokens to extend or None)."""
+        """Pops the pending requests that get a slot now: (request, known tokens to extend or None;
+        with record_experts the known tokens' experts are put into the request's record)."""
         free = self._free_slots()
         claimed = []
         with self._cv:
@@ -654,15 +676,17 @@ class RolloutServer:
                 req = self._pending[0]
                 parked = self._parked.pop(req.session_id, None) if req.session_id is not None else None
                 if parked is not None:
-                    req.slot, known = parked
+                    req.slot, known, experts = parked
                     if not (self.reuse_prefix and len(req.prompt) >= len(known)
                             and req.prompt[:len(known)] == known):
                         known = None
                         self._stats["reuse_misses"] += 1
+                    elif experts is not None:
+                        self._new_record(req)[:len(experts)] = experts
                 elif free:
                     req.slot, known = free.pop(0), None
                 elif self._parked:
-                    _, (req.slot, _) = self._parked.popitem(last=False)
+                    _, (req.slot, *_) = self._parked.popitem(last=False)
                     known = None
                     self._stats["evictions"] += 1
                 else:
@@ -679,6 +703,9 @@ class RolloutServer:
         for req, known in claimed:
             self._running[req.slot] = req
             self._generated[req.slot] = req.offset
+            req.decoded_from = len(req.prompt) - 1
+            if req.experts is None and self.engine.record_experts:
+                self._new_record(req)
             req.versions = [(0, self._version)]
             req.fill = req.prompt
             req.num_cached = req.cached = 0 if known is None else len(known) - 1
@@ -747,6 +774,10 @@ class RolloutServer:
             lengths[j] = len(seq)
             r.cached = len(seq) - 1
         prefix = e.prefill_batch(e.params, tokens, lengths)
+        if prefix.experts is not None:  # record_experts: [size, bucket, L, k], the cached tokens'
+            experts = np.asarray(jax.device_get(prefix.experts))
+            for j, r in enumerate(chunk):
+                r.experts[:r.cached] = experts[j, :r.cached]
         self._state = e.insert_rows(self._state, prefix, src=np.arange(size),
                                     **self._row_args(chunk, size))
         self._stats["prefill_calls"] += 1
@@ -760,14 +791,19 @@ class RolloutServer:
             size = self._call_rows(len(chunk))
             tokens = np.full((size, bucket), e.pad_token_id, np.int32)
             lengths = np.ones(size, np.int32)
+            start = [r.cached for r in chunk]
             for j, r in enumerate(chunk):
                 tokens[j, :len(nxt[id(r)])] = nxt[id(r)]
                 lengths[j] = len(nxt[id(r)])
                 r.cached += int(lengths[j]) - 1
                 if stat is not None:
                     self._stats[stat] += int(lengths[j])
-            self._state = e.append_rows(self._state, tokens=tokens, true_lengths=lengths,
-                                        **self._row_args(chunk, size))
+            self._state, experts = e.append_rows(self._state, tokens=tokens, true_lengths=lengths,
+                                                 with_experts=True, **self._row_args(chunk, size))
+            if experts is not None:  # record_experts: the tokens each row cached
+                experts = np.asarray(jax.device_get(experts))
+                for j, r in enumerate(chunk):
+                    r.experts[start[j]:r.cached] = experts[j, :r.cached - start[j]]
             self._stats["append_calls"] += 1
 
     def _decode(self, draining: bool) -> None:
@@ -820,6 +856,8 @@ class RolloutServer:
         idx[:len(slots)] = slots
         tokens, log_probs = jax.device_get(_gather_rows(self._out["tokens"], self._out["log_probs"],
                                                         jnp.asarray(idx)))
+        decoded = (np.asarray(jax.device_get(_gather_experts(self._out["experts"], jnp.asarray(idx))))
+                   if "experts" in self._out else None)
         for j, slot in enumerate(slots):
             req = self._running.pop(slot)
             stale = slot in self._stale  # its KV is the old weights' (or gone): not parked
@@ -827,17 +865,30 @@ class RolloutServer:
             n = int(self._generated[slot])
             toks = [int(t) for t in tokens[j, req.offset:n]]
             reason = "abort" if req.aborted else ("stop" if toks and toks[-1] in self._stop else "length")
+            experts = None
+            if decoded is not None:  # decode step g fed the token at position len(prompt) - 1 + g
+                experts = req.experts[:len(req.prompt) + len(toks)]
+                first = len(req.prompt) - 1
+                lo = max(req.decoded_from, first)
+                experts[lo:first + len(toks)] = decoded[j, req.offset + lo - first:n]
             if req.session_id is not None and not stale:
                 self._parked.pop(req.session_id, None)  # an older slot of the session becomes free
-                self._parked[req.session_id] = (slot, req.prompt + toks)
+                kept = None if experts is None else experts[:len(req.prompt) + len(toks) - 1].copy()
+                self._parked[req.session_id] = (slot, req.prompt + toks, kept)
             self._stats["requests_aborted" if req.aborted else "requests_finished"] += 1
             self._stats["generated_tokens"] += len(toks)
-            out = self._output(req, toks, [float(x) for x in log_probs[j, req.offset:n]], reason)
+            out = self._output(req, toks, [float(x) for x in log_probs[j, req.offset:n]], reason, experts)
             with self._cv:
                 self._live.pop(req.request_id, None)
             _set_future(req.future, out)
 
-    def _output(self, req: _Request, toks, log_probs, reason) -> GenerateOutput:
+    def _new_record(self, req: _Request) -> np.ndarray:
+        """record_experts: the request's host record of experts by position, all -1."""
+        (layers, k), dtype = self.engine.expert_ids
+        req.experts = np.full((len(req.prompt) + req.max_new, layers, k), -1, dtype)
+        return req.experts
+
+    def _output(self, req: _Request, toks, log_probs, reason, experts=None) -> GenerateOutput:
         versions = []
         for k, (start, version) in enumerate(req.versions):
             end = req.versions[k + 1][0] if k + 1 < len(req.versions) else len(toks)
@@ -846,7 +897,7 @@ class RolloutServer:
             request_id=req.request_id, token_ids=toks, log_probs=log_probs, finish_reason=reason,
             num_prompt_tokens=len(req.prompt), num_cached_tokens=req.num_cached,
             num_computed_prompt_tokens=len(req.prompt) - req.num_cached if req.slot >= 0 else 0,
-            policy_version=self._version, policy_versions=versions)
+            policy_version=self._version, policy_versions=versions, routed_experts=experts)
 
     def _shutdown(self, controls=()) -> None:
         """close(): aborts running and pending requests, fails queued syncs and controls."""

@@ -24,6 +24,8 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
+
 from jaxrl_llm import _chaos
 from jaxrl_llm.agent._parsers import ToolCall, get_tool_parser
 from jaxrl_llm.agent.tools import BaseTool, create_tool_instance, run_tool_call
@@ -54,7 +56,10 @@ class AgentLoopOutput:
     """verl's fields. response_mask: 1 = model token, 0 = tool / user / template token;
     response_logprobs: the engine's log-prob of each model token, 0.0 elsewhere;
     response_versions: the policy version that sampled each model token, -1 elsewhere (a loop
-    that leaves it empty reports -1 for every token)."""
+    that leaves it empty reports -1 for every token).
+    routed_experts (router replay; None when the server records none): int8/int16
+    [len(prompt_ids) + len(response_ids), layers, k], the experts the engine chose for each token
+    it fed (`GenerateOutput.routed_experts`), -1 where it fed none (`merge_turn_experts`)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -64,6 +69,23 @@ class AgentLoopOutput:
     metrics: dict[str, float]
     extra_fields: dict[str, Any]
     response_versions: list[int] = dataclasses.field(default_factory=list)
+    routed_experts: Any = None
+
+
+def merge_turn_experts(kept, turn):
+    """A trajectory's experts after one more turn: `turn` (the turn's `GenerateOutput.routed_experts`,
+    covering the whole conversation it was asked with plus its completion) with the positions an
+    earlier turn already fed taken from `kept` (the trajectory's so far, whose last position, a
+    completion's last token, was not fed then): a token keeps the experts the engine chose when it
+    first fed it (the parked KV's, or what an earlier turn saw when a later one re-prefilled it),
+    and tool / user tokens get those of the later turn that prefilled them. None when not recorded."""
+    if turn is None:
+        return kept
+    merged = np.array(turn)
+    if kept is not None:
+        fed = min(len(kept) - 1, len(merged))
+        merged[:fed] = kept[:fed]
+    return merged
 
 
 @dataclasses.dataclass
@@ -157,6 +179,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
             prompt_ids=prompt_ids, response_ids=list(out.token_ids), response_mask=[1] * n,
             response_logprobs=[float(x) for x in out.log_probs], num_turns=2,  # prompt, reply
             response_versions=[int(v) for v in out.policy_versions],
+            routed_experts=getattr(out, "routed_experts", None),
             metrics={"generate_s": time.perf_counter() - t0, "num_tool_calls": 0.0,
                      "num_tool_errors": 0.0},
             extra_fields={"finish_reason": out.finish_reason, "turn_texts": [
@@ -185,6 +208,7 @@ class _Trajectory:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     turn_texts: list[str] = dataclasses.field(default_factory=list)
+    experts: Any = None  # router replay: [positions fed so far + 1, L, k] (merge_turn_experts)
 
     def add(self, ids, mask_value: int, logprobs=None, versions=None):
         self.ids += list(ids)
@@ -224,6 +248,7 @@ class ToolAgentLoop(AgentLoopBase):
                                           assistant_turns + user_turns + tool_messages, budget)
                 m["generate_s"] += time.perf_counter() - t0
                 traj.add(out.token_ids, 1, out.log_probs, out.policy_versions)
+                traj.experts = merge_turn_experts(traj.experts, getattr(out, "routed_experts", None))
                 assistant_turns += 1
                 text = self.tokenizer.decode(out.token_ids)
                 traj.turn_texts.append(text)
@@ -272,6 +297,7 @@ class ToolAgentLoop(AgentLoopBase):
         return AgentLoopOutput(
             prompt_ids=traj.prompt_ids, response_ids=traj.ids, response_mask=traj.mask,
             response_logprobs=traj.logprobs, response_versions=traj.versions,
+            routed_experts=traj.experts,
             num_turns=1 + assistant_turns + tool_rounds + user_turns, metrics=m,
             extra_fields=extra)
 

@@ -17,6 +17,7 @@ its oldest token's version) is K = T - 1, and T = 1 is on-policy.
 """
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
 import math
@@ -70,7 +71,7 @@ class TrajectoryGroup:
         return max(self.token_versions(), default=self.started_version)
 
     def to_json(self) -> dict:
-        results = [{"name": name, "out": _plain(dataclasses.asdict(out)), "finished_s": float(fin),
+        results = [{"name": name, "out": _out_json(out), "finished_s": float(fin),
                     "score": None if score is None else _plain(dataclasses.asdict(score)),
                     "scored_s": float(scored)} for name, out, fin, score, scored in self.results]
         return {"prompt": _plain(dataclasses.asdict(self.prompt)), "results": results,
@@ -79,7 +80,7 @@ class TrajectoryGroup:
     @classmethod
     def from_json(cls, d: dict) -> "TrajectoryGroup":
         from jaxrl_llm.rewards import RowScore
-        results = [(r["name"], AgentLoopOutput(**r["out"]), r["finished_s"],
+        results = [(r["name"], _out_from_json(r["out"]), r["finished_s"],
                     None if r["score"] is None else RowScore(**r["score"]), r["scored_s"])
                    for r in d["results"]]
         return cls(PromptGroup(**d["prompt"]), results, int(d["started_version"]), time.perf_counter())
@@ -278,6 +279,25 @@ def reward_failed(group) -> bool:
     """A trajectory of the group could not be scored (the reward function raised or timed out)."""
     return any(score is not None and (score.num_errors or score.num_timeouts)
                for _, _, _, score, _ in group.results)
+
+
+def _out_json(out: AgentLoopOutput) -> dict:
+    """An `AgentLoopOutput` as JSON; its routed_experts (router replay) as {dtype, shape, base64}."""
+    experts, out = out.routed_experts, dataclasses.replace(out, routed_experts=None)
+    d = _plain(dataclasses.asdict(out))
+    if experts is not None:
+        experts = np.ascontiguousarray(experts)
+        d["routed_experts"] = {"dtype": str(experts.dtype), "shape": list(experts.shape),
+                               "b64": base64.b64encode(experts.tobytes()).decode("ascii")}
+    return d
+
+
+def _out_from_json(d: dict) -> AgentLoopOutput:
+    d = dict(d)
+    e = d.get("routed_experts")
+    if e is not None:
+        d["routed_experts"] = np.frombuffer(base64.b64decode(e["b64"]), e["dtype"]).reshape(e["shape"]).copy()
+    return AgentLoopOutput(**d)
 
 
 def _plain(x: Any) -> Any:

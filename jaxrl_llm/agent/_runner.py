@@ -124,7 +124,7 @@ class AgentRunner:
         elsewhere), prompt_ids (lists), scores f32[b], reward_extra {key: f32[b]}, num_turns
         int32[b], finished_s / scored_s f32[b] (seconds from the batch start), metrics, and per
         row the loop's conversation `messages` (prompt and turns, {role, content}; None for a loop
-        that keeps none, e.g. single_turn_agent)."""
+        that keeps none, e.g. single_turn_agent), and `routed_experts` (`collate_experts`)."""
         b, t = len(results), self.max_response_length
         responses = np.full((b, t), self.pad_token_id, np.int32)
         mask, attn = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
@@ -158,7 +158,8 @@ class AgentRunner:
                 "finish_reasons": [o.extra_fields.get("finish_reason", "stop") for o in outs],
                 "finished_s": finished, "scored_s": scored, "metrics": metrics,
                 "turn_texts": [o.extra_fields.get("turn_texts", []) for o in outs],
-                "messages": [o.extra_fields.get("messages") for o in outs]}
+                "messages": [o.extra_fields.get("messages") for o in outs],
+                "routed_experts": collate_experts(outs, t)}
 
 
     def _check_reward_failures(self, samples, results) -> None:
@@ -172,6 +173,24 @@ class AgentRunner:
                 f"reward.max_error_fraction={self.max_error_fraction}: "
                 f"{self.reward_loop.manager.describe()} (data_source {samples[i].data_source!r}) "
                 f"is broken; see the reward warnings in the log for the first failure")
+
+
+def collate_experts(outs, t: int):
+    """Router replay: the trajectories' recorded experts in the driver's row layout
+    (`RolloutResult.routed_experts`): [b, P + t, layers, k], each row's prompt left-padded to P
+    (the longest prompt) then its response right-padded to t, -1 where the engine fed no token
+    (padding, a response's last token, a row whose loop recorded none). None when no row has any."""
+    have = [o.routed_experts for o in outs if o.routed_experts is not None]
+    if not have:
+        return None
+    p = max(len(o.prompt_ids) for o in outs)
+    out = np.full((len(outs), p + t, *np.shape(have[0])[1:]), -1, np.asarray(have[0]).dtype)
+    for i, o in enumerate(outs):
+        if o.routed_experts is not None:
+            e = np.asarray(o.routed_experts)[:len(o.prompt_ids) + len(o.response_ids)]
+            lo = p - len(o.prompt_ids)
+            out[i, lo:lo + len(e)] = e
+    return out
 
 
 def judge_metrics(results) -> dict[str, float]:

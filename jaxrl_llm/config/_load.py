@@ -513,8 +513,9 @@ MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
 def _check_router_replay(c: RunConfig) -> None:
     """actor.router_replay: a known mode; recording needs a MoE model (a from-scratch model's
-    model_type here; a checkpoint's config.json is checked when the actor is built) and the batch
-    driver, the one rollout path that records the experts."""
+    model_type here; a checkpoint's config.json is checked when the actor is built) and an
+    in-process engine (the batch driver, or the request-level server of rollout.multi_turn and
+    the buffered async modes); process replicas do not record."""
     rr, where = c.actor.router_replay, "actor.router_replay.mode"
     _choice(rr.mode, ROUTER_REPLAY_MODES, where)
     if not rr.record:
@@ -522,11 +523,9 @@ def _check_router_replay(c: RunConfig) -> None:
     if not c.model.path and c.model.init.model_type not in MOE_MODEL_TYPES:
         raise ConfigError(f"{where}={rr.mode!r} needs a mixture-of-experts model, but model.init.model_type="
                           f"{c.model.init.model_type!r} is dense (no router): set {where}='disabled'")
-    if c.rollout.multi_turn.enable or c.rollout_source in ("buffer", "colocated_buffer"):
-        raise ConfigError(f"{where}={rr.mode!r}: the experts are recorded by the batch driver only (trainer_mode "
-                          f"sync or the one-step-off separate_async), not by the request-level server of "
-                          f"rollout.multi_turn or the buffered async modes (this config: {c.rollout_source!r}"
-                          f"{', multi_turn' if c.rollout.multi_turn.enable else ''}); set {where}='disabled'")
+    if c.rollout.replica_backend == "process":
+        raise ConfigError(f"{where}={rr.mode!r}: rollout.replica_backend='process' replicas do not record the "
+                          f"experts; use rollout.replica_backend='local', or set {where}='disabled'")
 
 
 def _check_model_init(i) -> None:

@@ -949,7 +949,8 @@ def _agent_result(out: dict, extra_metrics: dict | None = None, **fields) -> Rol
         scores=out["scores"], reward_extra=dict(out["reward_extra"]),
         metrics={**out["metrics"], **(extra_metrics or {})},
         num_turns=out["num_turns"], finish_reasons=tuple(out["finish_reasons"]),
-        turn_texts=tuple(out["turn_texts"]), messages=tuple(out["messages"]), **fields)
+        turn_texts=tuple(out["turn_texts"]), messages=tuple(out["messages"]),
+        routed_experts=out.get("routed_experts"), **fields)
 
 
 @jax.jit

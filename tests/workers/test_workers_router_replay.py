@@ -128,12 +128,14 @@ def test_perturbed_router_record_reports_mismatch_and_replay_restores_engine_log
     np.testing.assert_array_equal(packed["router_compared"], replay["router_compared"])
 
 
-def test_router_replay_on_a_dense_model_or_the_server_path_is_a_config_error(tiny):
+def test_router_replay_on_a_dense_model_or_process_replicas_is_a_config_error(tiny):
     with pytest.raises(ConfigError, match="actor.router_replay.mode='replay' needs a mixture-of-experts"):
         load_config(f"{QUICKSTART}:tiny,local", ["actor.router_replay.mode=replay"])
-    with pytest.raises(ConfigError, match="batch driver only"):
-        load_config(f"{QUICKSTART}:tiny,local", ["actor.router_replay.mode=record", "model.init.model_type=qwen3_moe",
-                                                 "rollout.multi_turn.enable=True"])
+    moe = ["actor.router_replay.mode=record", "model.init.model_type=qwen3_moe", "model.init.num_experts=4",
+           "model.init.num_experts_per_tok=2", "model.init.moe_intermediate_size=32", "rollout.multi_turn.enable=True"]
+    load_config(f"{QUICKSTART}:tiny,local", moe)  # the request-level server records
+    with pytest.raises(ConfigError, match="replica_backend='process' replicas do not record"):
+        load_config(f"{QUICKSTART}:tiny,local", moe + ["rollout.replica_backend=process"])
     with pytest.raises(ConfigError, match="is not one of"):
         load_config(f"{QUICKSTART}:tiny,local", ["actor.router_replay.mode=R2"])
     cfg = dataclasses.replace(tiny.actor, router_replay=RouterReplayConfig(mode="record"))
