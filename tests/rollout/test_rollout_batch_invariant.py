@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import rollout
+from conftest import hook_decode  # at collection (tests/rollout/conftest.py); later, `conftest` can be another
 
 SAMPLED = rollout.SamplingParams(1.0)
 SLOTS = 8
@@ -238,7 +239,6 @@ def test_held_requests_are_refilled_at_a_sync_the_same_alone_or_beside_a_long_on
     """partial_rollout_kv="recompute": at a weight sync each held request's prefix is re-prefilled.
     Beside a long prefix (bucket 48) the short ones keep their own bucket (16), so they continue
     bit-identically to the same requests held without it."""
-    from conftest import hook_decode
 
     rng = np.random.default_rng(5)
     long = [int(t) for t in rng.integers(8, 96, size=30)]

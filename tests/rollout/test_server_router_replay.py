@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import rollout
+from conftest import hook_decode  # at collection (tests/rollout/conftest.py); later, `conftest` can be another
 from jaxrl_llm import models
 
 FIXTURE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures", "models", "qwen3_moe"))
@@ -68,7 +69,6 @@ def test_a_sync_that_re_prefills_a_held_request_records_the_new_weights_experts(
     steps' records are replaced by the re-prefill's)."""
     import jax
 
-    from conftest import hook_decode
 
     other = models.from_pretrained(FIXTURE)
     gate = other.model.layers.mlp.gate  # a changed router: other top-k choices
