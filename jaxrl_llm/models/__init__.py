@@ -1,5 +1,6 @@
 """Flax NNX decoder models (Llama 3, Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral), Hugging Face I/O and
 tokenizers."""
+from . import _jax_cache
 from ._config import ModelConfig, RopeScaling, to_dtype
 from ._decoder import (LAYER_LAYOUTS, CausalLM, KVCache, Transformer, ValueModel, abstract_model,
                        attend, causal_padding_mask, count_params, default_positions, init_model,
@@ -12,3 +13,5 @@ from ._peft import load_peft_adapter, read_peft_config, save_peft_adapter
 from ._hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
 from ._tokenizer import (CharTokenizer, HFTokenizer, compile_chat_template, load_tokenizer)
 from ._presets import QWEN25_SHAPES
+
+_jax_cache.install()  # atomic writes to JAX's persistent compilation cache (module docstring)
