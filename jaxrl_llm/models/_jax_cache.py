@@ -3,10 +3,9 @@
 JAX's file cache (`jax._src.lru_cache.LRUCache.put`, jax 0.10-0.11) writes an entry in place
 (`Path.write_bytes`) and, with eviction off (the default), takes no lock, while `get` reads any
 file that exists. A process or thread that reads an entry another one is still writing gets a
-truncated executable: JAX then fails to deserialize it, or the process dies in native code (seen
-as a segmentation fault in `compilation_cache.get_executable_and_time` in a test-suite run whose
-subprocesses, Ray workers and replica children share one cache folder; the same happens to
-processes of a multi-host run sharing a folder). Here `put` writes to a temporary file in the same
+truncated executable, which JAX fails to deserialize or which can crash the process in native
+code: processes of a multi-host run sharing a folder, Ray workers and replica children can race
+like that. Here `put` writes to a temporary file in the same
 folder and renames it into place (atomic on POSIX), so a reader sees a whole entry or none. Applied
 once, when `jaxrl_llm.models` is imported; a JAX without that class or method is left alone.
 """

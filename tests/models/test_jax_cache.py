@@ -1,5 +1,5 @@
 """jaxrl_llm.models makes JAX's persistent compilation cache write atomically: a reader never sees
-a partly written entry (a truncated executable crashed a test-suite run in native code)."""
+a partly written entry (a truncated executable can crash the reader in native code)."""
 import os
 
 from jax._src import lru_cache
