@@ -29,7 +29,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
-import importlib.util  # noqa: E402 - after the environment set-up above
+import gc  # noqa: E402 - after the environment set-up above
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -46,3 +48,38 @@ def load_script():
         spec.loader.exec_module(module)
         return module
     return load
+
+
+def _mapped_regions() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drops JAX's in-memory compiled programs after each test module. XLA:CPU maps every compiled
+    kernel's code into the process (about three mappings each) for as long as a jit cache holds
+    the program; over the whole suite that reached Linux's default `vm.max_map_count` (65,530)
+    near the trainer tests, and the next compile's mmap failed inside LLVM as a segmentation fault
+    (CI at 302df48..11ab2dc, ~62,000 mappings measured before the crash). A later module that needs
+    the same program loads it from the persistent cache."""
+    yield
+    _PEAK_REGIONS[0] = max(_PEAK_REGIONS[0], _mapped_regions())
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()
+
+
+_PEAK_REGIONS = [0]
+
+
+def pytest_terminal_summary(terminalreporter):
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return
+    terminalreporter.write_line(f"memory mappings at a module's end, most: {_PEAK_REGIONS[0]:,} "
+                                f"(vm.max_map_count {limit:,})")

@@ -1,11 +1,7 @@
 """Separate placement (rollout on its own devices) and a learned reward model."""
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
-import pytest
 from flax import nnx
 
 import sharding
@@ -14,22 +10,6 @@ from jaxrl_llm.trainer import RLTrainer
 from jaxrl_llm.workers import HostWorker
 
 
-def test_separate_placement_in_a_fresh_process():
-    """The test below in its own pytest process. In whole-suite CI runs (302df48, 171e29c, 284b6d3)
-    the suite's process died with a segmentation fault while XLA compiled (or loaded from the
-    persistent cache) this test's actor update; alone, or after the tests suspected of leaving
-    state behind, it passes. Which earlier test leaves the process in that state is not
-    identified, so the test runs where nothing ran before it."""
-    env = dict(os.environ, JAXRL_PLACEMENT_ISOLATED="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           f"{__file__}::test_separate_placement_runs_rollout_on_its_own_devices"],
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]
-
-
-@pytest.mark.skipif(os.environ.get("JAXRL_PLACEMENT_ISOLATED") != "1",
-                    reason="runs in its own process through test_separate_placement_in_a_fresh_process")
 def test_separate_placement_runs_rollout_on_its_own_devices(tiny_run):
     run = tiny_run(**{"mesh.fsdp": 4, "placement.mode": "separate", "placement.rollout_mesh.tensor": 4,
                       "model.init.num_key_value_heads": 4})
