@@ -35,7 +35,8 @@ KV cache, token ids outside the vocabulary, an unknown route) answers HTTP 400/4
 `{"error": {"message", "type", "param", "code"}}`, a missing or wrong bearer token (when
 `auth_token` is set) 401; the server keeps serving. An `X-Session-Id` header passes the session id
 to the `RolloutServer` (the slot's KV is kept for the session's next turn) and, with a `recorder`,
-files the request's token ids, log-probs and policy versions under that session.
+files the request's token ids, log-probs and policy versions (and the experts every token was
+routed to, when the server records them for router replay) under that session.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ import random
 import threading
 import time
 import uuid
+from typing import Any
 
 from ._sampling import SamplingParams
 
@@ -82,11 +84,15 @@ class RecordedTurn:
     policy_versions: list[int]
     finish_reason: str
     num_cached_tokens: int = 0  # prompt tokens whose KV the session's parked slot supplied
+    # router replay: the server's `GenerateOutput.routed_experts` ([prompt + response, layers, k],
+    # -1 where it fed no token), None when it records none
+    routed_experts: Any = None
 
 
 class SessionRecorder:
-    """Collects every request's prompt/response token ids, log-probs and policy versions, by the
-    request's session id (requests without one are filed under None). Thread-safe."""
+    """Collects every request's prompt/response token ids, log-probs, policy versions (and
+    experts), by the request's session id (requests without one are filed under None).
+    Thread-safe."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -366,7 +372,8 @@ class OpenAIServer:
             for o in outs:
                 self.recorder.record(session_id, RecordedTurn(
                     o.request_id, list(prompt_ids), list(o.token_ids), list(o.log_probs),
-                    list(o.policy_versions), o.finish_reason, int(o.num_cached_tokens)))
+                    list(o.policy_versions), o.finish_reason, int(o.num_cached_tokens),
+                    getattr(o, "routed_experts", None)))
         return rid, outs
 
     def _finish(self, out, stop: list[str]):

@@ -20,6 +20,13 @@ previous request's messages plus the reply it got, its prompt is the previous pr
 re-tokenization of the whole conversation. A request whose prompt does not extend the previous
 request's prompt + response (the agent rewrote or dropped history) fails the trajectory with a
 `ValueError` naming the request: one trajectory is one growing conversation.
+
+Router replay (`actor.router_replay.mode` record / replay): the server records the experts of
+every token each request fed (`GenerateOutput.routed_experts`, filed with the request); since
+every request's prompt extends the trajectory so far, they merge per request exactly as
+`ToolAgentLoop`'s turns do (`merge_turn_experts`): a token keeps the experts of the request that
+first fed it (a parked KV's), tool / user / template tokens get those of the request that
+prefilled them, and only the last response's last token (never fed) is -1.
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ import uuid
 from typing import Any, Callable
 
 from jaxrl_llm.agent._loop import (TURN_ROW_STRIDE, AgentLoopOutput, AgentSample, ToolAgentLoop,
-                                   _Trajectory, register_agent_loop)
+                                   _Trajectory, merge_turn_experts, register_agent_loop)
 
 MODEL_NAME = "policy"  # the model name the endpoint serves (requests must send model="policy")
 
@@ -222,7 +229,7 @@ class OpenAIAgentLoop(ToolAgentLoop):
         return AgentLoopOutput(
             prompt_ids=traj.prompt_ids, response_ids=traj.ids, response_mask=traj.mask,
             response_logprobs=traj.logprobs, response_versions=traj.versions,
-            num_turns=1 + n_turns + rounds + users, metrics=metrics,
+            routed_experts=traj.experts, num_turns=1 + n_turns + rounds + users, metrics=metrics,
             extra_fields={"finish_reason": turns[-1].finish_reason, "tool_rewards": {},
                           "turn_texts": traj.turn_texts, "agent_result": result,
                           "messages": conv or []})
@@ -246,6 +253,7 @@ class OpenAIAgentLoop(ToolAgentLoop):
             traj.add(t.prompt_ids[len(context):], 0)
             traj.add(t.response_ids, 1, t.log_probs, t.policy_versions)
             traj.turn_texts.append(self.tokenizer.decode(t.response_ids))
+            traj.experts = merge_turn_experts(traj.experts, t.routed_experts)
             context = list(t.prompt_ids) + list(t.response_ids)
         return traj
 

@@ -82,3 +82,16 @@ def headerless_agent(base_url, session_id, row):
 def idle_agent(base_url, session_id, row):
     """Returns without asking anything."""
     return "nothing"
+
+
+def follow_up_agent(base_url, session_id, row):
+    """Three short requests in one conversation, a user message after each reply (no tools: a
+    tiny random model writes none). Returns the last reply's text."""
+    client = _client(base_url, session_id)
+    messages = [dict(m) for m in row["raw_prompt"]]
+    for follow_up in ("more", "again", None):
+        reply = client.chat.completions.create(model=row["model"], messages=messages, max_tokens=5)
+        if follow_up is None:
+            return reply.choices[0].message.content
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": follow_up})

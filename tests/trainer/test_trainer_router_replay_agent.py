@@ -3,8 +3,13 @@
 parked KV) on a tiny from-scratch Qwen3-MoE (4 experts, top-2; the fixture's 96-token vocabulary is smaller than
 the char tokenizer's chat template needs) in fp32, experts sharded over fsdp=4. The server records
 every fed token's experts, the agent loop and runner lay them out per trajectory, and the replaying
-old-log-prob pass and update route exactly as the engine did."""
+old-log-prob pass and update route exactly as the engine did; a second step does the same for
+openai_agent rows (a user's agent talking to the endpoint over the same server)."""
+import dataclasses
 import json
+import os
+
+import numpy as np
 
 from jaxrl_llm.config import load_config
 from jaxrl_llm.trainer import RLTrainer
@@ -37,24 +42,53 @@ def _data(folder) -> dict:
             "rollout.multi_turn.interaction_config_path": folder / "interaction.json"}
 
 
-def test_agent_rl_step_replays_the_servers_experts(tmp_path):
+def _spy_recorded(monkeypatch) -> list:
+    """Each step's batch, as [(attention_mask, routed_experts)] (the old-log-prob metrics' input)."""
+    from jaxrl_llm.trainer import _old_log_prob
+
+    seen, real = [], _old_log_prob.router_replay_metrics
+
+    def spy(computed, batch):
+        seen.append((np.array(batch.attention_mask), np.array(batch.routed_experts)))
+        return real(computed, batch)
+    monkeypatch.setattr(_old_log_prob, "router_replay_metrics", spy)
+    return seen
+
+
+def test_agent_rl_step_replays_the_servers_experts(tmp_path, monkeypatch):
     o = {**_data(tmp_path / "data"), **_MOE,
          "rollout.multi_turn.max_assistant_turns": 3,
+         "rollout.multi_turn.openai_agent_path": os.path.join(ROOT, "tests", "agent", "openai_agents.py"),
+         "rollout.multi_turn.openai_agent_name": "follow_up_agent",
          "trainer.default_local_dir": tmp_path / "run", "trainer.progress_bar": False, "trainer.plot": False,
          "trainer.logger": "jsonl", "trainer.async_save": False, "trainer.val_before_train": False,
          "trainer.test_freq": 0, "trainer.save_freq": 0,
          "reward.custom_reward_function.path": REWARD_FN, "reward.custom_reward_function.name": "compute_score"}
     run = load_config(TOOLS, [f"{k}={v}" for k, v in o.items()])
+    seen = _spy_recorded(monkeypatch)
     trainer = RLTrainer(run)
     try:
         trainer.call0(HostWorker.start_rl, run.trainer.total_training_steps)
         m = trainer.train_step()
+        trainer.global_step += 1
+        # the same rows through openai_agent: three requests each, two user messages between them
+        examples = trainer.train_set.examples
+        examples[:] = [dataclasses.replace(e, agent_name="openai_agent") for e in examples]
+        m_openai = trainer.train_step()
     finally:
         trainer.close()
     assert m["num_turns/max"] > 2  # a session of several turns (the user answered)
-    assert m["rollout/router_replay/mismatch_frac"] == 0.0
-    assert m["actor/router_replay/mismatch_frac"] == 0.0  # one mini-batch: the update is on-policy
-    assert m["rollout/logprob_abs_diff/max"] < 1e-4
+    assert m_openai["agent/openai_agent/count"] >= 1 and "agent/tool_agent/count" not in m_openai
+    assert m_openai["num_turns/min"] == 1 + 3 + 2
+    assert len(seen) == 2
+    for attention, experts in seen:  # every real token but each row's last carries the engine's experts
+        recorded = (experts >= 0).all(axis=(2, 3))
+        assert not (recorded & (attention == 0)).any()
+        np.testing.assert_array_equal(recorded.sum(1), np.maximum(attention.sum(1) - 1, 0))
+    for step in (m, m_openai):
+        assert step["rollout/router_replay/mismatch_frac"] == 0.0
+        assert step["actor/router_replay/mismatch_frac"] == 0.0  # one mini-batch: the update is on-policy
+        assert step["rollout/logprob_abs_diff/max"] < 1e-4
 
 
 def test_colocate_async_replays_the_servers_experts_through_the_trajectory_queue(tmp_path):
