@@ -108,7 +108,7 @@ ROUTER_REPLAY_MODES = ("disabled", "record", "replay", "R3")
 class RouterReplayConfig:
     """Router replay (R3) of a mixture-of-experts actor (docs/algorithms.md, "Router replay")."""
 
-    mode: str  # disabled | record (the engine records every token's experts per layer; the trainer routes by its own top-k and logs actor/router_replay/mismatch_frac) | replay (as record, and the actor's old-log-prob pass and update use the recorded experts, gate weights recomputed from the trainer's router logits; verl's name R3 is accepted for it); needs a MoE model and the batch driver (not rollout.multi_turn or the buffered async modes)
+    mode: str  # disabled | record (the engine records every token's experts per layer; the trainer routes by its own top-k and logs actor/router_replay/mismatch_frac) | replay (as record, and the actor's old-log-prob pass and update use the recorded experts, gate weights recomputed from the trainer's router logits; verl's name R3 is accepted for it); needs a MoE model; works with the batch driver, the agent loops (openai_agent included) and every trainer mode; refused with rollout.replica_backend='process'
 
     @property
     def record(self) -> bool:
