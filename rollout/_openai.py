@@ -15,19 +15,20 @@ Fields: `model` (must name the served model), `max_tokens` / `max_completion_tok
 what the KV cache leaves after the prompt), `temperature` (default 1), `top_p`, `top_k`
 (extension), `n` (1..max_n; choice i samples the stream (seed, row i)), `seed` (default: a random
 one a request), `stop` (a string or up to 4; see "Stop strings" below), `stream` (+
-`stream_options.include_usage`), `logprobs` (chat: bool, `top_logprobs` must be 0; completions: 0 or 1): the sampled tokens'
-log-probs in OpenAI's shape, plus (extensions, for trainers) `prompt_token_ids` on the response and
-`token_ids` / `policy_versions` on each choice. Streaming (server-sent events) is
-incremental: the `RolloutServer` hands each streaming request its new tokens after every decode
-loop (`steps_per_sync` decode steps; `submit(on_tokens=...)`), and each choice's new text goes out
-as one chunk (`index`: the choice) at once, then the finish reason (with the text held back, below),
-the usage chunk (`stream_options.include_usage`) and `[DONE]`. Held back until more tokens come:
-the bytes of a character split across tokens, and with `stop` the last len(longest stop) - 1
-characters and everything from a stop string on, so the streamed text never shows stop text and
-concatenates to the non-streamed text. Sent when the generation ends instead (as chunks of the
-finished response): requests with `tools` (the parsed `tool_calls` in one chunk before the finish
-reason; no tool-call deltas), with `logprobs`, and over a server whose `submit` takes no
-`on_tokens` (a `ReplicaRouter`). Streaming changes no token, log-prob or recorded trajectory.
+`stream_options.include_usage`), `logprobs` (chat: bool, `top_logprobs` must be 0; completions:
+0 or 1): the sampled tokens' log-probs in OpenAI's shape, plus (extensions, for trainers)
+`prompt_token_ids` on the response and `token_ids` / `policy_versions` on each choice. Streaming
+(server-sent events) is incremental: the `RolloutServer` hands each streaming request its new
+tokens after every decode loop (`steps_per_sync` decode steps; `submit(on_tokens=...)`), and each
+choice's new text goes out as one chunk (`index`: the choice) at once, then the finish reason (with
+the text held back, below), the usage chunk (`stream_options.include_usage`) and `[DONE]`. Held
+back until more tokens come: the bytes of a character split across tokens, and with `stop` the last
+len(longest stop) - 1 characters and everything from a stop string on, so the streamed text never
+shows stop text and concatenates to the non-streamed text. Sent when the generation ends instead
+(as chunks of the finished response): requests with `tools` (the parsed `tool_calls` in one chunk
+before the finish reason; no tool-call deltas), with `logprobs`, and over a server whose `submit`
+takes no `on_tokens` (a `ReplicaRouter`). Streaming changes no token, log-prob or recorded
+trajectory.
 
 Stop strings end the generation early: over a server whose `submit` takes `on_tokens` (and which
 has `abort`), every request with `stop`, streaming or not, gets its choices' new tokens after each
@@ -387,8 +388,10 @@ class OpenAIServer:
                     if ids is None:
                         left -= 1
                         continue
+                    if i in stopped:  # aborted: what comes after the stop string is dropped
+                        continue
                     text = watch.tokens(i, ids)
-                    if early and i not in stopped and self._reached_stop(text, watch.ids[i], stops):
+                    if early and self._reached_stop(text, watch.ids[i], stops):
                         stopped.add(i)
                         self.server.abort(f"{rid}-{i}")
                         self.stats["stopped_early"] += 1
