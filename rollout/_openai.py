@@ -14,21 +14,40 @@ connection):
 Fields: `model` (must name the served model), `max_tokens` / `max_completion_tokens` (default:
 what the KV cache leaves after the prompt), `temperature` (default 1), `top_p`, `top_k`
 (extension), `n` (1..max_n; choice i samples the stream (seed, row i)), `seed` (default: a random
-one a request), `stop` (a string or up to 4; the text is cut before the first one, generation
-itself only ends on the model's stop tokens or the budget), `stream` (+ `stream_options.include_usage`),
-`logprobs` (chat: bool, `top_logprobs` must be 0; completions: 0 or 1): the sampled tokens'
-log-probs in OpenAI's shape, plus (extensions, for trainers) `prompt_token_ids` on the response and
-`token_ids` / `policy_versions` on each choice. Streaming (server-sent events) is
-incremental: the `RolloutServer` hands each streaming request its new tokens after every decode
-loop (`steps_per_sync` decode steps; `submit(on_tokens=...)`), and each choice's new text goes out
-as one chunk (`index`: the choice) at once, then the finish reason (with the text held back, below),
-the usage chunk (`stream_options.include_usage`) and `[DONE]`. Held back until more tokens come:
-the bytes of a character split across tokens, and with `stop` the last len(longest stop) - 1
-characters and everything from a stop string on, so the streamed text never shows stop text and
-concatenates to the non-streamed text. Sent when the generation ends instead (as chunks of the
-finished response): requests with `tools` (the parsed `tool_calls` in one chunk before the finish
-reason; no tool-call deltas), with `logprobs`, and over a server whose `submit` takes no
-`on_tokens` (a `ReplicaRouter`). Streaming changes no token, log-prob or recorded trajectory.
+one a request), `stop` (a string or up to 4; see "Stop strings" below), `stream` (+
+`stream_options.include_usage`), `logprobs` (chat: bool, `top_logprobs` must be 0; completions:
+0 or 1): the sampled tokens' log-probs in OpenAI's shape, plus (extensions, for trainers)
+`prompt_token_ids` on the response and `token_ids` / `policy_versions` on each choice. Streaming
+(server-sent events) is incremental: the `RolloutServer` hands each streaming request its new
+tokens after every decode loop (`steps_per_sync` decode steps; `submit(on_tokens=...)`), and each
+choice's new text goes out as one chunk (`index`: the choice) at once, then the finish reason (with
+the text held back, below), the usage chunk (`stream_options.include_usage`) and `[DONE]`. Held
+back until more tokens come: the bytes of a character split across tokens, and with `stop` the last
+len(longest stop) - 1 characters and everything from a stop string on, so the streamed text never
+shows stop text and concatenates to the non-streamed text. Sent when the generation ends instead
+(as chunks of the finished response): requests with `tools` (the parsed `tool_calls` in one chunk
+before the finish reason; no tool-call deltas), with `logprobs`, and over a server whose `submit`
+takes no `on_tokens` (a `ReplicaRouter`). Streaming changes no token, log-prob or recorded
+trajectory.
+
+Stop strings end the generation early: over a server whose `submit` takes `on_tokens` (and which
+has `abort`), every request with `stop`, streaming or not, gets its choices' new tokens after each
+decode loop; the connection's thread (never the scheduler's) decodes them and, once a choice's
+text shows a stop string, aborts that choice (`RolloutServer.abort`), so it stops within one
+decode loop instead of running on to the model's stop token or `max_tokens` (counted in
+`stats["stopped_early"]`; the other choices of the request run on). A choice whose tokens show a
+stop string, aborted or not (the last loop's tokens come only with the result, and a
+`ReplicaRouter` has no `on_tokens`), is then cut as if the generation had ended there: its tokens
+up to the one that completed the stop string are kept, its text is what precedes the stop string,
+its finish_reason is "stop"; the tokens sampled after it are dropped, so nothing depends on when
+the abort landed (each choice samples its own seeded stream: the kept tokens are those of an uncut
+run). The kept tokens are what the response returns (`token_ids`, log-probs, `usage`), what the
+recorder files (`RecordedTurn`: response ids, log-probs, versions, finish_reason "stop", and the
+router-replay experts cut to prompt + kept tokens, the last kept token's -1 as it was not fed) and
+what a `session_hook` sees, so a session's next prompt built from the recorded ids extends them.
+A session's parked KV holds what was generated before the abort landed; the next prompt reuses it
+only when that is exactly the kept tokens (else it is prefilled in full: the same tokens, more
+compute).
 
 Errors: a bad request (unknown model, a field of the wrong type or range, a prompt too long for the
 KV cache, token ids outside the vocabulary, an unknown route) answers HTTP 400/404 with OpenAI's
@@ -335,9 +354,15 @@ class OpenAIServer:
     def _submit_all(self, prompt_ids, opts, session_id, streamer=None):
         rid = uuid.uuid4().hex
         futures = []
-        # streaming: the scheduler thread queues (choice, new token ids) after each decode loop
-        # and (choice, None) when a choice ends; this (the connection's) thread writes the chunks
-        events = queue.SimpleQueue() if streamer is not None else None
+        stops = opts["stop"]
+        # with stop strings, a choice whose text shows one is aborted at once (early stop)
+        early = bool(stops) and self._takes_on_tokens() and hasattr(self.server, "abort")
+        watch = streamer if streamer is not None else (
+            _Streamer(self, None, opts, "") if early else None)
+        # the scheduler thread queues (choice, new token ids) after each decode loop and
+        # (choice, None) when a choice ends; this (the connection's) thread decodes them, writes
+        # the stream's chunks and aborts the choices that reached a stop string
+        events = queue.SimpleQueue() if watch is not None else None
         try:
             for i in range(opts["n"]):
                 kwargs = {} if events is None else {"on_tokens": lambda ids, i=i: events.put((i, ids))}
@@ -355,19 +380,26 @@ class OpenAIServer:
             for i, f in enumerate(futures):
                 f.add_done_callback(lambda _, i=i: events.put((i, None)))
             try:
-                streamer.start(rid)
-                left = len(futures)
+                if streamer is not None:
+                    streamer.start(rid)
+                left, stopped = len(futures), set()
                 while left:
                     i, ids = events.get()
                     if ids is None:
                         left -= 1
-                    else:
-                        streamer.tokens(i, ids)
+                        continue
+                    if i in stopped:  # aborted: what comes after the stop string is dropped
+                        continue
+                    text = watch.tokens(i, ids)
+                    if early and self._reached_stop(text, watch.ids[i], stops):
+                        stopped.add(i)
+                        self.server.abort(f"{rid}-{i}")
+                        self.stats["stopped_early"] += 1
             except BaseException:  # e.g. the tokenizer failing: the requests are aborted
                 for f in futures:
                     f.cancel()
                 raise
-        outs = [f.result() for f in futures]
+        outs = [self._kept(f.result(), len(prompt_ids), stops) for f in futures]
         if self.recorder is not None:
             for o in outs:
                 self.recorder.record(session_id, RecordedTurn(
@@ -376,18 +408,55 @@ class OpenAIServer:
                     getattr(o, "routed_experts", None)))
         return rid, outs
 
+    def _reached_stop(self, text: str, ids: list[int], stops: list[str]) -> bool:
+        """Whether a choice's tokens so far show a stop string: found in the incrementally
+        decoded `text`, confirmed on `decode(ids)` (what `_stop_cut` reads)."""
+        if not any(s in text for s in stops):
+            return False
+        whole = self.tokenizer.decode(ids)
+        return any(s in whole for s in stops)
+
+    def _stop_cut(self, ids, stops: list[str]):
+        """(k, text) of tokens `ids` cut at the first stop string: k tokens (up to the one that
+        completed it) are kept and `text` is the decoded text before it; None without one."""
+        text = self.tokenizer.decode(ids)
+        cut = min((text.find(s) for s in stops if s in text), default=-1)
+        if cut < 0:
+            return None
+        k = next(k for k in range(1, len(ids) + 1)
+                 if any(s in self.tokenizer.decode(ids[:k]) for s in stops))
+        return k, text[:cut]
+
+    def _kept(self, out, num_prompt: int, stops: list[str]):
+        """The output as the request keeps it (returned, recorded, passed to the session hook):
+        cut at a stop string to its first k tokens with finish_reason "stop", whether the
+        generation ended there (aborted, early stop) or ran on, so nothing depends on when the
+        abort landed; the router-replay experts cut to prompt + k, the k-th token's -1 (not fed,
+        as a response's last token)."""
+        found = self._stop_cut(list(out.token_ids), stops) if stops and len(out.token_ids) else None
+        if found is None:
+            return out
+        k = found[0]
+        experts = getattr(out, "routed_experts", None)
+        if experts is not None:
+            experts = experts[:num_prompt + k].copy()
+            experts[num_prompt + k - 1] = -1
+        cut = dict(token_ids=list(out.token_ids)[:k], log_probs=list(out.log_probs)[:k],
+                   policy_versions=list(out.policy_versions)[:k], finish_reason="stop")
+        if experts is not None:
+            cut["routed_experts"] = experts
+        return dataclasses.replace(out, **cut)
+
     def _finish(self, out, stop: list[str]):
         """(text, token ids, log-probs, versions, finish_reason) of one output, cut at a stop
         string (the tokens up to the one that completed it are kept)."""
         ids, lps, vers = list(out.token_ids), list(out.log_probs), list(out.policy_versions)
         reason = "stop" if out.finish_reason == "stop" else "length"
         text = self.tokenizer.decode(ids)
-        if stop:
-            cut = min((text.find(s) for s in stop if s in text), default=-1)
-            if cut >= 0:
-                k = next(k for k in range(1, len(ids) + 1)
-                         if any(s in self.tokenizer.decode(ids[:k]) for s in stop))
-                ids, lps, vers, text, reason = ids[:k], lps[:k], vers[:k], text[:cut], "stop"
+        found = self._stop_cut(ids, stop) if stop else None
+        if found is not None:
+            k, text = found
+            ids, lps, vers, reason = ids[:k], lps[:k], vers[:k], "stop"
         return text, ids, lps, vers, reason
 
     def _token_texts(self, ids) -> list[str]:
@@ -406,16 +475,19 @@ class OpenAIServer:
     def _streamer(self, writer, opts, kind: str):
         """A `_Streamer` when this request's text can go out as it is generated: a streaming
         request to a server whose `submit` takes `on_tokens`; else None (sent when it ends)."""
-        if writer is None or not opts["stream"]:
+        if writer is None or not opts["stream"] or not self._takes_on_tokens():
             return None
+        return _Streamer(self, writer, opts, kind)
+
+    def _takes_on_tokens(self) -> bool:
+        """Whether the server's `submit` takes `on_tokens` (a `RolloutServer`; a `ReplicaRouter`
+        does not)."""
         if self._on_tokens is None:
             try:
                 self._on_tokens = "on_tokens" in inspect.signature(self.server.submit).parameters
             except (TypeError, ValueError):
                 self._on_tokens = False
-        if not self._on_tokens:
-            return None
-        return _Streamer(self, writer, opts, kind)
+        return self._on_tokens
 
     def chat(self, body: dict, session_id: str | None, writer=None):
         opts = self._common(body)
@@ -625,7 +697,8 @@ class _Streamer:
     Decoding is incremental, as detokenizers do it: each arrival decodes only the tokens since
     the last settled point with the previous arrival's tokens as context (`decode(ids[prefix:])`
     minus `decode(ids[prefix:read])`), and settles them once that text extends the context's and
-    ends in no partial character; unsettled text waits for the next arrival (or the end)."""
+    ends in no partial character; unsettled text waits for the next arrival (or the end).
+    Without a writer it only decodes (the early stop of a request that does not stream)."""
 
     def __init__(self, api: OpenAIServer, writer, opts, kind: str):
         self.api, self.writer, self.kind, self.stops = api, writer, kind, opts["stop"]
@@ -645,7 +718,9 @@ class _Streamer:
             for i in range(len(self.ids)):
                 self._send(i, {"delta": {"role": "assistant", "content": ""}})
 
-    def tokens(self, i: int, ids: list[int]) -> None:
+    def tokens(self, i: int, ids: list[int]) -> str:
+        """Takes choice i's new tokens, sends its new safe text (with a writer); returns the
+        choice's text decoded so far (a partial character left out)."""
         self.ids[i] += ids
         decode, every = self.api.tokenizer.decode, self.ids[i]
         start, read = self.prefix[i], self.read[i]
@@ -655,6 +730,8 @@ class _Streamer:
             current += text[len(context):]  # stream_safe drops a partial character's U+FFFD
             if not text.endswith("\ufffd"):
                 self.text[i], self.prefix[i], self.read[i] = current, read, len(every)
+        if self.writer is None:  # early stop on a request that does not stream
+            return current
         safe = stream_safe(current, self.stops)
         sent = self.sent[i]
         if len(safe) > len(sent) and safe.startswith(sent):
@@ -662,6 +739,7 @@ class _Streamer:
             delta = safe[len(sent):]
             self._send(i, {"delta": {"content": delta}} if self.kind == "chat" else {"text": delta})
             self.api.stats["stream_chunks_while_generating"] += 1
+        return current
 
     def _send(self, i: int, fields: dict) -> None:
         self.writer({**self.base, "choices": [{"index": i, **fields, "logprobs": None,

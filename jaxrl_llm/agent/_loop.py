@@ -373,17 +373,25 @@ class ToolAgentLoop(AgentLoopBase):
         return interaction, iid, kwargs
 
     # -- tokenization ---------------------------------------------------------------------------
-    def turn_delta_ids(self, new_messages: list[dict], *, ended_with_stop: bool) -> list[int]:
+    def turn_delta_ids(self, new_messages: list[dict], *, ended_with_stop: bool,
+                       cut_by_stop_string: bool = False) -> list[int]:
         """Token ids that follow a finished assistant turn: `new_messages` (tool / user) in the
-        chat template, then the generation prompt of the next assistant turn."""
+        chat template, then the generation prompt of the next assistant turn. The turn's end
+        comes first: after the model's stop token (`ended_with_stop`) what the template writes
+        after it (e.g. "\\n"); after a reply cut at a stop string (the OpenAI endpoint's `stop`),
+        the template's whole end of turn, its stop token included; nothing after a reply the
+        budget cut."""
         base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
         before = self.render(base, add_generation_prompt=False)
         after = self.render(base + new_messages, add_generation_prompt=True)
         if not after.startswith(before):
             raise ValueError("the chat template is not incremental: rendering a conversation with "
                              "more messages does not extend rendering it with fewer")
-        return list(self.tokenizer.encode(self._end_of_turn_rest(before) * ended_with_stop
-                                          + after[len(before):]))
+        if cut_by_stop_string:
+            end = before[before.rindex(_MARK) + len(_MARK):]
+        else:
+            end = self._end_of_turn_rest(before) * ended_with_stop
+        return list(self.tokenizer.encode(end + after[len(before):]))
 
     def _end_of_turn_rest(self, rendered: str) -> str:
         """What the template writes after an assistant's stop token (e.g. "\\n"): the model

@@ -86,8 +86,18 @@ class _Session:
     conversation: list | None = None  # the last request's messages + the reply it got
     prompt: list = dataclasses.field(default_factory=list)  # the last request's prompt ids
     context: list = dataclasses.field(default_factory=list)  # its prompt + response ids
-    ended_with_stop: bool = True
+    turn_end: str = "stop_token"  # how the last reply ended: stop_token | stop_string | length
     tool_calls: int = 0
+
+
+def _turn_end(out, tokenizer) -> str:
+    """How a reply ended: "stop_token" (its last token is a stop token), "stop_string" (the
+    endpoint cut it at a request's `stop` string, before any stop token: the next prompt must
+    close the turn itself) or "length" (the budget cut it)."""
+    if out.finish_reason != "stop":
+        return "length"
+    stops = getattr(tokenizer, "eos_token_ids", None) or (tokenizer.eos_token_id,)
+    return "stop_token" if int(out.token_ids[-1]) in set(stops) else "stop_string"
 
 
 class _Hook:
@@ -127,7 +137,7 @@ class _Hook:
                 len(messages) > len(st.conversation)
                 and messages[:len(st.conversation)] == st.conversation):
             new = messages[len(st.conversation):]
-            prompt_ids = st.context + st.loop.delta_ids(new, tools, st.ended_with_stop)
+            prompt_ids = st.context + st.loop.delta_ids(new, tools, st.turn_end)
             k = max(k, len(messages) - st.first_messages)
         budget = ctx.max_response_length - (len(prompt_ids) - st.first_len)
         asked = opts["max_tokens"]
@@ -146,7 +156,7 @@ class _Hook:
             conv = messages + st.loop.endpoint.server.convert_messages([reply])
             st.tool_calls += len(reply.get("tool_calls") or ())
         st.conversation, st.context = conv, st.prompt + list(out.token_ids)
-        st.ended_with_stop = out.finish_reason == "stop"
+        st.turn_end = _turn_end(out, st.loop.tokenizer)
 
 
 class _Endpoint:
@@ -257,10 +267,11 @@ class OpenAIAgentLoop(ToolAgentLoop):
             context = list(t.prompt_ids) + list(t.response_ids)
         return traj
 
-    def delta_ids(self, new_messages: list[dict], tools, ended_with_stop: bool) -> list[int]:
-        """`turn_delta_ids` rendered with the request's tools."""
+    def delta_ids(self, new_messages: list[dict], tools, turn_end: str) -> list[int]:
+        """`turn_delta_ids` rendered with the request's tools; `turn_end` as `_turn_end`."""
         self._request_tools = tools
-        return self.turn_delta_ids(new_messages, ended_with_stop=ended_with_stop)
+        return self.turn_delta_ids(new_messages, ended_with_stop=turn_end == "stop_token",
+                                   cut_by_stop_string=turn_end == "stop_string")
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
         tools = getattr(self, "_request_tools", None)

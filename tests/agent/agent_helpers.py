@@ -13,6 +13,8 @@ class FakeOutput:
     log_probs: list
     finish_reason: str
     policy_versions: list = dataclasses.field(default_factory=list)
+    request_id: str = ""
+    num_cached_tokens: int = 0
 
 
 class ScriptedServer:

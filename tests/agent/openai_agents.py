@@ -95,3 +95,15 @@ def follow_up_agent(base_url, session_id, row):
             return reply.choices[0].message.content
         messages.append(reply.choices[0].message.model_dump(exclude_none=True))
         messages.append({"role": "user", "content": follow_up})
+
+
+def stop_string_agent(base_url, session_id, row):
+    """A ReAct-style agent: its first request stops at "Observation" (the reply is cut there),
+    then it sends one user message and asks again."""
+    client = _client(base_url, session_id)
+    messages = [dict(m) for m in row["raw_prompt"]]
+    reply = client.chat.completions.create(model=row["model"], messages=messages, stop=["Observation"])
+    messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+    messages.append({"role": "user", "content": "go on"})
+    reply = client.chat.completions.create(model=row["model"], messages=messages)
+    return reply.choices[0].message.content

@@ -106,3 +106,22 @@ def test_rewritten_history_a_missing_session_header_and_no_request_are_clear_err
         run(char_tok, ["12"], "openai_agent", fn="idle_agent", rows=(0,))
     with pytest.raises(AttributeError, match="no function 'nope'"):
         run(char_tok, ["12"], "openai_agent", fn="nope", rows=(0,))
+
+
+def test_a_reply_cut_at_a_stop_string_is_closed_before_the_next_message(chatml_tools_tok):
+    """The endpoint cuts the first reply at the agent's stop string (the tokens up to the one
+    that completed it are kept), before the model's stop token: the next prompt closes the turn
+    with the template's whole end of turn, its stop token included, as non-trained tokens."""
+    tok = chatml_tools_tok
+    got, server = run(tok, ["1776 Observation: none", "ok"], "openai_agent", fn="stop_string_agent",
+                      max_response=512, rows=(0,))
+    n = int(got["response_attention_mask"][0].sum())
+    text = tok.decode(got["prompt_ids"][0] + [int(t) for t in got["responses"][0][:n]],
+                      skip_special_tokens=False)
+    assert text.endswith("<|im_start|>assistant\n1776 Observation<|im_end|>\n<|im_start|>user\ngo on"
+                         "<|im_end|>\n<|im_start|>assistant\nok<|im_end|>"), text
+    second = tok.decode(server.requests[1]["prompt_ids"], skip_special_tokens=False)
+    assert second.endswith("1776 Observation<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n"
+                           "<|im_start|>assistant\n"), second
+    # trained: the two replies' own tokens (the second's stop token included), not the glue
+    assert got["response_mask"][0].sum() == len(tok.encode("1776 Observation")) + len(tok.encode("ok")) + 1

@@ -11,6 +11,7 @@ import pytest
 
 import rollout
 from rollout._openai import OpenAIServer, SessionRecorder
+from conftest import hook_decode
 from jaxrl_llm.models._tokenizer import CharTokenizer
 
 MODEL = "tiny"
@@ -539,3 +540,145 @@ def test_incremental_decoding_with_a_byte_level_bpe_equals_the_whole_decode(grou
         final = text[:text.index(stop[0])] if stop else text
         assert all("\ufffd" not in d for d in deltas) and len(deltas) > 3
         assert "".join(deltas) == s.sent[0] == final
+
+
+# ------------------------------------------------------------------ stop strings end generation
+# seed 5 on HELLO: choice 0 writes "S24v=[cc?..." and choice 1 "?LFY'uX..." (both run the whole
+# budget, 25 tokens, without a stop string); "24" is in choice 0's first tokens, not in choice 1's
+STOP_SEED, STOP = 5, "24"
+
+
+def _abort_waits_for(monkeypatch, api):
+    """Makes the early stop land at a known point: the scheduler's 2nd decode loop from now waits
+    until the endpoint has asked for an abort (after the 1st loop's tokens showed the stop
+    string), so the aborted choice ends after at most 2 loops (8 tokens at steps_per_sync=4)."""
+    asked, real = threading.Event(), api.server.abort
+
+    def abort(request_id):
+        ok = real(request_id)
+        asked.set()
+        return ok
+
+    monkeypatch.setattr(api.server, "abort", abort)
+    hook_decode(monkeypatch, api.server.engine, {2: lambda: asked.wait(30)})
+
+
+def _cut(tok, ids, stop):
+    """What the endpoint keeps of a choice that ran on: its tokens up to the one completing the
+    first stop string."""
+    return next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]))
+
+
+def _generated(api):
+    return api.server.stats.get("generated_tokens", 0)
+
+
+def test_a_stop_string_ends_the_generation_early_with_the_same_result(served, tok, monkeypatch):
+    kwargs = dict(messages=HELLO, temperature=1.0, seed=STOP_SEED, logprobs=True)  # no max_tokens
+    g0 = _generated(served)
+    _, whole = chat(served, **kwargs)
+    full = whole["choices"][0]
+    g1 = _generated(served)
+    assert g1 - g0 == len(full["token_ids"]) == 25 and full["finish_reason"] == "length"
+    k = _cut(tok, full["token_ids"], STOP)
+    assert k <= 4, "the stop string must show in the first decode loop's tokens"
+    early = served.stats["stopped_early"]
+    _abort_waits_for(monkeypatch, served)
+    _, body = chat(served, **kwargs, stop=STOP)
+    c = full["message"]["content"]
+    got = body["choices"][0]
+    # what the endpoint returned before (the text cut, the tokens up to the stop string's) ...
+    assert got["message"]["content"] == c[:c.index(STOP)] and got["finish_reason"] == "stop"
+    assert got["token_ids"] == full["token_ids"][:k]
+    assert got["logprobs"]["content"] == full["logprobs"]["content"][:k]
+    assert got["policy_versions"] == full["policy_versions"][:k]
+    assert body["usage"]["completion_tokens"] == k
+    # ... from far fewer generated tokens: the abort ended it after two decode loops, not 25 tokens
+    assert _generated(served) - g1 <= 8 and served.stats["stopped_early"] == early + 1
+    # the recorder files the kept tokens, as returned
+    turn = served.recorder.turns(None)[-1]
+    assert (turn.response_ids, turn.log_probs, turn.finish_reason) == (
+        got["token_ids"], [e["logprob"] for e in got["logprobs"]["content"]], "stop")
+
+
+def test_a_streamed_stop_string_ends_early_and_is_never_sent(served, tok, monkeypatch):
+    kwargs = dict(messages=HELLO, temperature=1.0, seed=STOP_SEED, stop=[STOP])
+    _, whole = chat(served, **kwargs)
+    text = whole["choices"][0]["message"]["content"]
+    g0 = _generated(served)
+    _abort_waits_for(monkeypatch, served)
+    _, events = chat(served, **kwargs, stream=True, stream_options={"include_usage": True})
+    deltas = [e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]]
+    assert "".join(deltas) == text and all(STOP not in d for d in deltas)
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "stop"
+    assert events[-1]["usage"] == whole["usage"]
+    assert _generated(served) - g0 <= 8
+
+
+def test_n2_only_the_choice_that_reaches_the_stop_string_is_aborted(served, tok, monkeypatch):
+    kwargs = dict(messages=HELLO, temperature=1.0, seed=STOP_SEED, n=2, logprobs=True)
+    _, whole = chat(served, **kwargs)
+    first, second = whole["choices"]
+    assert STOP not in second["message"]["content"] and len(second["token_ids"]) == 25
+    k = _cut(tok, first["token_ids"], STOP)
+    g0, early = _generated(served), served.stats["stopped_early"]
+    _abort_waits_for(monkeypatch, served)
+    _, body = chat(served, **kwargs, stop=STOP)
+    a, b = body["choices"]
+    assert a["token_ids"] == first["token_ids"][:k] and a["finish_reason"] == "stop"
+    assert b == second  # the other choice ran to its end, unchanged
+    assert served.stats["stopped_early"] == early + 1
+    assert _generated(served) - g0 <= 8 + 25
+
+
+def test_a_session_extends_a_stop_cut_reply_into_one_trajectory(served, tok, monkeypatch):
+    """The recorded turn holds the kept tokens, so a next request built from the recorded ids
+    (as the openai_agent hook builds it) extends it, and the trajectory is the two replies with
+    the new tokens between them masked 0. The aborted slot's parked KV holds tokens past the cut:
+    the next prompt does not extend them, so it is prefilled in full, and generates as a fresh
+    request does."""
+    from types import SimpleNamespace
+
+    from jaxrl_llm.agent._openai_agent import OpenAIAgentLoop
+
+    session = {"X-Session-Id": "s-stop"}
+    _abort_waits_for(monkeypatch, served)
+    _, first = chat(served, messages=HELLO, temperature=1.0, seed=STOP_SEED, stop=STOP,
+                    logprobs=True, headers=session)
+    (t1,) = served.recorder.turns("s-stop")
+    assert t1.response_ids == first["choices"][0]["token_ids"] and t1.finish_reason == "stop"
+    assert t1.log_probs == [e["logprob"] for e in first["choices"][0]["logprobs"]["content"]]
+    glue = tok.encode("<user>more<assistant>")
+    prompt = t1.prompt_ids + t1.response_ids + glue
+    _, second = call(served, "POST", "/v1/completions",
+                     {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 1.0,
+                      "seed": 2, "logprobs": 1}, headers=session)
+    t1, t2 = served.recorder.pop("s-stop")
+    assert t2.prompt_ids == prompt and t2.num_cached_tokens == 0
+    ref = served.server.generate("ref-stop", prompt, sampling=rollout.SamplingParams(1.0),
+                                 max_new_tokens=4, seed=2)
+    assert second["choices"][0]["token_ids"] == t2.response_ids == ref.token_ids
+    traj = OpenAIAgentLoop._trajectory(SimpleNamespace(tokenizer=tok), "s-stop", [t1, t2])
+    assert traj.prompt_ids == t1.prompt_ids
+    assert traj.ids == t1.response_ids + glue + t2.response_ids
+    assert traj.mask == [1] * len(t1.response_ids) + [0] * len(glue) + [1] * len(t2.response_ids)
+
+
+def test_a_stop_cut_keeps_the_router_replay_experts_of_prompt_and_kept_tokens(tok):
+    """`_kept` (applied to every output, aborted or not) cuts the experts [prompt + response,
+    layers, k] to prompt + kept tokens, the last kept token's -1 (it was fed only when the
+    generation ran on), so they do not depend on when the abort landed."""
+    import numpy as np
+
+    prompt, ids = tok.encode("<user>hi<assistant>"), tok.encode("ab\nObs: x")
+    experts = np.arange((len(prompt) + len(ids)) * 2 * 2, dtype=np.int16).reshape(-1, 2, 2)
+    experts[-1] = -1
+    out = rollout.GenerateOutput("r", ids, [-0.5] * len(ids), "abort", len(prompt), 0,
+                                 len(prompt), 0, [0] * len(ids), routed_experts=experts)
+    with OpenAIServer(_Scripted(tok, ""), tok, model_name=MODEL) as api:
+        kept = api._kept(out, len(prompt), ["\nObs"])
+    k = len("ab\nObs")
+    assert kept.token_ids == ids[:k] and kept.finish_reason == "stop"
+    assert kept.routed_experts.shape == (len(prompt) + k, 2, 2)
+    assert (kept.routed_experts[:-1] == experts[:len(prompt) + k - 1]).all()
+    assert (kept.routed_experts[-1] == -1).all() and (experts[len(prompt) + k - 1] != -1).all()
