@@ -260,3 +260,22 @@ def test_held_requests_are_refilled_at_a_sync_the_same_alone_or_beside_a_long_on
         return outs
 
     assert run(True) == run(False)
+
+
+def test_rl_driver_runs_no_prefill_call_of_padding_rows_only(engine64, prompts8, monkeypatch):
+    """The batch driver, as the server: 9 prompts take 3 fixed-row prefill calls (not 4, from
+    padding them to 16 rows first), and their samples are those of the prompts prefilled alone."""
+    engine = engine64
+    calls = []
+    real = engine._prefill_jit
+    monkeypatch.setattr(engine, "_prefill_jit", lambda *a: calls.append(a[1].shape) or real(*a))
+    prompts = (prompts8 + prompts8)[:9]
+    driver = rollout.RolloutDriver(engine, steps_per_sync=4)
+    params = engine.params
+    kw = dict(n=1, max_new_tokens=3, sampling=SAMPLED, seed=2)
+    together = driver.generate(prompts, **kw)
+    assert calls == [(rollout.BATCH_INVARIANT_ROWS, 16)] * 3
+    alone = driver.generate(prompts[8:], row_offset=8, **kw)
+    assert params is engine.params
+    for key in ("responses", "rollout_log_probs"):
+        np.testing.assert_array_equal(getattr(together, key)[8:], getattr(alone, key), err_msg=key)
