@@ -267,7 +267,7 @@ def _engine_programs(run, cfg, graphdef, params, rollout_mesh, wanted, programs,
         max_prefill_length=prefill, max_target_length=prefill + run.data.max_response_length,
         dtype=run.rollout.dtype or run.model.dtype, temperature=run.rollout.temperature,
         record_experts=run.actor.router_replay.record,  # as HostWorker's engines
-        quantization=run.rollout.quantization)
+        quantization=run.rollout.quantization, batch_invariant=run.rollout.batch_invariant)
     rows = run.data.train_batch_size * run.rollout.n
     prefill_rows = rollout._engine._next_pow2(max(min(64, rows), 4))  # RolloutDriver's prefill batch
     same_devices = set(rollout_mesh.devices.flat) == set(jax.tree.leaves(params)[0].sharding.device_set)
@@ -292,10 +292,13 @@ def _engine_programs(run, cfg, graphdef, params, rollout_mesh, wanted, programs,
     if "weight_sync" in wanted and lowered.get("weight_sync") is not None:
         # the engine drops its old weights before the new ones are made
         programs["weight_sync"] = Program(lowered["weight_sync"], ("actor_params", "engine_params"))
-    engine_info = {"layer_layout": engine.layer_layout, "quantization": engine.quantization, "zero_copy_sync": shared,
+    engine_info = {"layer_layout": engine.layer_layout, "quantization": engine.quantization,
+                   "batch_invariant": engine.batch_invariant, "zero_copy_sync": shared,
                    "max_concurrent_decodes": run.rollout.max_concurrent_decodes,
                    "max_prefill_length": prefill, "max_target_length": engine.max_target_length,
-                   "prefill_rows": prefill_rows, "kv_cache_bytes_global": engine.kv_cache_bytes(),
+                   # a batch_invariant engine's prefill calls run its fixed row count (Engine.lower)
+                   "prefill_rows": rollout.BATCH_INVARIANT_ROWS if engine.batch_invariant else prefill_rows,
+                   "kv_cache_bytes_global": engine.kv_cache_bytes(),
                    "cross_mesh_sync": not same_devices}
     programs["_engine"] = engine_info
 

@@ -84,6 +84,14 @@ def test_the_config_switch_takes_the_kernels_out(aot):
     assert out["programs"]["prefill"]["pallas_kernels"] == []
 
 
+def test_a_batch_invariant_run_compiles_the_engine_it_would_build(aot):
+    """rollout.batch_invariant reaches the compiled engine: its prefill runs the fixed 4-row call."""
+    out = aot.run_aot("v5e:2x2", CONFIG, TINY + ("--config.rollout.batch_invariant=True",),
+                      programs=("prefill",), cost=False)
+    assert out["engine"]["batch_invariant"] is True and out["engine"]["prefill_rows"] == 4
+    assert out["programs"]["prefill"]["argument_bytes"] > 0
+
+
 def test_a_program_over_the_hbm_fails_the_check(aot, tmp_path):
     report = tmp_path / "aot.json"
     args = ["--topology=v5e:2x2", f"--config={CONFIG}", *TINY, "--programs=generate", "--no-cost",
