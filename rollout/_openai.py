@@ -423,9 +423,16 @@ class OpenAIServer:
         cut = min((text.find(s) for s in stops if s in text), default=-1)
         if cut < 0:
             return None
-        k = next(k for k in range(1, len(ids) + 1)
-                 if any(s in self.tokenizer.decode(ids[:k]) for s in stops))
-        return k, text[:cut]
+
+        def shows(k: int) -> bool:
+            prefix = self.tokenizer.decode(ids[:k])
+            return any(s in prefix for s in stops)
+
+        lo, hi = 0, len(ids)  # shows(hi); a prefix's text only grows, so bisect (log n decodes)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if shows(mid) else (mid, hi)
+        return hi, text[:cut]
 
     def _kept(self, out, num_prompt: int, stops: list[str]):
         """The output as the request keeps it (returned, recorded, passed to the session hook):

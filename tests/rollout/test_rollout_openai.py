@@ -682,3 +682,25 @@ def test_a_stop_cut_keeps_the_router_replay_experts_of_prompt_and_kept_tokens(to
     assert kept.routed_experts.shape == (len(prompt) + k, 2, 2)
     assert (kept.routed_experts[:-1] == experts[:len(prompt) + k - 1]).all()
     assert (kept.routed_experts[-1] == -1).all() and (experts[len(prompt) + k - 1] != -1).all()
+
+
+def test_the_stop_cut_finds_the_token_that_completes_the_stop_string_in_few_decodes(tok):
+    """`_stop_cut` bisects over prefixes (a prefix's text only grows): the same token as a scan
+    from the start, for stops at the start, middle and end and across a multi-token stop, with
+    O(log n) decodes instead of one per token."""
+    text = "x" * 300 + "STOP" + "y" * 200
+    ids = tok.encode(text)
+    with OpenAIServer(_Scripted(tok, ""), tok, model_name=MODEL) as api:
+        decodes = []
+        real = api.tokenizer.decode
+        api.tokenizer.decode = lambda t, *a, **k: decodes.append(len(t)) or real(t, *a, **k)
+        try:
+            for stops in (["STOP"], ["x"], ["y"], ["TO", "yy"], ["xS"]):
+                decodes.clear()
+                k, before = api._stop_cut(ids, stops)
+                scan = next(j for j in range(1, len(ids) + 1) if any(s in real(ids[:j]) for s in stops))
+                assert k == scan and before == text[:min(text.find(s) for s in stops if s in text)]
+                assert len(decodes) <= 12, (stops, len(decodes))
+            assert api._stop_cut(ids, ["zz"]) is None
+        finally:
+            api.tokenizer.decode = real
