@@ -188,6 +188,8 @@ class ProcessReplica:
     naming the timeout (a factory stuck on a device, a lock, a download).
     """
 
+    streams = False  # submit takes no on_tokens: the router streams nothing from this replica
+
     def __init__(self, factory: Callable[[], RolloutServer], *, env: dict[str, str] | None = None,
                  name: str = "rollout-replica", start_timeout_s: float | None = START_TIMEOUT_S):
         if start_timeout_s is not None and (isinstance(start_timeout_s, bool)

@@ -509,6 +509,130 @@ def test_no_live_replica_left_fails_every_request_with_one_clear_error(engines, 
     router.close()
 
 
+# ---------------------------------------------------------------- streaming (on_tokens)
+def streaming(router, calls):
+    """Submits `calls` with on_tokens; returns their futures and each one's calls as
+    (future done at the call, token ids)."""
+    given, futures = collections.defaultdict(list), {}
+    for c in calls:
+        rid = c["request_id"]
+        futures[rid] = router.submit(**c, on_tokens=lambda ids, rid=rid: given[rid].append(
+            (rid in futures and futures[rid].done(), list(ids))))
+    return futures, given
+
+
+def assert_streamed_prefix(given, outs):
+    """Each request's streamed tokens, concatenated, are the start of its output (so no token came
+    twice or out of order, and the output's tail is what was not streamed)."""
+    for rid, out in outs.items():
+        got = [t for _, ids in given[rid] for t in ids]
+        assert got == out.token_ids[:len(got)], rid
+        assert all(ids for _, ids in given[rid]) and not any(done for done, _ in given[rid]), rid
+
+
+def long_greedy(tiny_model, prompts, stop_id, n=12, other=None):
+    """The first prompt whose greedy run goes `n` tokens without the stop token (and, with
+    `other` weights, whose first tokens differ under them)."""
+    for p in prompts:
+        ref = greedy_reference(tiny_model, p, n, (stop_id,))
+        if len(ref) == n and (other is None or greedy_reference(other, p, 4, (stop_id,)) != ref[:4]):
+            return p, ref
+    raise AssertionError("no such prompt")
+
+
+def test_on_tokens_streams_through_the_router_from_both_replicas(engines, tiny_engine, prompts):
+    """submit(on_tokens=...) over 2 replicas: each request gets its tokens while it runs, in
+    order, once; its output starts with them and equals one server's."""
+    router, replicas, placed = make_router(engines)
+    calls = [dict(request_id=f"s{i}", prompt_ids=prompts[i], sampling=SAMPLED, max_new_tokens=14,
+                  seed=9, row=i) for i in range(4)]
+    with router:
+        router.suspend()  # placements 0, 1, 0, 1
+        futures, given = streaming(router, calls)
+        router.resume()
+        outs = {k: f.result() for k, f in futures.items()}
+    assert_same_tokens(outs, reference(tiny_engine, calls))
+    assert_streamed_prefix(given, outs)
+    long = [k for k, o in outs.items() if len(o.token_ids) > 8]  # ran past 2 decode loops
+    assert {placed[k][0] for k in long} == {0, 1}
+    assert all(given[k] for k in long)
+
+
+def test_on_tokens_gives_each_token_once_across_a_replica_failure(engines, tiny_engine, tiny_model,
+                                                                  prompts, stop_id, monkeypatch):
+    """Replica 1 dies in its 2nd decode loop after streaming its requests' first tokens; they are
+    retried on replica 0, which samples them again: the caller gets each token once (those it had
+    are not given again) and the output starts with them."""
+    router, replicas, placed = make_router(engines)
+    prompt, _ = long_greedy(tiny_model, prompts, stop_id)
+    calls = [dict(request_id=f"f{i}", prompt_ids=prompt if i % 2 else prompts[i], sampling=GREEDY,
+                  max_new_tokens=16, seed=1, row=i) for i in range(4)]
+    hook_decode(monkeypatch, engines[1], {2: lambda: (_ for _ in ()).throw(RuntimeError("device lost"))})
+    with router:
+        router.suspend()
+        futures, given = streaming(router, calls)
+        router.resume()
+        outs = {k: f.result() for k, f in futures.items()}
+        assert router.live_replicas == [0] and placed["f1"] == [1, 0]
+    assert_same_tokens(outs, reference(tiny_engine, calls))
+    assert_streamed_prefix(given, outs)
+    before = [ids for done, ids in given["f1"]]
+    assert len(before) >= 2 and len(before[0]) >= 4  # replica 1's loop, then the retry's new ones
+
+
+def test_a_retry_that_samples_other_tokens_than_streamed_fails_clearly(
+        engines, tiny_model, other_weights, prompts, stop_id, monkeypatch):
+    """A streamed request whose retry cannot continue the stream (replica 0 has other weights: a
+    sync in between) fails with one clear error instead of an output that contradicts it."""
+    prompt, _ = long_greedy(tiny_model, prompts, stop_id, other=other_weights)
+    engines[0].update_params(other_weights)  # the fixture gives the engines tiny_model back
+    router, replicas, placed = make_router(engines)
+    hook_decode(monkeypatch, engines[1], {2: lambda: (_ for _ in ()).throw(RuntimeError("device lost"))})
+    with router:
+        router.suspend()
+        pad = router.submit("pad", prompts[2], sampling=GREEDY, max_new_tokens=2)
+        futures, given = streaming(router, [dict(request_id="x", prompt_ids=prompt, sampling=GREEDY,
+                                                 max_new_tokens=12)])
+        router.resume()
+        with pytest.raises(RuntimeError, match="'x'.*sampled other tokens"):
+            futures["x"].result()
+        assert pad.result().finish_reason in ("stop", "length")
+    assert placed["x"] == [1, 0] and given["x"]
+
+
+def test_an_abort_landing_before_a_retry_caught_up_keeps_the_streamed_tokens(
+        engines, tiny_model, prompts, stop_id, monkeypatch):
+    """Replica 1 dies after streaming; the retry waits on (suspended) replica 0 and is aborted
+    there before it sampled anything: the router runs it again up to the streamed tokens, so the
+    abort's output still starts with (here: is) every token the caller was given."""
+    prompt, ref = long_greedy(tiny_model, prompts, stop_id)
+    router, replicas, placed = make_router(engines)
+    moved = threading.Event()
+    real = replicas[0].submit
+
+    def submit(request_id, prompt_ids, **kwargs):
+        future = real(request_id, prompt_ids, **kwargs)
+        if request_id == "x":
+            moved.set()
+        return future
+
+    monkeypatch.setattr(replicas[0], "submit", submit)
+    hook_decode(monkeypatch, engines[1], {2: lambda: (_ for _ in ()).throw(RuntimeError("device lost"))})
+    with router:
+        replicas[0].server.suspend()
+        pad = router.submit("pad", prompts[2], sampling=GREEDY, max_new_tokens=2)
+        futures, given = streaming(router, [dict(request_id="x", prompt_ids=prompt, sampling=GREEDY,
+                                                 max_new_tokens=12)])
+        assert moved.wait(120)  # a guard against a hang, not a timing assertion
+        assert router.abort("x")
+        replicas[0].server.resume()
+        out = futures["x"].result()
+        assert pad.result().finish_reason in ("stop", "length")
+    got = [t for _, ids in given["x"] for t in ids]
+    assert out.finish_reason == "abort" and got and out.token_ids == got == ref[:len(got)]
+    assert len(out.log_probs) == len(got) and placed["x"] == [1, 0, 0]
+
+
 # ---------------------------------------------------------------- the agent code, unchanged
 def test_agent_runner_over_a_router_equals_one_server(engines, tiny_engine):
     """AgentRunner's single-turn loop (session, release_session, agenerate) gives the same
