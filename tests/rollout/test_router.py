@@ -10,6 +10,7 @@ at a known point it hooks that engine's `decode_loop`. No sleeps.
 """
 import asyncio
 import collections
+import logging
 import threading
 
 import jax
@@ -600,15 +601,28 @@ def test_a_retry_that_samples_other_tokens_than_streamed_fails_clearly(
     assert placed["x"] == [1, 0] and given["x"]
 
 
+class _Dropped(logging.Handler):
+    """Sets `event` when the router logs a replica's death (its requests are re-queued by then)."""
+
+    def __init__(self, event):
+        super().__init__(logging.WARNING)
+        self.event = event
+
+    def emit(self, record):
+        if "failed" in record.getMessage():
+            self.event.set()
+
+
+@pytest.mark.parametrize("where", ["replica", "queue"])
 def test_an_abort_landing_before_a_retry_caught_up_keeps_the_streamed_tokens(
-        engines, tiny_model, prompts, stop_id, monkeypatch):
-    """Replica 1 dies after streaming; the retry waits on (suspended) replica 0 and is aborted
-    there before it sampled anything: the router runs it again up to the streamed tokens, so the
-    abort's output still starts with (here: is) every token the caller was given."""
+        engines, tiny_model, prompts, stop_id, monkeypatch, where):
+    """Replica 1 dies after streaming; the retry is aborted before it sampled anything, either
+    waiting on (suspended) replica 0 or in the router's queue (replica 0 at its bound of 1): the
+    router runs it again up to the streamed tokens, so the abort's output still starts with (here:
+    is) every token the caller was given."""
     prompt, ref = long_greedy(tiny_model, prompts, stop_id)
-    router, replicas, placed = make_router(engines)
-    moved = threading.Event()
-    real = replicas[0].submit
+    router, replicas, placed = make_router(engines, max_inflight_per_replica=1 if where == "queue" else None)
+    moved, real = threading.Event(), replicas[0].submit
 
     def submit(request_id, prompt_ids, **kwargs):
         future = real(request_id, prompt_ids, **kwargs)
@@ -617,20 +631,26 @@ def test_an_abort_landing_before_a_retry_caught_up_keeps_the_streamed_tokens(
         return future
 
     monkeypatch.setattr(replicas[0], "submit", submit)
+    handler = _Dropped(threading.Event() if where == "replica" else moved)
+    logging.getLogger("rollout._router").addHandler(handler)
     hook_decode(monkeypatch, engines[1], {2: lambda: (_ for _ in ()).throw(RuntimeError("device lost"))})
-    with router:
-        replicas[0].server.suspend()
-        pad = router.submit("pad", prompts[2], sampling=GREEDY, max_new_tokens=2)
-        futures, given = streaming(router, [dict(request_id="x", prompt_ids=prompt, sampling=GREEDY,
-                                                 max_new_tokens=12)])
-        assert moved.wait(120)  # a guard against a hang, not a timing assertion
-        assert router.abort("x")
-        replicas[0].server.resume()
-        out = futures["x"].result()
-        assert pad.result().finish_reason in ("stop", "length")
+    try:
+        with router:
+            replicas[0].server.suspend()
+            pad = router.submit("pad", prompts[2], sampling=GREEDY, max_new_tokens=2)
+            futures, given = streaming(router, [dict(request_id="x", prompt_ids=prompt, sampling=GREEDY,
+                                                     max_new_tokens=12)])
+            assert moved.wait(120)  # a guard against a hang, not a timing assertion
+            assert router.abort("x")
+            replicas[0].server.resume()
+            out = futures["x"].result()
+            assert pad.result().finish_reason in ("stop", "length")
+    finally:
+        logging.getLogger("rollout._router").removeHandler(handler)
     got = [t for _, ids in given["x"] for t in ids]
     assert out.finish_reason == "abort" and got and out.token_ids == got == ref[:len(got)]
-    assert len(out.log_probs) == len(got) and placed["x"] == [1, 0, 0]
+    assert len(out.log_probs) == len(got)
+    assert placed["x"] == ([1, 0, 0] if where == "replica" else [1, 0])
 
 
 # ---------------------------------------------------------------- the agent code, unchanged
