@@ -122,7 +122,9 @@ def test_a_killed_replica_process_hands_its_requests_over_and_restarts_at_the_cu
                                  sampling=SAMPLED, max_new_tokens=8, session_id="chat", seed=0, row=8))
             loops = proc.run_in_child(_replica_child.arm_hold)
             router.suspend()
-            futures = {c["request_id"]: router.submit(**c) for c in calls}
+            given = {c["request_id"]: [] for c in calls}  # streamed: (the giving thread, ids)
+            futures = {c["request_id"]: router.submit(**c, on_tokens=lambda ids, k=c["request_id"]: given[k].append(
+                (threading.current_thread().name, list(ids)))) for c in calls}
             on_child = [c["request_id"] for c in calls if c["request_id"] in placed]
             assert len(on_child) == 4 and "chat-1" in on_child and router.in_flight() == [4, 4]
             router.resume()
@@ -157,6 +159,14 @@ def test_a_killed_replica_process_hands_its_requests_over_and_restarts_at_the_cu
         assert out.policy_versions == [3] * len(out.token_ids)
     assert outs["chat-1"].num_cached_tokens == 0  # its KV died with the child: prefilled in full
     assert all(len(want[k].token_ids) > 4 for k in on_child)  # 4 tokens each died with the child
+    # streaming: the child's loop reached the caller over the pipe; the retry on replica 1 gave
+    # only the tokens after those, so each token came once and the outputs start with them
+    for k, out in outs.items():
+        got = [t for _, ids in given[k] for t in ids]
+        assert got == out.token_ids[:len(got)], k
+    for k in on_child:
+        threads = [name for name, _ in given[k]]
+        assert threads[0] == "rollout-replica-dispatch" and len(given[k][0][1]) >= 4, (k, given[k])
     assert stats["dead_replicas"] == 1 and stats["restarted_replicas"] == 1
     assert stats["retried_requests"] == 4
     assert metrics["rollout/router/dead_replicas"] == 1.0
