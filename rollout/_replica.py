@@ -28,8 +28,9 @@ class Replica(Protocol):
     finish_reason "abort", never with an exception.
 
     Streaming (optional): a replica whose class sets `streams = True` also takes
-    `submit(..., on_tokens=)` with `RolloutServer.submit`'s contract (`LocalReplica`); the router
-    passes it only to those (a replica without the attribute does not stream: `ProcessReplica`).
+    `submit(..., on_tokens=)` with `RolloutServer.submit`'s contract (`LocalReplica`,
+    `ProcessReplica`); the router passes it only to those: a replica without the attribute
+    streams nothing (its requests' tokens all come with their outputs).
     """
 
     @property

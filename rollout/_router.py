@@ -62,14 +62,32 @@ re-queues every request it had in flight, ahead of the newer ones; they run agai
 on the live replicas with the same seed, row and step_offset, so they give the tokens the dead
 replica would have given (under the same weights). A session whose replica died is prefilled in
 full on its new replica. Tokens the dead replica had already generated are not kept: a request
-is retried from scratch, not resumed from a partial result, since keeping them would need the
-replica to stream its progress and the retry samples the same tokens anyway (a request that had
-crossed a weight sync regenerates them with the current weights). An agent loop's completed
-turns are kept: they are the prompt of its next request. An aborted request whose replica dies
+is retried from scratch, not resumed from a partial result, since their log-probs and policy
+versions died with the replica and the retry samples the same tokens anyway (a request that had
+crossed a weight sync regenerates them with the current weights); a streaming caller is not
+given them twice (below). An agent loop's completed turns are kept: they are the prompt of its
+next request. An aborted request whose replica dies
 resolves as "abort" with no tokens. With no live replica left (and none restarting) every
 waiting future fails with one error naming each replica's failure, and later calls raise it.
 Request errors (validation: empty prompt, too long, bad sampling, a duplicate live request id,
 ...) raise in the caller at `submit`, as on the server, and are never retried.
+
+Streaming (`submit(on_tokens=...)`, as `RolloutServer.submit`'s): the request's new tokens after
+each decode loop of the replica it runs on (those of the loop it ends in come only in the
+output), on that replica's scheduler thread (a `ProcessReplica`'s dispatcher thread: its child
+sends them over the pipe). The router hands a callback only to replicas whose class sets
+`streams = True` (`LocalReplica`, `ProcessReplica`); on any other `Replica` the request's tokens
+all come with its output. The caller sees each token once, in order, also across a retry: the
+router keeps the tokens it has given; the retry samples them again, the router checks them
+against those and passes on only the later ones, so the output (the retry's) starts with every
+token given. A retry that samples other tokens (a weight sync between the two runs, or numerics
+that differ between replicas) cannot continue the stream: the request fails with an error that
+says so rather than return tokens that contradict what was streamed. An abort that ends a retry
+before it sampled the given tokens again (or finds it waiting in the router's queue) lands once
+it has: the router runs it (again) with max_new_tokens = the tokens given, so the abort's output
+(finish_reason "abort") still holds all of them. A weight sync re-submits nothing: held requests
+stay on their replica, which streams on from where it was. (Requests still queued when the
+router closes end as "abort" with no tokens, streamed or not.)
 
 Restart (`restart=`, off by default): a dead replica is rebuilt and put back under its index;
 see rollout/_router_restart.py.
@@ -249,11 +267,11 @@ class ReplicaRouter(RestartMixin):
         the request raise here. Cancelling the future aborts the request.
 
         on_tokens (streaming), as the server's: `on_tokens(token_ids)` is called on a replica's
-        scheduler thread with the tokens generated since its last call, each token once and in
-        order, also across a retry on another replica (see "Streaming" in the module docstring);
-        the tokens of the loop the request ends in come only in the output, which starts with
-        every token given. Quick and non-blocking; dropped if it raises. Not called at all while
-        the request runs on a replica that does not stream (`ProcessReplica`)."""
+        scheduler thread (a `ProcessReplica`'s dispatcher thread) with the tokens generated since
+        its last call, each token once and in order, also across a retry on another replica (see
+        "Streaming" in the module docstring); the tokens of the loop the request ends in come only
+        in the output, which starts with every token given. Quick and non-blocking; dropped if it
+        raises. Not called while the request runs on a replica without `streams = True`."""
         if on_tokens is not None and not callable(on_tokens):
             raise TypeError(f"on_tokens must be a callable or None, got {on_tokens!r}")
         kwargs = dict(sampling=sampling, max_new_tokens=max_new_tokens, session_id=session_id,
