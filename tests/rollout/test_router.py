@@ -559,6 +559,29 @@ def test_on_tokens_streams_through_the_router_from_both_replicas(engines, tiny_e
     assert all(given[k] for k in long)
 
 
+def test_on_tokens_streams_on_across_a_weight_sync_that_holds_the_requests(engines, tiny_model, prompts,
+                                                                           monkeypatch):
+    """A sync (in_flight="hold") lands on both replicas mid-request: the held requests stay where
+    they are and stream on, each token once, the output starting with every token given and
+    recording both versions."""
+    router, replicas, placed = make_router(engines)
+    synced = []
+    hook_decode(monkeypatch, engines[0], {
+        2: lambda: synced.append(router.submit_update(tiny_model, in_flight="hold"))})
+    calls = [dict(request_id=f"w{i}", prompt_ids=prompts[i], sampling=SAMPLED, max_new_tokens=14,
+                  seed=9, row=i) for i in range(2)]
+    with router:
+        router.suspend()  # placements 0, 1
+        futures, given = streaming(router, calls)
+        router.resume()
+        outs = {k: f.result() for k, f in futures.items()}
+        assert synced[0].result()["policy_version"] == 1
+    assert_streamed_prefix(given, outs)
+    assert [placed[k] for k in outs] == [[0], [1]]  # nothing was re-submitted
+    crossed = [k for k, o in outs.items() if set(o.policy_versions) == {0, 1}]
+    assert crossed and all(len(given[k]) >= 2 for k in crossed)
+
+
 def test_on_tokens_gives_each_token_once_across_a_replica_failure(engines, tiny_engine, tiny_model,
                                                                   prompts, stop_id, monkeypatch):
     """Replica 1 dies in its 2nd decode loop after streaming its requests' first tokens; they are
