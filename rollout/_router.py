@@ -509,9 +509,9 @@ class ReplicaRouter(RestartMixin):
         on_tokens was given (see "Streaming" in the module docstring)."""
         if (req.diverged or list(out.token_ids[:len(sent)]) != sent) and not self._closing:
             _set_future(req.future, error=RuntimeError(
-                f"request {req.request_id!r}: its replica failed after streaming {len(sent)} tokens "
-                f"and the retry on another replica sampled other tokens (a weight sync in between, "
-                f"or other numerics), so its output cannot continue the stream; submit it again"))
+                f"request {req.request_id!r}: its output does not start with the {len(sent)} tokens "
+                f"given to on_tokens (its replica failed and the retry on another one sampled other "
+                f"tokens: a weight sync in between, or numerics that differ); submit it again"))
             return
         if req.rerun:  # the run again after an abort ends as the abort did
             out = dataclasses.replace(out, finish_reason="abort")
