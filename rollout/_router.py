@@ -138,7 +138,7 @@ class _Routed:
     sent: list = dataclasses.field(default_factory=list)  # the tokens on_tokens has been given
     diverged: bool = False  # a retry's tokens differ from `sent` (see "Streaming")
     rerun: bool = False  # aborted with `sent` ahead of its output: runs again up to len(sent) tokens
-    stream_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    stream_lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
 
     @property
     def session(self) -> str | None:
