@@ -463,7 +463,8 @@ class ReplicaRouter(RestartMixin):
                 return  # a re-queued request's old attempt, or nothing more to give
             seen = req.sent[start:start + len(ids)]
             if list(ids[:len(seen)]) != seen:
-                req.diverged = True  # the output cannot start with what was sent: fails at the end
+                req.diverged = True  # the output cannot start with what was sent: fails at the end,
+                self._call(req.replica, lambda r: r.abort(req.request_id))  # which comes sooner
                 return
             new = list(ids[len(seen):])
             if not new:

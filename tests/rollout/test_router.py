@@ -607,7 +607,8 @@ def test_on_tokens_gives_each_token_once_across_a_replica_failure(engines, tiny_
 def test_a_retry_that_samples_other_tokens_than_streamed_fails_clearly(
         engines, tiny_model, other_weights, prompts, stop_id, monkeypatch):
     """A streamed request whose retry cannot continue the stream (replica 0 has other weights: a
-    sync in between) fails with one clear error instead of an output that contradicts it."""
+    sync in between) fails with one clear error instead of an output that contradicts it, as soon
+    as the retry's first tokens show it (aborted there, not run to its budget)."""
     prompt, _ = long_greedy(tiny_model, prompts, stop_id, other=other_weights)
     engines[0].update_params(other_weights)  # the fixture gives the engines tiny_model back
     router, replicas, placed = make_router(engines)
@@ -616,11 +617,12 @@ def test_a_retry_that_samples_other_tokens_than_streamed_fails_clearly(
         router.suspend()
         pad = router.submit("pad", prompts[2], sampling=GREEDY, max_new_tokens=2)
         futures, given = streaming(router, [dict(request_id="x", prompt_ids=prompt, sampling=GREEDY,
-                                                 max_new_tokens=12)])
+                                                 max_new_tokens=16)])
         router.resume()
         with pytest.raises(RuntimeError, match="'x'.*sampled other tokens"):
             futures["x"].result()
         assert pad.result().finish_reason in ("stop", "length")
+        assert replicas[0].stats["generated_tokens"] <= 2 + 8  # pad's, the retry's first 2 loops
     assert placed["x"] == [1, 0] and given["x"]
 
 
