@@ -533,10 +533,11 @@ def assert_streamed_prefix(given, outs):
 
 def long_greedy(tiny_model, prompts, stop_id, n=12, other=None):
     """The first prompt whose greedy run goes `n` tokens without the stop token (and, with
-    `other` weights, whose first tokens differ under them)."""
+    `other` weights, also under those, its first tokens differing)."""
     for p in prompts:
         ref = greedy_reference(tiny_model, p, n, (stop_id,))
-        if len(ref) == n and (other is None or greedy_reference(other, p, 4, (stop_id,)) != ref[:4]):
+        alt = ref if other is None else greedy_reference(other, p, n, (stop_id,))
+        if len(ref) == len(alt) == n and (other is None or alt[:4] != ref[:4]):
             return p, ref
     raise AssertionError("no such prompt")
 
@@ -609,7 +610,9 @@ def test_a_retry_that_samples_other_tokens_than_streamed_fails_clearly(
     """A streamed request whose retry cannot continue the stream (replica 0 has other weights: a
     sync in between) fails with one clear error instead of an output that contradicts it, as soon
     as the retry's first tokens show it (aborted there, not run to its budget)."""
-    prompt, _ = long_greedy(tiny_model, prompts, stop_id, other=other_weights)
+    rng = np.random.default_rng(1)  # more candidates: few prompts run 16 tokens under both weights
+    candidates = prompts + [[int(t) for t in rng.integers(8, 96, size=6)] for _ in range(24)]
+    prompt, _ = long_greedy(tiny_model, candidates, stop_id, n=16, other=other_weights)
     engines[0].update_params(other_weights)  # the fixture gives the engines tiny_model back
     router, replicas, placed = make_router(engines)
     hook_decode(monkeypatch, engines[1], {2: lambda: (_ for _ in ()).throw(RuntimeError("device lost"))})
