@@ -57,20 +57,20 @@ for live replicas: where each replica's engine lives on its own devices).
 Replica death: a replica fails when its scheduler thread dies (a `RolloutServer` then fails every
 future with the error and refuses submits), when its process dies (`ProcessReplica`: EOF on its
 pipe fails every pending future), when a request future or a submit of it raises, or when the
-caller says so (`mark_dead`). The router logs a warning, counts it, drops the replica and
-re-queues every request it had in flight, ahead of the newer ones; they run again from the start
-on the live replicas with the same seed, row and step_offset, so they give the tokens the dead
-replica would have given (under the same weights). A session whose replica died is prefilled in
-full on its new replica. Tokens the dead replica had already generated are not kept: a request
-is retried from scratch, not resumed from a partial result, since their log-probs and policy
-versions died with the replica and the retry samples the same tokens anyway (a request that had
-crossed a weight sync regenerates them with the current weights); a streaming caller is not
-given them twice (below). An agent loop's completed turns are kept: they are the prompt of its
-next request. An aborted request whose replica dies
-resolves as "abort" with no tokens. With no live replica left (and none restarting) every
-waiting future fails with one error naming each replica's failure, and later calls raise it.
-Request errors (validation: empty prompt, too long, bad sampling, a duplicate live request id,
-...) raise in the caller at `submit`, as on the server, and are never retried.
+caller says so (`mark_dead`). The router logs a warning, counts it, drops the replica and re-queues
+every request it had in flight, ahead of the newer ones; they run again from the start on the live
+replicas with the same seed, row and step_offset, so they give the tokens the dead replica would
+have given (under the same weights). A session whose replica died is prefilled in full on its new
+replica. Tokens the dead replica had already generated are not kept: a request is retried from
+scratch, not resumed from a partial result, since their log-probs and policy versions died with the
+replica and the retry samples the same tokens anyway (a request that had crossed a weight sync
+regenerates them with the current weights); a streaming caller is not given them twice (below). An
+agent loop's completed turns are kept: they are the prompt of its next request. An aborted request
+whose replica dies resolves as "abort" with no tokens (one that had streamed tokens: below). With
+no live replica left (and none restarting) every waiting future fails with one error naming each
+replica's failure, and later calls raise it. Request errors (validation: empty prompt, too long,
+bad sampling, a duplicate live request id, ...) raise in the caller at `submit`, as on the server,
+and are never retried.
 
 Streaming (`submit(on_tokens=...)`, as `RolloutServer.submit`'s): the request's new tokens after
 each decode loop of the replica it runs on (those of the loop it ends in come only in the
@@ -81,8 +81,9 @@ all come with its output. The caller sees each token once, in order, also across
 router keeps the tokens it has given; the retry samples them again, the router checks them
 against those and passes on only the later ones, so the output (the retry's) starts with every
 token given. A retry that samples other tokens (a weight sync between the two runs, or numerics
-that differ between replicas) cannot continue the stream: the request fails with an error that
-says so rather than return tokens that contradict what was streamed. An abort that ends a retry
+that differ between replicas) cannot continue the stream: it is aborted once its tokens show it,
+and the request fails with an error that says so rather than return tokens that contradict what
+was streamed. An abort that ends a retry
 before it sampled the given tokens again (or finds it waiting in the router's queue) lands once
 it has: the router runs it (again) with max_new_tokens = the tokens given, so the abort's output
 (finish_reason "abort") still holds all of them. A weight sync re-submits nothing: held requests
