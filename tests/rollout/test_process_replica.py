@@ -108,6 +108,10 @@ def test_a_killed_replica_process_hands_its_requests_over_and_restarts_at_the_cu
                 proc.submit("dup", prompts[0], seed=0, row=0, step_offset=0, session_id=None, **kw)
             router.resume()
             assert dup.result().token_ids and placed[-1] == "dup"
+            # an on_tokens that raises is dropped; the request and the replica go on
+            bad = proc.submit("bad", prompts[0], sampling=SAMPLED, max_new_tokens=12, seed=0, row=0,
+                              step_offset=0, session_id=None, on_tokens=lambda ids: 1 / 0)
+            assert len(bad.result(timeout=120).token_ids) > 4  # a guard against a hang
             router.generate("chat-0", prompts[1], session_id="chat", seed=2, row=7, **kw)  # turn 1 on 0
             assert placed[-1] == "chat-0" and proc.error is None
 
