@@ -18,36 +18,36 @@ one a request), `stop` (a string or up to 4; see "Stop strings" below), `stream`
 `stream_options.include_usage`), `logprobs` (chat: bool, `top_logprobs` must be 0; completions:
 0 or 1): the sampled tokens' log-probs in OpenAI's shape, plus (extensions, for trainers)
 `prompt_token_ids` on the response and `token_ids` / `policy_versions` on each choice. Streaming
-(server-sent events) is incremental: the `RolloutServer` hands each streaming request its new
-tokens after every decode loop (`steps_per_sync` decode steps; `submit(on_tokens=...)`), and each
-choice's new text goes out as one chunk (`index`: the choice) at once, then the finish reason (with
-the text held back, below), the usage chunk (`stream_options.include_usage`) and `[DONE]`. Held
-back until more tokens come: the bytes of a character split across tokens, and with `stop` the last
-len(longest stop) - 1 characters and everything from a stop string on, so the streamed text never
-shows stop text and concatenates to the non-streamed text. Sent when the generation ends instead
-(as chunks of the finished response): requests with `tools` (the parsed `tool_calls` in one chunk
-before the finish reason; no tool-call deltas), with `logprobs`, and over a server whose `submit`
-takes no `on_tokens` (a `ReplicaRouter`). Streaming changes no token, log-prob or recorded
-trajectory.
+(server-sent events) is incremental: the `RolloutServer` (or `ReplicaRouter`) hands each streaming
+request its new tokens after every decode loop (`steps_per_sync` decode steps;
+`submit(on_tokens=...)`), and each choice's new text goes out as one chunk (`index`: the choice) at
+once, then the finish reason (with the text held back, below), the usage chunk
+(`stream_options.include_usage`) and `[DONE]`. Held back until more tokens come: the bytes of a
+character split across tokens, and with `stop` the last len(longest stop) - 1 characters and
+everything from a stop string on, so the streamed text never shows stop text and concatenates to
+the non-streamed text. Sent when the generation ends instead (as chunks of the finished response):
+requests with `tools` (the parsed `tool_calls` in one chunk before the finish reason; no tool-call
+deltas), with `logprobs`, and over a server whose `submit` takes no `on_tokens`. Streaming changes
+no token, log-prob or recorded trajectory.
 
 Stop strings end the generation early: over a server whose `submit` takes `on_tokens` (and which
 has `abort`), every request with `stop`, streaming or not, gets its choices' new tokens after each
-decode loop; the connection's thread (never the scheduler's) decodes them and, once a choice's
-text shows a stop string, aborts that choice (`RolloutServer.abort`), so it stops within one
-decode loop instead of running on to the model's stop token or `max_tokens` (counted in
-`stats["stopped_early"]`; the other choices of the request run on). A choice whose tokens show a
-stop string, aborted or not (the last loop's tokens come only with the result, and a
-`ReplicaRouter` has no `on_tokens`), is then cut as if the generation had ended there: its tokens
-up to the one that completed the stop string are kept, its text is what precedes the stop string,
-its finish_reason is "stop"; the tokens sampled after it are dropped, so nothing depends on when
-the abort landed (each choice samples its own seeded stream: the kept tokens are those of an uncut
-run). The kept tokens are what the response returns (`token_ids`, log-probs, `usage`), what the
-recorder files (`RecordedTurn`: response ids, log-probs, versions, finish_reason "stop", and the
-router-replay experts cut to prompt + kept tokens, the last kept token's -1 as it was not fed) and
-what a `session_hook` sees, so a session's next prompt built from the recorded ids extends them.
-A session's parked KV holds what was generated before the abort landed; the next prompt reuses it
-only when that is exactly the kept tokens (else it is prefilled in full: the same tokens, more
-compute).
+decode loop; the connection's thread (never the scheduler's) decodes them and, once a choice's text
+shows a stop string, aborts that choice (`RolloutServer.abort`; over a `ReplicaRouter`, on the
+replica it runs on), so it stops within one decode loop instead of running on to the model's stop
+token or `max_tokens` (counted in `stats["stopped_early"]`; the other choices of the request run
+on). A choice whose tokens show a stop string, aborted or not (the last loop's tokens come only
+with the result, and a server may take no `on_tokens`), is then cut as if the generation had ended
+there: its tokens up to the one that completed the stop string are kept, its text is what precedes
+the stop string, its finish_reason is "stop"; the tokens sampled after it are dropped, so nothing
+depends on when the abort landed (each choice samples its own seeded stream: the kept tokens are
+those of an uncut run). The kept tokens are what the response returns (`token_ids`, log-probs,
+`usage`), what the recorder files (`RecordedTurn`: response ids, log-probs, versions, finish_reason
+"stop", and the router-replay experts cut to prompt + kept tokens, the last kept token's -1 as it
+was not fed) and what a `session_hook` sees, so a session's next prompt built from the recorded ids
+extends them. A session's parked KV holds what was generated before the abort landed; the next
+prompt reuses it only when that is exactly the kept tokens (else it is prefilled in full: the same
+tokens, more compute).
 
 Errors: a bad request (unknown model, a field of the wrong type or range, a prompt too long for the
 KV cache, token ids outside the vocabulary, an unknown route) answers HTTP 400/404 with OpenAI's
@@ -487,8 +487,8 @@ class OpenAIServer:
         return _Streamer(self, writer, opts, kind)
 
     def _takes_on_tokens(self) -> bool:
-        """Whether the server's `submit` takes `on_tokens` (a `RolloutServer`; a `ReplicaRouter`
-        does not)."""
+        """Whether the server's `submit` takes `on_tokens` (a `RolloutServer` and a
+        `ReplicaRouter` do)."""
         if self._on_tokens is None:
             try:
                 self._on_tokens = "on_tokens" in inspect.signature(self.server.submit).parameters

@@ -26,6 +26,11 @@ Parent side:
   here first, with the engine's limits the child reported at start-up (no round trip).
 - Request and sync Futures are resolved on a dispatcher thread, never the reader thread, so a
   callback that submits again (the router's pump) can wait for its acknowledgement.
+- Streaming (`submit(on_tokens=...)`): the child's server gets an `on_tokens` that sends
+  ("tokens", call id, ids) down the pipe after each decode loop (one small message a loop per
+  streaming request); the parent calls the caller's `on_tokens` on the dispatcher thread, in pipe
+  order, so every token message of a request comes before its result (and before the failures
+  of a death).
 - `abort`, the properties (`policy_version`, `suspended`, `asleep`, `stats`) and the controls
   (`suspend`, `resume`, `sleep`, `wake`) are blocking calls; the child answers the cheap ones
   from its reader loop and runs the controls, in order, on one worker thread.
@@ -154,6 +159,8 @@ class _Child:
                     break
                 try:
                     if name == "submit":
+                        if kwargs.pop("stream", False):  # the parent's on_tokens, over the pipe
+                            kwargs["on_tokens"] = lambda ids, c=call_id: self.send(("tokens", c, ids))
                         self.forward(call_id, s.submit(*args, **kwargs))
                         self.reply(-call_id, True, None)  # the acknowledgement
                     elif name == "submit_update":
@@ -188,6 +195,8 @@ class ProcessReplica:
     naming the timeout (a factory stuck on a device, a lock, a download).
     """
 
+    streams = True  # submit takes on_tokens: the child sends each loop's tokens over the pipe
+
     def __init__(self, factory: Callable[[], RolloutServer], *, env: dict[str, str] | None = None,
                  name: str = "rollout-replica", start_timeout_s: float | None = START_TIMEOUT_S):
         if start_timeout_s is not None and (isinstance(start_timeout_s, bool)
@@ -207,6 +216,7 @@ class ProcessReplica:
         self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[concurrent.futures.Future, bool]] = {}  # id -> (future, user's)
+        self._streams: dict[int, Callable[[list[int]], Any]] = {}  # submit's call id -> its on_tokens
         self._server_failed = False
         try:
             if self._conn.poll(start_timeout_s):
@@ -242,10 +252,10 @@ class ProcessReplica:
         return self.process.pid
 
     # -------------------------------------------------------------- the RPC
-    def _send(self, name: str, args=(), kwargs=None, user: bool = False):
+    def _send(self, name: str, args=(), kwargs=None, user: bool = False, on_tokens=None):
         """Sends one call; returns the Future of its reply (failed at once when the child is dead)
         and, for "submit", the Future of the child's acknowledgement (else None). `user`: a request
-        / sync Future, resolved on the dispatcher thread."""
+        / sync Future, resolved on the dispatcher thread. `on_tokens`: a streaming submit's."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         ack = concurrent.futures.Future() if name == "submit" else None
         with self._lock:
@@ -256,6 +266,8 @@ class ProcessReplica:
                 return future, ack
             call_id = next(self._ids)
             self._pending[call_id] = (future, user)
+            if on_tokens is not None:
+                self._streams[call_id] = on_tokens
             if ack is not None:
                 self._pending[-call_id] = (ack, False)
         try:
@@ -264,6 +276,7 @@ class ProcessReplica:
         except Exception as error:  # noqa: BLE001 - a dead pipe (the reader fails the rest) or a bad arg
             with self._lock:
                 mine = [self._pending.pop(k, (None,))[0] for k in (call_id, -call_id)]
+                self._streams.pop(call_id, None)
             if isinstance(error, (OSError, EOFError)):
                 error = self._error or RuntimeError(f"rollout replica process {self.pid}: pipe closed ({error!r})")
             for f in mine:
@@ -286,11 +299,19 @@ class ProcessReplica:
             if msg[0] == "failed_server":
                 self._server_failed = self._server_failed or msg[1]
                 continue
+            if msg[0] == "tokens":  # a streaming request's new tokens: given in pipe order
+                with self._lock:
+                    on_tokens = self._streams.get(msg[1])
+                if on_tokens is not None:
+                    self._results.put((None, msg[1], (on_tokens, msg[2])))
+                continue
             _, call_id, ok, value = msg
             with self._lock:
                 future, user = self._pending.pop(call_id, (None, False))
+                self._streams.pop(call_id, None)
                 if call_id < 0 and not ok:  # a refused submit: no result will come
                     self._pending.pop(-call_id, None)
+                    self._streams.pop(-call_id, None)
                 if not ok and self._server_failed and self._error is None:
                     self._error = value  # the child's scheduler thread failed: the replica is dead
             if future is None:
@@ -311,6 +332,7 @@ class ProcessReplica:
                 how = "closed" if self._closing else "died"
                 self._error = RuntimeError(f"rollout replica process {self.pid} {how} (exit code {code})")
             pending, self._pending = self._pending, {}
+            self._streams.clear()
             error = self._error
         for future, user in pending.values():
             if user:
@@ -322,7 +344,19 @@ class ProcessReplica:
     def _dispatch_loop(self) -> None:
         while (item := self._results.get()) is not None:
             future, ok, value = item
+            if future is None:  # tokens for call `ok`: value = (on_tokens, ids)
+                self._give(ok, *value)
+                continue
             _set_future(future, value) if ok else _set_future(future, error=value)
+
+    def _give(self, call_id: int, on_tokens, ids: list[int]) -> None:
+        """Calls a request's on_tokens; one that raises is dropped (as on the server)."""
+        try:
+            on_tokens(ids)
+        except Exception:  # noqa: BLE001 - the caller's bug must not stop the dispatcher
+            with self._lock:
+                if self._streams.get(call_id) is on_tokens:
+                    del self._streams[call_id]
 
     def _reap(self, timeout: float | None = None) -> int | None:
         self.process.join(timeout)
@@ -370,13 +404,16 @@ class ProcessReplica:
         check_step_offset(step_offset)
         return prompt
 
-    def submit(self, request_id: str, prompt_ids, **kwargs) -> concurrent.futures.Future:
+    def submit(self, request_id: str, prompt_ids, on_tokens=None, **kwargs) -> concurrent.futures.Future:
         """Sends the request; raises what the child's `submit` raised (a bad request: ValueError
-        / TypeError; a dead replica: RuntimeError). Cancelling the Future aborts the request."""
+        / TypeError; a dead replica: RuntimeError). Cancelling the Future aborts the request.
+        on_tokens: as `RolloutServer.submit`'s, called on this replica's dispatcher thread."""
         prompt = self.validate(request_id, prompt_ids, **kwargs)
         kwargs = {**kwargs, "seed": int(kwargs["seed"]), "row": int(kwargs["row"]),
                   "step_offset": int(kwargs["step_offset"]), "max_new_tokens": int(kwargs["max_new_tokens"])}
-        future, ack = self._send("submit", (request_id, prompt), kwargs, user=True)
+        if on_tokens is not None:
+            kwargs["stream"] = True
+        future, ack = self._send("submit", (request_id, prompt), kwargs, user=True, on_tokens=on_tokens)
         ack.result()  # raises the child's refusal, or the replica's death
         future.add_done_callback(lambda f: self.abort(request_id) if f.cancelled() else None)
         return future

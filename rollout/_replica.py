@@ -26,6 +26,11 @@ class Replica(Protocol):
     (the router reads it to tell a failed replica from a bad sync or control call). Request
     Futures resolve with a `GenerateOutput`; aborted or closed requests resolve with
     finish_reason "abort", never with an exception.
+
+    Streaming (optional): a replica whose class sets `streams = True` also takes
+    `submit(..., on_tokens=)` with `RolloutServer.submit`'s contract (`LocalReplica`,
+    `ProcessReplica`); the router passes it only to those: a replica without the attribute
+    streams nothing (its requests' tokens all come with their outputs).
     """
 
     @property
@@ -81,6 +86,8 @@ def check_step_offset(step_offset) -> None:
 
 class LocalReplica:
     """A `Replica` over a `RolloutServer` in this process (`server`: the server itself)."""
+
+    streams = True  # submit takes on_tokens (the server's streaming)
 
     def __init__(self, server: RolloutServer):
         self.server = server

@@ -57,19 +57,38 @@ for live replicas: where each replica's engine lives on its own devices).
 Replica death: a replica fails when its scheduler thread dies (a `RolloutServer` then fails every
 future with the error and refuses submits), when its process dies (`ProcessReplica`: EOF on its
 pipe fails every pending future), when a request future or a submit of it raises, or when the
-caller says so (`mark_dead`). The router logs a warning, counts it, drops the replica and
-re-queues every request it had in flight, ahead of the newer ones; they run again from the start
-on the live replicas with the same seed, row and step_offset, so they give the tokens the dead
-replica would have given (under the same weights). A session whose replica died is prefilled in
-full on its new replica. Tokens the dead replica had already generated are not kept: a request
-is retried from scratch, not resumed from a partial result, since keeping them would need the
-replica to stream its progress and the retry samples the same tokens anyway (a request that had
-crossed a weight sync regenerates them with the current weights). An agent loop's completed
-turns are kept: they are the prompt of its next request. An aborted request whose replica dies
-resolves as "abort" with no tokens. With no live replica left (and none restarting) every
-waiting future fails with one error naming each replica's failure, and later calls raise it.
-Request errors (validation: empty prompt, too long, bad sampling, a duplicate live request id,
-...) raise in the caller at `submit`, as on the server, and are never retried.
+caller says so (`mark_dead`). The router logs a warning, counts it, drops the replica and re-queues
+every request it had in flight, ahead of the newer ones; they run again from the start on the live
+replicas with the same seed, row and step_offset, so they give the tokens the dead replica would
+have given (under the same weights). A session whose replica died is prefilled in full on its new
+replica. Tokens the dead replica had already generated are not kept: a request is retried from
+scratch, not resumed from a partial result, since their log-probs and policy versions died with the
+replica and the retry samples the same tokens anyway (a request that had crossed a weight sync
+regenerates them with the current weights); a streaming caller is not given them twice (below). An
+agent loop's completed turns are kept: they are the prompt of its next request. An aborted request
+whose replica dies resolves as "abort" with no tokens (one that had streamed tokens: below). With
+no live replica left (and none restarting) every waiting future fails with one error naming each
+replica's failure, and later calls raise it. Request errors (validation: empty prompt, too long,
+bad sampling, a duplicate live request id, ...) raise in the caller at `submit`, as on the server,
+and are never retried.
+
+Streaming (`submit(on_tokens=...)`, as `RolloutServer.submit`'s): the request's new tokens after
+each decode loop of the replica it runs on (those of the loop it ends in come only in the
+output), on that replica's scheduler thread (a `ProcessReplica`'s dispatcher thread: its child
+sends them over the pipe). The router hands a callback only to replicas whose class sets
+`streams = True` (`LocalReplica`, `ProcessReplica`); on any other `Replica` the request's tokens
+all come with its output. The caller sees each token once, in order, also across a retry: the
+router keeps the tokens it has given; the retry samples them again, the router checks them
+against those and passes on only the later ones, so the output (the retry's) starts with every
+token given. A retry that samples other tokens (a weight sync between the two runs, or numerics
+that differ between replicas) cannot continue the stream: it is aborted once its tokens show it,
+and the request fails with an error that says so rather than return tokens that contradict what
+was streamed. An abort that ends a retry
+before it sampled the given tokens again (or finds it waiting in the router's queue) lands once
+it has: the router runs it (again) with max_new_tokens = the tokens given, so the abort's output
+(finish_reason "abort") still holds all of them. A weight sync re-submits nothing: held requests
+stay on their replica, which streams on from where it was. (Requests still queued when the
+router closes end as "abort" with no tokens, streamed or not.)
 
 Restart (`restart=`, off by default): a dead replica is rebuilt and put back under its index;
 see rollout/_router_restart.py.
@@ -116,6 +135,11 @@ class _Routed:
     attempt: int = 0  # bumped at each dispatch and re-queue: a stale replica result is ignored
     aborted: bool = False
     waited: bool = False  # had to wait in the router's queue (counted once)
+    on_tokens: Any = None  # submit's on_tokens (streaming), or None (none, or dropped: it raised)
+    sent: list = dataclasses.field(default_factory=list)  # the tokens on_tokens has been given
+    diverged: bool = False  # a retry's tokens differ from `sent` (see "Streaming")
+    rerun: bool = False  # aborted with `sent` ahead of its output: runs again up to len(sent) tokens
+    stream_lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
 
     @property
     def session(self) -> str | None:
@@ -136,6 +160,13 @@ def _combine(results: list[dict]) -> dict:
             elif isinstance(v, (int, float)):
                 out[k] = out.get(k, 0) + v
     return out
+
+
+def _short_abort(out: GenerateOutput, sent: list[int]) -> bool:
+    """Whether `out` is an abort that ended before the tokens already streamed (a retry aborted
+    before it regenerated them): it cannot end the stream, so the request runs again up to them."""
+    return out.finish_reason == "abort" and len(out.token_ids) < len(sent) and \
+        list(out.token_ids) == sent[:len(out.token_ids)]
 
 
 def _rate(num: float, den: float, empty: float) -> float:
@@ -232,13 +263,23 @@ class ReplicaRouter(RestartMixin):
     # ------------------------------------------------------------------ requests
     def submit(self, request_id: str, prompt_ids, *, sampling: SamplingParams, max_new_tokens: int,
                session_id: str | None = None, seed: int = 0, row: int = 0,
-               step_offset: int = 0) -> concurrent.futures.Future:
+               step_offset: int = 0, on_tokens=None) -> concurrent.futures.Future:
         """As `RolloutServer.submit`: queues a request, returns a Future[GenerateOutput]; errors in
-        the request raise here. Cancelling the future aborts the request."""
+        the request raise here. Cancelling the future aborts the request.
+
+        on_tokens (streaming), as the server's: `on_tokens(token_ids)` is called on a replica's
+        scheduler thread (a `ProcessReplica`'s dispatcher thread) with the tokens generated since
+        its last call, each token once and in order, also across a retry on another replica (see
+        "Streaming" in the module docstring); the tokens of the loop the request ends in come only
+        in the output, which starts with every token given. Quick and non-blocking; dropped if it
+        raises. Not called while the request runs on a replica without `streams = True`."""
+        if on_tokens is not None and not callable(on_tokens):
+            raise TypeError(f"on_tokens must be a callable or None, got {on_tokens!r}")
         kwargs = dict(sampling=sampling, max_new_tokens=max_new_tokens, session_id=session_id,
                       seed=seed, row=row, step_offset=step_offset)
         prompt = self._validator().validate(request_id, prompt_ids, **kwargs)
-        req = _Routed(next(self._seq), request_id, prompt, kwargs, concurrent.futures.Future())
+        req = _Routed(next(self._seq), request_id, prompt, kwargs, concurrent.futures.Future(),
+                      on_tokens=on_tokens)
         with self._lock:
             self._check_running()
             if request_id in self._live:
@@ -280,8 +321,13 @@ class ReplicaRouter(RestartMixin):
         with self._lock:
             if self._live.get(req.request_id) is not req:
                 return False
+            if req.rerun:  # already running again up to its streamed tokens, then ending
+                return True
             req.aborted = True
             i = req.replica
+            if i < 0 and req.sent:  # queued for a retry after streaming: run up to what was sent
+                req.rerun = True
+                return True
             if i < 0:  # still queued here
                 self._queue.remove(req)
                 del self._live[req.request_id]
@@ -374,8 +420,14 @@ class ReplicaRouter(RestartMixin):
 
     def _dispatch(self, req: _Routed, i: int, attempt: int) -> None:
         replica = self.replicas[i]
+        kwargs = dict(req.kwargs)
+        if req.rerun:  # read after this attempt began: an older attempt can no longer add to it
+            with req.stream_lock:
+                kwargs["max_new_tokens"] = len(req.sent)
+        if req.on_tokens is not None and getattr(replica, "streams", False):
+            kwargs["on_tokens"] = functools.partial(self._on_tokens, req, attempt, [0])
         try:
-            inner = replica.submit(req.request_id, req.prompt, **req.kwargs)
+            inner = replica.submit(req.request_id, req.prompt, **kwargs)
         except (ValueError, TypeError) as error:  # the request, not the replica (no retry)
             with self._lock:
                 stale = req.attempt != attempt
@@ -399,17 +451,47 @@ class ReplicaRouter(RestartMixin):
             self._call(i, lambda r: r.abort(req.request_id))
             return
         inner.add_done_callback(functools.partial(self._on_done, req, i, attempt, replica))
-        if aborted:
+        if aborted and not req.rerun:
             self._call(i, lambda r: r.abort(req.request_id))
+
+    def _on_tokens(self, req: _Routed, attempt: int, count: list[int], ids: list[int]) -> None:
+        """A replica's on_tokens for one attempt of `req` (on its scheduler thread): `ids` are that
+        attempt's tokens count[0]: on; those the caller was already given (a retry regenerating
+        them) are checked against them, the rest passed on."""
+        start, count[0] = count[0], count[0] + len(ids)
+        with req.stream_lock:
+            if req.attempt != attempt or req.diverged or req.on_tokens is None:
+                return  # a re-queued request's old attempt, or nothing more to give
+            seen = req.sent[start:start + len(ids)]
+            if list(ids[:len(seen)]) != seen:
+                req.diverged = True  # the output cannot start with what was sent: fails at the end,
+                self._call(req.replica, lambda r: r.abort(req.request_id))  # which comes sooner
+                return
+            new = list(ids[len(seen):])
+            if not new:
+                return
+            req.sent.extend(new)
+            try:
+                req.on_tokens(new)
+            except Exception:  # noqa: BLE001 - the caller's bug: no more calls, as on the server
+                req.on_tokens = None
 
     def _on_done(self, req: _Routed, i: int, attempt: int, replica: Replica,
                  inner: concurrent.futures.Future) -> None:
         """A replica's result (on its scheduler thread): resolve, or fail over the replica."""
         error = inner.exception() if not inner.cancelled() else None
+        out = inner.result() if error is None and not inner.cancelled() else None
+        with req.stream_lock:
+            sent = list(req.sent)
         with self._lock:
             if req.attempt != attempt or req.replica != i:
                 return  # a re-queued request's old attempt
-            if error is None:
+            rerun = out is not None and _short_abort(out, sent) and not req.diverged and not self._closing
+            if rerun:  # aborted before regenerating what was streamed: run again up to it
+                self._inflight[i].discard(req)
+                req.replica, req.attempt, req.rerun = -1, req.attempt + 1, True
+                self._queue = collections.deque(sorted([req, *self._queue], key=lambda r: r.seq))
+            elif error is None:
                 self._inflight[i].discard(req)
                 self._live.pop(req.request_id, None)
                 if req.session is not None and self._sessions.get(req.session) == i and i not in self._dead:
@@ -420,9 +502,22 @@ class ReplicaRouter(RestartMixin):
             return
         if inner.cancelled():
             req.future.cancel()
-        else:
-            _set_future(req.future, inner.result())
+        elif not rerun:
+            self._resolve(req, out, sent)
         self._pump()
+
+    def _resolve(self, req: _Routed, out: GenerateOutput, sent: list[int]) -> None:
+        """Resolves `req` with its replica's output, which must start with the `sent` tokens its
+        on_tokens was given (see "Streaming" in the module docstring)."""
+        if (req.diverged or list(out.token_ids[:len(sent)]) != sent) and not self._closing:
+            _set_future(req.future, error=RuntimeError(
+                f"request {req.request_id!r}: its output does not start with the {len(sent)} tokens "
+                f"given to on_tokens (its replica failed and the retry on another one sampled other "
+                f"tokens: a weight sync in between, or numerics that differ); submit it again"))
+            return
+        if req.rerun:  # the run again after an abort ends as the abort did
+            out = dataclasses.replace(out, finish_reason="abort")
+        _set_future(req.future, out)
 
     def _call(self, i: int, fn: Callable[[Replica], Any]) -> Any:
         """A best-effort call on replica i (abort, release): a failure there is logged, not raised."""
@@ -463,8 +558,9 @@ class ReplicaRouter(RestartMixin):
             self._inflight[i] = set()
             for req in moved:
                 req.replica, req.attempt = -1, req.attempt + 1
-            aborted = [r for r in moved if r.aborted]
-            retried = [r for r in moved if not r.aborted]
+                req.rerun = req.rerun or (req.aborted and bool(req.sent))  # up to what was streamed
+            aborted = [r for r in moved if r.aborted and not r.rerun]
+            retried = [r for r in moved if not r.aborted or r.rerun]
             for req in aborted:
                 self._live.pop(req.request_id, None)
             self._queue = collections.deque(sorted([*retried, *self._queue], key=lambda r: r.seq))

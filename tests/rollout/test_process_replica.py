@@ -108,6 +108,10 @@ def test_a_killed_replica_process_hands_its_requests_over_and_restarts_at_the_cu
                 proc.submit("dup", prompts[0], seed=0, row=0, step_offset=0, session_id=None, **kw)
             router.resume()
             assert dup.result().token_ids and placed[-1] == "dup"
+            # an on_tokens that raises is dropped; the request and the replica go on
+            bad = proc.submit("bad", prompts[0], sampling=SAMPLED, max_new_tokens=12, seed=0, row=0,
+                              step_offset=0, session_id=None, on_tokens=lambda ids: 1 / 0)
+            assert len(bad.result(timeout=120).token_ids) > 4  # a guard against a hang
             router.generate("chat-0", prompts[1], session_id="chat", seed=2, row=7, **kw)  # turn 1 on 0
             assert placed[-1] == "chat-0" and proc.error is None
 
@@ -122,7 +126,9 @@ def test_a_killed_replica_process_hands_its_requests_over_and_restarts_at_the_cu
                                  sampling=SAMPLED, max_new_tokens=8, session_id="chat", seed=0, row=8))
             loops = proc.run_in_child(_replica_child.arm_hold)
             router.suspend()
-            futures = {c["request_id"]: router.submit(**c) for c in calls}
+            given = {c["request_id"]: [] for c in calls}  # streamed: (the giving thread, ids)
+            futures = {c["request_id"]: router.submit(**c, on_tokens=lambda ids, k=c["request_id"]: given[k].append(
+                (threading.current_thread().name, list(ids)))) for c in calls}
             on_child = [c["request_id"] for c in calls if c["request_id"] in placed]
             assert len(on_child) == 4 and "chat-1" in on_child and router.in_flight() == [4, 4]
             router.resume()
@@ -157,6 +163,14 @@ def test_a_killed_replica_process_hands_its_requests_over_and_restarts_at_the_cu
         assert out.policy_versions == [3] * len(out.token_ids)
     assert outs["chat-1"].num_cached_tokens == 0  # its KV died with the child: prefilled in full
     assert all(len(want[k].token_ids) > 4 for k in on_child)  # 4 tokens each died with the child
+    # streaming: the child's loop reached the caller over the pipe; the retry on replica 1 gave
+    # only the tokens after those, so each token came once and the outputs start with them
+    for k, out in outs.items():
+        got = [t for _, ids in given[k] for t in ids]
+        assert got == out.token_ids[:len(got)], k
+    for k in on_child:
+        threads = [name for name, _ in given[k]]
+        assert threads[0] == "rollout-replica-dispatch" and len(given[k][0][1]) >= 4, (k, given[k])
     assert stats["dead_replicas"] == 1 and stats["restarted_replicas"] == 1
     assert stats["retried_requests"] == 4
     assert metrics["rollout/router/dead_replicas"] == 1.0

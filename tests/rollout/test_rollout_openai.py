@@ -551,7 +551,8 @@ STOP_SEED, STOP = 5, "24"
 def _abort_waits_for(monkeypatch, api):
     """Makes the early stop land at a known point: the scheduler's 2nd decode loop from now waits
     until the endpoint has asked for an abort (after the 1st loop's tokens showed the stop
-    string), so the aborted choice ends after at most 2 loops (8 tokens at steps_per_sync=4)."""
+    string), so the aborted choice ends after at most 2 loops (8 tokens at steps_per_sync=4).
+    Over a ReplicaRouter: each replica's 2nd loop (only the replicas the request runs on loop)."""
     asked, real = threading.Event(), api.server.abort
 
     def abort(request_id):
@@ -560,7 +561,9 @@ def _abort_waits_for(monkeypatch, api):
         return ok
 
     monkeypatch.setattr(api.server, "abort", abort)
-    hook_decode(monkeypatch, api.server.engine, {2: lambda: asked.wait(30)})
+    replicas = getattr(api.server, "replicas", None)
+    for engine in [api.server.engine] if replicas is None else [r.server.engine for r in replicas]:
+        hook_decode(monkeypatch, engine, {2: lambda: asked.wait(30)})
 
 
 def _cut(tok, ids, stop):
@@ -629,6 +632,47 @@ def test_n2_only_the_choice_that_reaches_the_stop_string_is_aborted(served, tok,
     assert b == second  # the other choice ran to its end, unchanged
     assert served.stats["stopped_early"] == early + 1
     assert _generated(served) - g0 <= 8 + 25
+
+
+@pytest.fixture(scope="module")
+def routed(tiny_engine, tiny_model, stop_id, tok):
+    """The endpoint over a ReplicaRouter of 2 in-process replicas (tiny_engine's, and a twin on
+    the same device: it reuses the compiled programs), as multi-replica runs serve it."""
+    from conftest import _tiny_engine
+    twin = _tiny_engine(tiny_model, stop_id, "per_layer")
+    router = rollout.ReplicaRouter([rollout.RolloutServer(e, steps_per_sync=4) for e in (tiny_engine, twin)])
+    with router, OpenAIServer(router, tok, model_name=MODEL, max_n=4, max_target_length=32) as api:
+        yield api
+
+
+def test_a_stop_string_ends_the_generation_early_over_a_replica_router(served, routed, tok, monkeypatch):
+    """Over a 2-replica router (its submit takes on_tokens) a stop string ends the generation
+    early as over one server, with the same reply; with n=2 the choices run on both replicas and
+    only the one that reaches the stop string is aborted; the streamed text is the reply's."""
+    assert routed._takes_on_tokens()
+    kwargs = dict(messages=HELLO, temperature=1.0, seed=STOP_SEED, logprobs=True)
+    _, whole = chat(routed, **kwargs)
+    assert len(whole["choices"][0]["token_ids"]) == 25  # without stop: the whole budget
+    _, one = chat(served, **kwargs, stop=STOP)  # one server's reply
+    g0, early = _generated(routed), routed.stats["stopped_early"]
+    _abort_waits_for(monkeypatch, routed)
+    _, body = chat(routed, **kwargs, stop=STOP)
+    assert body["choices"] == one["choices"] and body["usage"] == one["usage"]
+    assert _generated(routed) - g0 <= 8 and routed.stats["stopped_early"] == early + 1
+    monkeypatch.undo()
+    _, one2 = chat(served, **kwargs, n=2, stop=STOP)
+    placed = routed.server.stats["routed_requests"]
+    g0 = _generated(routed)
+    _abort_waits_for(monkeypatch, routed)
+    _, body2 = chat(routed, **kwargs, n=2, stop=STOP)
+    assert body2["choices"] == one2["choices"] and routed.server.stats["routed_requests"] == placed + 2
+    assert _generated(routed) - g0 <= 8 + 25  # choice 0 cut after 2 loops, choice 1 ran its 25
+    assert routed.server.metrics()["rollout/replica/1/requests"] >= 1  # a choice ran on replica 1
+    monkeypatch.undo()
+    text = one["choices"][0]["message"]["content"]
+    _, events = chat(routed, messages=HELLO, temperature=1.0, seed=STOP_SEED, stop=STOP, stream=True)
+    deltas = [e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]]
+    assert "".join(deltas) == text and all(STOP not in d for d in deltas)
 
 
 def test_a_session_extends_a_stop_cut_reply_into_one_trajectory(served, tok, monkeypatch):

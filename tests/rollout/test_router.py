@@ -10,6 +10,7 @@ at a known point it hooks that engine's `decode_loop`. No sleeps.
 """
 import asyncio
 import collections
+import logging
 import threading
 
 import jax
@@ -507,6 +508,177 @@ def test_no_live_replica_left_fails_every_request_with_one_clear_error(engines, 
         router.update_params(engines[0].params)
     assert router.stats["dead_replicas"] == 2
     router.close()
+
+
+# ---------------------------------------------------------------- streaming (on_tokens)
+def streaming(router, calls):
+    """Submits `calls` with on_tokens; returns their futures and each one's calls as
+    (future done at the call, token ids)."""
+    given, futures = collections.defaultdict(list), {}
+    for c in calls:
+        rid = c["request_id"]
+        futures[rid] = router.submit(**c, on_tokens=lambda ids, rid=rid: given[rid].append(
+            (rid in futures and futures[rid].done(), list(ids))))
+    return futures, given
+
+
+def assert_streamed_prefix(given, outs):
+    """Each request's streamed tokens, concatenated, are the start of its output (so no token came
+    twice or out of order, and the output's tail is what was not streamed)."""
+    for rid, out in outs.items():
+        got = [t for _, ids in given[rid] for t in ids]
+        assert got == out.token_ids[:len(got)], rid
+        assert all(ids for _, ids in given[rid]) and not any(done for done, _ in given[rid]), rid
+
+
+def long_greedy(tiny_model, prompts, stop_id, n=12, other=None):
+    """The first prompt whose greedy run goes `n` tokens without the stop token (and, with
+    `other` weights, also under those, its first tokens differing)."""
+    for p in prompts:
+        ref = greedy_reference(tiny_model, p, n, (stop_id,))
+        alt = ref if other is None else greedy_reference(other, p, n, (stop_id,))
+        if len(ref) == len(alt) == n and (other is None or alt[:4] != ref[:4]):
+            return p, ref
+    raise AssertionError("no such prompt")
+
+
+def test_on_tokens_streams_through_the_router_from_both_replicas(engines, tiny_engine, prompts):
+    """submit(on_tokens=...) over 2 replicas: each request gets its tokens while it runs, in
+    order, once; its output starts with them and equals one server's."""
+    router, replicas, placed = make_router(engines)
+    calls = [dict(request_id=f"s{i}", prompt_ids=prompts[i], sampling=SAMPLED, max_new_tokens=14,
+                  seed=9, row=i) for i in range(4)]
+    with router:
+        router.suspend()  # placements 0, 1, 0, 1
+        futures, given = streaming(router, calls)
+        router.resume()
+        outs = {k: f.result() for k, f in futures.items()}
+    assert_same_tokens(outs, reference(tiny_engine, calls))
+    assert_streamed_prefix(given, outs)
+    long = [k for k, o in outs.items() if len(o.token_ids) > 8]  # ran past 2 decode loops
+    assert {placed[k][0] for k in long} == {0, 1}
+    assert all(given[k] for k in long)
+
+
+def test_on_tokens_streams_on_across_a_weight_sync_that_holds_the_requests(engines, tiny_model, prompts,
+                                                                           monkeypatch):
+    """A sync (in_flight="hold") lands on both replicas mid-request: the held requests stay where
+    they are and stream on, each token once, the output starting with every token given and
+    recording both versions."""
+    router, replicas, placed = make_router(engines)
+    synced = []
+    hook_decode(monkeypatch, engines[0], {
+        2: lambda: synced.append(router.submit_update(tiny_model, in_flight="hold"))})
+    calls = [dict(request_id=f"w{i}", prompt_ids=prompts[i], sampling=SAMPLED, max_new_tokens=14,
+                  seed=9, row=i) for i in range(2)]
+    with router:
+        router.suspend()  # placements 0, 1
+        futures, given = streaming(router, calls)
+        router.resume()
+        outs = {k: f.result() for k, f in futures.items()}
+        assert synced[0].result()["policy_version"] == 1
+    assert_streamed_prefix(given, outs)
+    assert [placed[k] for k in outs] == [[0], [1]]  # nothing was re-submitted
+    crossed = [k for k, o in outs.items() if set(o.policy_versions) == {0, 1}]
+    assert crossed and all(len(given[k]) >= 2 for k in crossed)
+
+
+def test_on_tokens_gives_each_token_once_across_a_replica_failure(engines, tiny_engine, tiny_model,
+                                                                  prompts, stop_id, monkeypatch):
+    """Replica 1 dies in its 2nd decode loop after streaming its requests' first tokens; they are
+    retried on replica 0, which samples them again: the caller gets each token once (those it had
+    are not given again) and the output starts with them."""
+    router, replicas, placed = make_router(engines)
+    prompt, _ = long_greedy(tiny_model, prompts, stop_id)
+    calls = [dict(request_id=f"f{i}", prompt_ids=prompt if i % 2 else prompts[i], sampling=GREEDY,
+                  max_new_tokens=16, seed=1, row=i) for i in range(4)]
+    hook_decode(monkeypatch, engines[1], {2: lambda: (_ for _ in ()).throw(RuntimeError("device lost"))})
+    with router:
+        router.suspend()
+        futures, given = streaming(router, calls)
+        router.resume()
+        outs = {k: f.result() for k, f in futures.items()}
+        assert router.live_replicas == [0] and placed["f1"] == [1, 0]
+    assert_same_tokens(outs, reference(tiny_engine, calls))
+    assert_streamed_prefix(given, outs)
+    before = [ids for done, ids in given["f1"]]
+    assert len(before) >= 2 and len(before[0]) >= 4  # replica 1's loop, then the retry's new ones
+
+
+def test_a_retry_that_samples_other_tokens_than_streamed_fails_clearly(
+        engines, tiny_model, other_weights, prompts, stop_id, monkeypatch):
+    """A streamed request whose retry cannot continue the stream (replica 0 has other weights: a
+    sync in between) fails with one clear error instead of an output that contradicts it, as soon
+    as the retry's first tokens show it (aborted there, not run to its budget)."""
+    rng = np.random.default_rng(1)  # more candidates: few prompts run 16 tokens under both weights
+    candidates = prompts + [[int(t) for t in rng.integers(8, 96, size=6)] for _ in range(24)]
+    prompt, _ = long_greedy(tiny_model, candidates, stop_id, n=16, other=other_weights)
+    engines[0].update_params(other_weights)  # the fixture gives the engines tiny_model back
+    router, replicas, placed = make_router(engines)
+    hook_decode(monkeypatch, engines[1], {2: lambda: (_ for _ in ()).throw(RuntimeError("device lost"))})
+    with router:
+        router.suspend()
+        pad = router.submit("pad", prompts[2], sampling=GREEDY, max_new_tokens=2)
+        futures, given = streaming(router, [dict(request_id="x", prompt_ids=prompt, sampling=GREEDY,
+                                                 max_new_tokens=16)])
+        router.resume()
+        with pytest.raises(RuntimeError, match="'x'.*sampled other tokens"):
+            futures["x"].result()
+        assert pad.result().finish_reason in ("stop", "length")
+        assert replicas[0].stats["generated_tokens"] <= 2 + 8  # pad's, the retry's first 2 loops
+    assert placed["x"] == [1, 0] and given["x"]
+
+
+class _Dropped(logging.Handler):
+    """Sets `event` when the router logs a replica's death (its requests are re-queued by then)."""
+
+    def __init__(self, event):
+        super().__init__(logging.WARNING)
+        self.event = event
+
+    def emit(self, record):
+        if "failed" in record.getMessage():
+            self.event.set()
+
+
+@pytest.mark.parametrize("where", ["replica", "queue"])
+def test_an_abort_landing_before_a_retry_caught_up_keeps_the_streamed_tokens(
+        engines, tiny_model, prompts, stop_id, monkeypatch, where):
+    """Replica 1 dies after streaming; the retry is aborted before it sampled anything, either
+    waiting on (suspended) replica 0 or in the router's queue (replica 0 at its bound of 1): the
+    router runs it again up to the streamed tokens, so the abort's output still starts with (here:
+    is) every token the caller was given."""
+    prompt, ref = long_greedy(tiny_model, prompts, stop_id)
+    router, replicas, placed = make_router(engines, max_inflight_per_replica=1 if where == "queue" else None)
+    moved, real = threading.Event(), replicas[0].submit
+
+    def submit(request_id, prompt_ids, **kwargs):
+        future = real(request_id, prompt_ids, **kwargs)
+        if request_id == "x":
+            moved.set()
+        return future
+
+    monkeypatch.setattr(replicas[0], "submit", submit)
+    handler = _Dropped(threading.Event() if where == "replica" else moved)
+    logging.getLogger("rollout._router").addHandler(handler)
+    hook_decode(monkeypatch, engines[1], {2: lambda: (_ for _ in ()).throw(RuntimeError("device lost"))})
+    try:
+        with router:
+            replicas[0].server.suspend()
+            pad = router.submit("pad", prompts[2], sampling=GREEDY, max_new_tokens=2)
+            futures, given = streaming(router, [dict(request_id="x", prompt_ids=prompt, sampling=GREEDY,
+                                                     max_new_tokens=12)])
+            assert moved.wait(120)  # a guard against a hang, not a timing assertion
+            assert router.abort("x")
+            replicas[0].server.resume()
+            out = futures["x"].result()
+            assert pad.result().finish_reason in ("stop", "length")
+    finally:
+        logging.getLogger("rollout._router").removeHandler(handler)
+    got = [t for _, ids in given["x"] for t in ids]
+    assert out.finish_reason == "abort" and got and out.token_ids == got == ref[:len(got)]
+    assert len(out.log_probs) == len(got)
+    assert placed["x"] == ([1, 0, 0] if where == "replica" else [1, 0])
 
 
 # ---------------------------------------------------------------- the agent code, unchanged
