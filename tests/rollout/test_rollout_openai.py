@@ -11,7 +11,7 @@ import pytest
 
 import rollout
 from rollout._openai import OpenAIServer, SessionRecorder
-from conftest import hook_decode
+from conftest import _tiny_engine, hook_decode  # at collection (see tests/test_conftest_imports.py)
 from jaxrl_llm.models._tokenizer import CharTokenizer
 
 MODEL = "tiny"
@@ -638,7 +638,6 @@ def test_n2_only_the_choice_that_reaches_the_stop_string_is_aborted(served, tok,
 def routed(tiny_engine, tiny_model, stop_id, tok):
     """The endpoint over a ReplicaRouter of 2 in-process replicas (tiny_engine's, and a twin on
     the same device: it reuses the compiled programs), as multi-replica runs serve it."""
-    from conftest import _tiny_engine
     twin = _tiny_engine(tiny_model, stop_id, "per_layer")
     router = rollout.ReplicaRouter([rollout.RolloutServer(e, steps_per_sync=4) for e in (tiny_engine, twin)])
     with router, OpenAIServer(router, tok, model_name=MODEL, max_n=4, max_target_length=32) as api:
