@@ -22,7 +22,7 @@ import numpy as np
 
 from sharding import to_host
 
-from ._engine import BATCH_INVARIANT_ROWS, Engine, _next_pow2
+from ._engine import Engine, _next_pow2
 from ._sampling import SamplingParams
 
 
@@ -251,10 +251,7 @@ class _Run:
         for bucket, ids in by_bucket.items():
             for lo in range(0, len(ids), self.d.max_prefill_batch):
                 chunk = ids[lo:lo + self.d.max_prefill_batch]
-                if self.e.batch_invariant:  # the engine runs calls of a fixed row count: no
-                    batch = -(-len(chunk) // BATCH_INVARIANT_ROWS) * BATCH_INVARIANT_ROWS  # call of padding only
-                else:
-                    batch = _next_pow2(max(len(chunk), 4))  # few prefill shapes to compile
+                batch = self.e.call_rows(len(chunk))
                 tokens = np.full((batch, bucket), self.e.pad_token_id, np.int32)
                 lengths = np.ones(batch, np.int32)
                 for j, p in enumerate(chunk):

@@ -714,6 +714,15 @@ class Engine:
                              f"max_prefill_length")
         return next(b for b in self._buckets if b >= length)
 
+    def call_rows(self, n: int) -> int:
+        """Rows of a prefill or append call for n prompts (the server's and the RL driver's): a
+        power of two (at least 4: few shapes to compile), or with `batch_invariant`, which computes
+        any call as calls of BATCH_INVARIANT_ROWS rows, the multiple of those (no call of padding
+        rows only)."""
+        if self.batch_invariant:
+            return -(-n // BATCH_INVARIANT_ROWS) * BATCH_INVARIANT_ROWS
+        return _next_pow2(max(n, 4))
+
     def prefill_batch(self, params, tokens: np.ndarray, true_lengths: np.ndarray) -> Prefix:
         """Prefills p prompts at once. tokens int32[p, bucket] right-padded, true_lengths int32[p].
         batch_invariant: in calls of exactly BATCH_INVARIANT_ROWS rows, whatever p (see there)."""

@@ -75,7 +75,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._engine import BATCH_INVARIANT_ROWS, PREFILL_BUCKETS, Engine, _next_pow2
+from ._engine import PREFILL_BUCKETS, Engine, _next_pow2
 from ._sampling import SamplingParams
 
 PARTIAL_ROLLOUT_KV = ("recompute", "keep")
@@ -660,7 +660,7 @@ class RolloutServer:
         by_bucket: dict[int, list[int]] = {}
         for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
             by_bucket.setdefault(refill_bucket(lengths[i], self.engine.max_target_length), []).append(i)
-        return [(bucket, rows, self._call_rows(len(rows))) for bucket, rows in by_bucket.items()]
+        return [(bucket, rows, self.engine.call_rows(len(rows))) for bucket, rows in by_bucket.items()]
 
     def _free_slots(self) -> list[int]:
         parked = {slot for slot, *_ in self._parked.values()}
@@ -738,14 +738,6 @@ class RolloutServer:
                     sampling=[r.sampling for r in reqs] + [reqs[0].sampling] * pad,
                     row_keys=np.stack([r.key_data for r in reqs] + [reqs[0].key_data] * pad))
 
-    def _call_rows(self, n: int) -> int:
-        """Rows of a prefill or append call for n prompts: a power of two (at least 4: few shapes
-        to compile), or with a batch_invariant engine, which computes any call as calls of
-        BATCH_INVARIANT_ROWS rows, the multiple of those (no call of padding rows only)."""
-        if self.engine.batch_invariant:
-            return -(-n // BATCH_INVARIANT_ROWS) * BATCH_INVARIANT_ROWS
-        return _next_pow2(max(n, 4))
-
     def _chunks(self, items, length_of):
         """Items grouped by the prefill bucket of length_of(item), at most max_prefill_batch each."""
         by_bucket: dict[int, list] = {}
@@ -759,7 +751,7 @@ class RolloutServer:
         """Full prefill of each request's first max_prefill_length tokens, inserted into its slot."""
         first = {id(r): r.fill[:self.engine.max_prefill_length] for r in reqs}
         for bucket, chunk in self._chunks(reqs, lambda r: len(first[id(r)])):
-            size = self._call_rows(len(chunk))
+            size = self.engine.call_rows(len(chunk))
             self._insert_prefill(chunk, bucket, size, [first[id(r)] for r in chunk])
             self._stats["prefill_tokens"] += sum(len(first[id(r)]) for r in chunk)
 
@@ -788,7 +780,7 @@ class RolloutServer:
         e = self.engine
         nxt = {id(r): r.fill[r.cached:r.cached + e.max_prefill_length] for r in reqs}
         for bucket, chunk in self._chunks(reqs, lambda r: len(nxt[id(r)])):
-            size = self._call_rows(len(chunk))
+            size = self.engine.call_rows(len(chunk))
             tokens = np.full((size, bucket), e.pad_token_id, np.int32)
             lengths = np.ones(size, np.int32)
             start = [r.cached for r in chunk]
