@@ -162,6 +162,8 @@ class ReplicaRouter(FanOutMixin, RestartMixin):
     replica is dropped), at most `max_restarts` times per index; the new one is brought to the
     router's weights with `restart_params(index)` (None: the tree that replica index got at the
     last sync, which the router then keeps a reference to; see "Restart" in the module docstring).
+    restart_backoff_s: the wait before retrying a failed restart, doubled with each failure in a
+    row (at most 60 s; 0: retry at once).
     parked_reserve: slots per replica kept for parked sessions' next turns (None: half each
     replica's `capacity`; 0: none; must be below every replica's capacity; see "Eviction-aware
     placement" in the module docstring).
@@ -170,7 +172,8 @@ class ReplicaRouter(FanOutMixin, RestartMixin):
     def __init__(self, replicas: Sequence[Replica | RolloutServer], *,
                  max_inflight_per_replica: int | None = None,
                  restart: Callable[[int], Replica | RolloutServer] | None = None, max_restarts: int = 1,
-                 restart_params: Callable[[int], Any] | None = None, parked_reserve: int | None = None):
+                 restart_params: Callable[[int], Any] | None = None, parked_reserve: int | None = None,
+                 restart_backoff_s: float = 1.0):
         if not replicas:
             raise ValueError("ReplicaRouter needs at least one replica")
         self.replicas: list[Replica] = [LocalReplica(r) if isinstance(r, RolloutServer) else r
@@ -197,6 +200,9 @@ class ReplicaRouter(FanOutMixin, RestartMixin):
             raise TypeError(f"restart must be a callable index -> replica or None, got {restart!r}")
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+        if isinstance(restart_backoff_s, bool) or not isinstance(restart_backoff_s, (int, float)) \
+                or not 0 <= restart_backoff_s < float("inf"):
+            raise ValueError(f"restart_backoff_s must be a number of seconds >= 0, got {restart_backoff_s!r}")
         versions = [r.policy_version for r in self.replicas]
         if len(set(versions)) != 1:
             raise ValueError(f"the replicas are at different policy versions {versions}; sync "
@@ -224,6 +230,8 @@ class ReplicaRouter(FanOutMixin, RestartMixin):
         # restarts (see the module docstring)
         self._restart, self._max_restarts, self._restart_params = restart, max_restarts, restart_params
         self._restarts = collections.Counter()  # per replica index
+        self._restart_backoff_s = float(restart_backoff_s)
+        self._failures_in_a_row = collections.Counter()  # per replica index, reset by a restart that works
         self._restarting: set[int] = set()
         self._restart_threads: list[threading.Thread] = []
         self._synced_trees: dict[int, Any] = {}  # index -> its tree of the last applied sync (restart only)

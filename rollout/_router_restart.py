@@ -10,10 +10,13 @@ the router's queue.
 
 `max_restarts` bounds the attempts per index, failed ones included: a restart that raises (the
 factory, a child that never reports ready, the sync) is retried at once while attempts are left,
-with a warning each time, and once none are left the replica is dropped for good with a warning,
-as is a death past max_restarts; the run goes on with the others (or, with none left, every
-waiting request fails with one error). There is no wait between attempts: a cause that needs
-time to clear (a device still held by the dead process) wants a factory that waits for it.
+with a warning each time, after a wait that doubles with each failure in a row
+(`restart_backoff_s`, 2x, 4x, ..., at most 60 s; `close` cuts it short), so a cause that needs
+time to clear (a device still held by the dead process, a port in TIME_WAIT) gets it and a
+factory that always fails does not spin. Once no attempt is left the replica is dropped for
+good with a warning, as is a death past max_restarts; the run goes on with the others (or, with
+none left, every waiting request fails with one error). The first attempt after a death starts
+at once.
 
 The router's state (its lock and condition, the replica list, the counters) is the router's;
 this module holds only the restart logic, so the router's module stays about routing.
@@ -27,6 +30,14 @@ from ._replica import LocalReplica, Replica
 from ._server import RolloutServer, _set_future
 
 log = logging.getLogger("rollout._router")  # the router's warnings, one logger
+
+
+MAX_RESTART_DELAY_S = 60.0
+
+
+def restart_delay(backoff_s: float, failures: int) -> float:
+    """Seconds to wait before the next restart attempt after `failures` failed ones in a row."""
+    return min(backoff_s * 2.0 ** (failures - 1), max(backoff_s, MAX_RESTART_DELAY_S))
 
 
 class _Closing(Exception):
@@ -82,13 +93,17 @@ class RestartMixin:
             retry = not closing and not self._closing and self._restarts[i] < self._max_restarts
             if retry:
                 self._restarts[i] += 1
+                self._failures_in_a_row[i] += 1
+                delay = restart_delay(self._restart_backoff_s, self._failures_in_a_row[i])
             else:
                 self._restarting.discard(i)
                 self._idle.notify_all()
                 left = self._fail_if_none_left()
         if retry:
-            log.warning("rollout replica %d: restart failed (%r); trying again (restart %d of %d)",
-                        i, error, self._restarts[i], self._max_restarts)
+            log.warning("rollout replica %d: restart failed (%r); trying again in %.3g s (restart %d of %d)",
+                        i, error, delay, self._restarts[i], self._max_restarts)
+            with self._idle:  # close() notifies: the wait ends at once and the next attempt sees _closing
+                self._idle.wait_for(lambda: self._closing, timeout=delay)
             return True
         if not closing:
             log.warning("rollout replica %d: restart failed (%r); dropped for good (max_restarts=%d "
@@ -130,6 +145,7 @@ class RestartMixin:
                 self.replicas[i], self._last_stats[i] = new, {}
                 del self._dead[i]
                 self._restarting.discard(i)
+                self._failures_in_a_row[i] = 0
                 self._counts["restarted_replicas"] += 1
                 self._idle.notify_all()
             break

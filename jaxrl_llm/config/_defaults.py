@@ -53,6 +53,7 @@ def base_config() -> ConfigDict:
         log_prob_max_token_len_per_device=0, partial_rollout_kv="recompute", free_cache_engine=True,
         batch_invariant=False,
         replicas_per_host=1, max_inflight_per_replica=0, replica_backend="local", replica_max_restarts=1,
+        replica_restart_backoff_s=1.0,
         val=dict(temperature=0.0, top_k=-1, top_p=1.0, n=1),
         multi_turn=dict(
             enable=False, default_agent_loop="single_turn_agent", max_assistant_turns=0,

@@ -344,6 +344,10 @@ def validate(c: RunConfig) -> None:
                           "separate_async with the rollouter); the batch rollout runs one engine per host")
     _choice(c.rollout.replica_backend, ("local", "process"), "rollout.replica_backend")
     _positive(c.rollout.replica_max_restarts, "rollout.replica_max_restarts", allow_zero=True)
+    if not math.isfinite(c.rollout.replica_restart_backoff_s):
+        raise ConfigError(f"rollout.replica_restart_backoff_s must be a finite number of seconds, got "
+                          f"{c.rollout.replica_restart_backoff_s}")
+    _positive(c.rollout.replica_restart_backoff_s, "rollout.replica_restart_backoff_s", allow_zero=True)
     if c.rollout.replica_backend == "process" and not (
             c.rollout.multi_turn.enable or c.rollout_source in ("buffer", "colocated_buffer")):
         raise ConfigError("rollout.replica_backend='process' runs each replica's request-level server in a "

@@ -216,7 +216,8 @@ class HostWorker:
             raise next(f.exception() for f in started if f.exception() is not None)
         self.server = rollout.ReplicaRouter(
             [f.result() for f in started], max_inflight_per_replica=c.rollout.max_inflight_per_replica or None,
-            restart=start, max_restarts=c.rollout.replica_max_restarts)
+            restart=start, max_restarts=c.rollout.replica_max_restarts,
+            restart_backoff_s=c.rollout.replica_restart_backoff_s)
 
     # -- the RL step's calls -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, sampling: rollout.SamplingParams,

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -262,7 +263,7 @@ def test_a_failed_restart_is_tried_again_while_max_restarts_allows(engines, prom
         stats = router.stats
     assert (stats["failed_restarts"], stats["restarted_replicas"], stats["dead_replicas"]) == (1, 1, 1)
     warnings = [r.getMessage() for r in caplog.records]
-    assert any("restart failed" in w and "device still busy" in w and "trying again (restart 2 of 2)" in w
+    assert any("restart failed" in w and "device still busy" in w and "trying again in 1 s (restart 2 of 2)" in w
                for w in warnings), warnings
 
     def broken(i):
@@ -279,6 +280,42 @@ def test_a_failed_restart_is_tried_again_while_max_restarts_allows(engines, prom
         assert calls == [0, 0] and router.stats["failed_restarts"] == 2
         assert router.generate("after", prompts[0], **kw).token_ids
     assert any("dropped for good (max_restarts=2 attempts used)" in r.getMessage() for r in caplog.records)
+
+
+def test_restart_delay_doubles_per_failure_up_to_a_minute():
+    from rollout._router_restart import restart_delay
+    assert [restart_delay(1.0, n) for n in (1, 2, 3, 7, 20)] == [1.0, 2.0, 4.0, 60.0, 60.0]
+    assert restart_delay(0.0, 5) == 0.0 and restart_delay(100.0, 3) == 100.0  # a larger base is kept
+
+
+def test_failed_restarts_wait_longer_each_time_and_close_cuts_the_wait(engines):
+    """A factory that keeps failing is retried after restart_backoff_s, then twice that (not at
+    once, as before: a spinning retry loop); close() during a long wait returns at once and no
+    attempt follows it."""
+    times = []
+
+    def broken(i):
+        times.append(time.monotonic())
+        raise RuntimeError("device still busy")
+
+    servers = lambda: [rollout.RolloutServer(e, steps_per_sync=4) for e in engines]  # noqa: E731
+    with rollout.ReplicaRouter(servers(), restart=broken, max_restarts=3, restart_backoff_s=0.2) as router:
+        router.mark_dead(0, "test")
+        assert router.wait_restarts(timeout=120) and router.live_replicas == [1]
+    assert len(times) == 3, times
+    assert times[1] - times[0] >= 0.2 and times[2] - times[1] >= 0.4, np.diff(times)
+
+    times.clear()
+    router = rollout.ReplicaRouter(servers(), restart=broken, max_restarts=2, restart_backoff_s=600)
+    router.mark_dead(0, "test")
+    assert not router.wait_restarts(timeout=0.5) and len(times) == 1  # waiting out its 600 s
+    closer = threading.Thread(target=router.close)
+    closer.start()
+    closer.join(timeout=60)
+    assert not closer.is_alive() and len(times) == 1
+    for bad in (-1, float("nan"), True):
+        with pytest.raises(ValueError, match="restart_backoff_s must be a number of seconds >= 0"):
+            rollout.ReplicaRouter(servers(), restart_backoff_s=bad)
 
 
 def test_requests_wait_while_the_only_replica_restarts(engines, tiny_model, stop_id, prompts):

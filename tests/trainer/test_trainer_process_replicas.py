@@ -142,6 +142,10 @@ def test_process_replicas_need_the_request_level_server(tmp_path):
         _config(tmp_path, **{"rollout.replica_backend": "thread"})
     with pytest.raises(ConfigError, match=r"rollout.replica_max_restarts must be >= 0"):
         _config(tmp_path, **{"rollout.replica_max_restarts": -1})
+    with pytest.raises(ConfigError, match=r"rollout.replica_restart_backoff_s must be >= 0"):
+        _config(tmp_path, **{"rollout.replica_restart_backoff_s": -0.5})
+    with pytest.raises(ConfigError, match=r"rollout.replica_restart_backoff_s must be a finite number"):
+        _config(tmp_path, **{"rollout.replica_restart_backoff_s": float("inf")})
 
 
 def test_process_replicas_are_refused_off_cpu(tmp_path, monkeypatch):
