@@ -338,7 +338,7 @@ class OpenAIServer:
         n = opts["n"]
         if opts["max_tokens"] == 0:  # a session hook's "no budget left": nothing is generated
             rid = uuid.uuid4().hex
-            return rid, [_EmptyOutput(f"{rid}-{i}") for i in range(n)]
+            return rid, [_EmptyOutput(f"{rid}-{i}") for i in range(n)], [None] * n
         with self._count:
             if self.max_in_flight is not None and self._in_flight + n > self.max_in_flight:
                 raise RequestError(f"the server is at its limit of {self.max_in_flight} requests "
@@ -399,14 +399,15 @@ class OpenAIServer:
                 for f in futures:
                     f.cancel()
                 raise
-        outs = [self._kept(f.result(), len(prompt_ids), stops) for f in futures]
+        kept = [self._kept(f.result(), len(prompt_ids), stops) for f in futures]
+        outs, texts = [o for o, _ in kept], [t for _, t in kept]
         if self.recorder is not None:
             for o in outs:
                 self.recorder.record(session_id, RecordedTurn(
                     o.request_id, list(prompt_ids), list(o.token_ids), list(o.log_probs),
                     list(o.policy_versions), o.finish_reason, int(o.num_cached_tokens),
                     getattr(o, "routed_experts", None)))
-        return rid, outs
+        return rid, outs, texts
 
     def _reached_stop(self, text: str, ids: list[int], stops: list[str]) -> bool:
         """Whether a choice's tokens so far show a stop string: found in the incrementally
@@ -435,15 +436,16 @@ class OpenAIServer:
         return hi, text[:cut]
 
     def _kept(self, out, num_prompt: int, stops: list[str]):
-        """The output as the request keeps it (returned, recorded, passed to the session hook):
-        cut at a stop string to its first k tokens with finish_reason "stop", whether the
+        """(output, text) as the request keeps it (returned, recorded, passed to the session
+        hook): cut at a stop string to its first k tokens with finish_reason "stop", whether the
         generation ended there (aborted, early stop) or ran on, so nothing depends on when the
         abort landed; the router-replay experts cut to prompt + k, the k-th token's -1 (not fed,
-        as a response's last token)."""
+        as a response's last token). `text` is the decoded text before the stop string, or None
+        when no stop string showed (the output is then returned as it is)."""
         found = self._stop_cut(list(out.token_ids), stops) if stops and len(out.token_ids) else None
         if found is None:
-            return out
-        k = found[0]
+            return out, None
+        k, text = found
         experts = getattr(out, "routed_experts", None)
         if experts is not None:
             experts = experts[:num_prompt + k].copy()
@@ -452,19 +454,17 @@ class OpenAIServer:
                    policy_versions=list(out.policy_versions)[:k], finish_reason="stop")
         if experts is not None:
             cut["routed_experts"] = experts
-        return dataclasses.replace(out, **cut)
+        return dataclasses.replace(out, **cut), text
 
-    def _finish(self, out, stop: list[str]):
-        """(text, token ids, log-probs, versions, finish_reason) of one output, cut at a stop
-        string (the tokens up to the one that completed it are kept)."""
+    def _finish(self, out, cut_text: str | None):
+        """(text, token ids, log-probs, versions, finish_reason) of one kept output (`_kept`):
+        `cut_text` is its text before the stop string that cut it (None: not cut, the whole
+        decoded text)."""
         ids, lps, vers = list(out.token_ids), list(out.log_probs), list(out.policy_versions)
+        if cut_text is not None:
+            return cut_text, ids, lps, vers, "stop"
         reason = "stop" if out.finish_reason == "stop" else "length"
-        text = self.tokenizer.decode(ids)
-        found = self._stop_cut(ids, stop) if stop else None
-        if found is not None:
-            k, text = found
-            ids, lps, vers, reason = ids[:k], lps[:k], vers[:k], "stop"
-        return text, ids, lps, vers, reason
+        return self.tokenizer.decode(ids), ids, lps, vers, reason
 
     def _token_texts(self, ids) -> list[str]:
         """Each token's share of the decoded text (a token that ends inside a multi-byte
@@ -513,10 +513,10 @@ class OpenAIServer:
         # tool calls and log-probs: the stream is sent when the generation ends
         streamer = self._streamer(writer if schemas is None and not logprobs else None, opts,
                                   "chat")
-        rid, outs = self._generate(prompt_ids, opts, session_id, streamer)
+        rid, outs, cut_texts = self._generate(prompt_ids, opts, session_id, streamer)
         choices = []
         for i, out in enumerate(outs):
-            text, ids, lps, vers, reason = self._finish(out, opts["stop"])
+            text, ids, lps, vers, reason = self._finish(out, cut_texts[i])
             content, calls = text, []
             if schemas is not None:
                 content, parsed = self.parser.parse(text, schemas)
@@ -569,12 +569,12 @@ class OpenAIServer:
         if hook is not None:
             prompt_ids = hook.before(session_id, None, None, prompt_ids, opts)
         streamer = self._streamer(writer if logprobs is None else None, opts, "completion")
-        rid, outs = self._generate(prompt_ids, opts, session_id, streamer)
+        rid, outs, cut_texts = self._generate(prompt_ids, opts, session_id, streamer)
         if hook is not None:
             hook.after(session_id, None, None, outs[0])
         choices = []
         for i, out in enumerate(outs):
-            text, ids, lps, vers, reason = self._finish(out, opts["stop"])
+            text, ids, lps, vers, reason = self._finish(out, cut_texts[i])
             choice = {"index": i, "text": text, "finish_reason": reason, "logprobs": None}
             if streamer is not None and streamer.started:
                 choice["_streamed"] = streamer.sent[i]

@@ -587,7 +587,11 @@ def test_a_stop_string_ends_the_generation_early_with_the_same_result(served, to
     assert k <= 4, "the stop string must show in the first decode loop's tokens"
     early = served.stats["stopped_early"]
     _abort_waits_for(monkeypatch, served)
+    cuts = []
+    real_cut = served._stop_cut
+    monkeypatch.setattr(served, "_stop_cut", lambda *a: cuts.append(1) or real_cut(*a))
     _, body = chat(served, **kwargs, stop=STOP)
+    assert len(cuts) == 1  # the cut is found once per choice and reused for the response text
     c = full["message"]["content"]
     got = body["choices"][0]
     # what the endpoint returned before (the text cut, the tokens up to the stop string's) ...
@@ -719,9 +723,9 @@ def test_a_stop_cut_keeps_the_router_replay_experts_of_prompt_and_kept_tokens(to
     out = rollout.GenerateOutput("r", ids, [-0.5] * len(ids), "abort", len(prompt), 0,
                                  len(prompt), 0, [0] * len(ids), routed_experts=experts)
     with OpenAIServer(_Scripted(tok, ""), tok, model_name=MODEL) as api:
-        kept = api._kept(out, len(prompt), ["\nObs"])
+        kept, text = api._kept(out, len(prompt), ["\nObs"])
     k = len("ab\nObs")
-    assert kept.token_ids == ids[:k] and kept.finish_reason == "stop"
+    assert text == "ab" and kept.token_ids == ids[:k] and kept.finish_reason == "stop"
     assert kept.routed_experts.shape == (len(prompt) + k, 2, 2)
     assert (kept.routed_experts[:-1] == experts[:len(prompt) + k - 1]).all()
     assert (kept.routed_experts[-1] == -1).all() and (experts[len(prompt) + k - 1] != -1).all()
