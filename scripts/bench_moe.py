@@ -1,7 +1,7 @@
 """MoE benchmark on one accelerator: a random-init Qwen3-MoE against its dense twin of equal
 active parameters (decode, actor update), and the engine/trainer routing mismatch in bf16.
 
-    python scripts/bench_moe.py                                   # Qwen3-30B-A3B layers, 6 of them
+    python scripts/bench_moe.py                                   # Qwen3-30B-A3B layers, 4 of them
     python scripts/bench_moe.py --shape qwen3-30b-a3b-L8 --batches 64 256 --out moe.json
     python scripts/bench_moe.py --skip update,mismatch            # decode only
     python scripts/bench_moe.py --tiny                            # CPU smoke run of all three parts
@@ -127,10 +127,75 @@ def param_counts(cfg) -> dict:
     return {"total_params": int(total), "expert_params": int(expert), "active_params": int(active)}
 
 
+RAGGED_FUSION_FLAG = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
+
+
+def ragged_dot_check(cfg, tokens: int) -> dict:
+    """How this backend compiles the experts' grouped matmul (`jax.lax.ragged_dot`) at this
+    shape: `tokens` * top_k rows of [hidden] x [experts, hidden, moe_intermediate], forward
+    (`fwd_flops_ratio`) and the weight gradient (`wgrad_flops_ratio`: ragged contracting dims),
+    each the compiled program's FLOPs (XLA cost analysis) over the grouped matmul's own
+    2 * rows * hidden * width. XLA's GPU fallback expands a ragged dot into a dense dot over
+    all experts (ratio ~ experts: x128 FLOPs and a [rows, experts, hidden] operand); the cuDNN
+    grouped-matmul fusion (XLA flag above, cuDNN >= 9.22) or JAX's Pallas Triton lowering
+    keep it ~1 (a custom call: its FLOPs may read 0). `expanded` when a ratio exceeds 4."""
+    import jax
+    import jax.numpy as jnp
+
+    rows = tokens * cfg.num_experts_per_tok
+    e, f, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    lhs = jax.ShapeDtypeStruct((rows, e), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((n, e, f), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((n,), jnp.int32)
+    ideal = 2.0 * rows * e * f
+    fwd = lambda a, b, g: jax.lax.ragged_dot(a, b, g)  # noqa: E731
+    wgrad = lambda a, b, g, dy: jax.vjp(lambda b: fwd(a, b, g), b)[1](dy)[0]  # noqa: E731
+    dy = jax.ShapeDtypeStruct((rows, f), jnp.bfloat16)
+    out = {"rows": rows, "ideal_flops": ideal}
+    for name, fn, extra in (("fwd", fwd, ()), ("wgrad", wgrad, (dy,))):
+        cost = jax.jit(fn).lower(lhs, rhs, sizes, *extra).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        flops = (cost or {}).get("flops")
+        out[f"{name}_flops_ratio"] = None if flops is None else float(flops) / ideal
+    out["expanded"] = any((out[f"{k}_flops_ratio"] or 0.0) > 4.0 for k in ("fwd", "wgrad"))
+    out["fwd_expanded"] = (out["fwd_flops_ratio"] or 0.0) > 4.0
+    return out
+
+
+def check_dispatch(moe, args) -> dict:
+    """`ragged_dot_check` at the update's micro-batch tokens under the chosen `--ragged-dot`;
+    in auto mode on a GPU, when XLA expands it, retry with JAX's Pallas Triton lowering."""
+    import jax
+
+    tokens = args.micro * args.update_len
+    rec = {"bench": "moe_dispatch_check", "backend": jax.default_backend(), "ragged_dot": args.ragged_dot,
+           "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    if args.ragged_dot == "triton":
+        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
+    try:
+        rec.update(ragged_dot_check(moe, tokens))
+    except Exception as e:  # noqa: BLE001
+        rec.update(error=repr(e)[-1000:], expanded=True, fwd_expanded=True)
+    if args.ragged_dot == "auto" and rec["backend"] == "gpu" and rec["expanded"]:
+        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
+        try:
+            tri = ragged_dot_check(moe, tokens)
+        except Exception as e:  # noqa: BLE001
+            tri = {"error": repr(e)[-1000:], "expanded": True, "fwd_expanded": True}
+        rec["triton"] = tri
+        better = not tri.get("error") and (tri["expanded"] < rec["expanded"] or tri["fwd_expanded"] < rec["fwd_expanded"])
+        if better:
+            rec.update(ragged_dot="triton", expanded=tri["expanded"], fwd_expanded=tri["fwd_expanded"])
+        else:
+            jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", False)  # no better
+    rec["triton_lowering"] = bool(jax.config.jax_ragged_dot_use_gpu_pallas_triton_lowering)
+    return rec
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="qwen3-30b-a3b", help="tiny | qwen3-30b-a3b | qwen3-30b-a3b-L<layers>")
-    p.add_argument("--layers", type=int, default=6, help="layers of the qwen3-30b-a3b shape (no -L<n>)")
+    p.add_argument("--layers", type=int, default=4, help="layers of the qwen3-30b-a3b shape (no -L<n>)")
     p.add_argument("--skip", default="", help=f"comma-separated parts to skip: {','.join(PARTS)}")
     p.add_argument("--batches", nargs="+", type=int, default=[64, 256], help="decode batch sizes")
     p.add_argument("--prompt-len", type=int, default=512, help="decode and mismatch prompt tokens")
@@ -147,6 +212,12 @@ def parse_args(argv=None):
     p.add_argument("--mismatch-rows", type=int, default=16, help="samples the mismatch part generates and scores")
     p.add_argument("--hbm-gbs", type=float, default=4800.0, help="HBM bandwidth, GB/s (H200: 4800)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak, TFLOP/s (H200: 989)")
+    p.add_argument("--ragged-dot", default="auto", choices=["auto", "xla", "cudnn", "triton"],
+                   help="the experts' grouped matmul on GPU: cudnn (XLA's cuDNN ragged-dot fusion flag), "
+                   "xla (no flag), triton (JAX's Pallas Triton lowering), auto (cudnn, then triton if XLA "
+                   "still expands it to a dense dot over all experts)")
+    p.add_argument("--allow-expanded", action="store_true",
+                   help="time the MoE even when its grouped matmul compiles to a dense dot over all experts")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
     p.add_argument("--tiny", "--dry-run", dest="tiny", action="store_true",
                    help="tiny shape, batch 4, 16+8 tokens, 8-row updates of 16 tokens: a CPU smoke run")
@@ -182,6 +253,8 @@ def bench_decode(name, moe, dense, counts, args) -> list[dict]:
     for batch in args.batches:
         recs = {}
         for kind, cfg in (("moe", moe), ("dense", dense)):
+            if cfg is None:
+                continue
             label = name if kind == "moe" else f"{name}-dense-twin"
             gc.collect()  # the previous engine (a reference cycle through its jits) and its cache
             try:
@@ -220,6 +293,8 @@ def bench_update(name, moe, dense, counts, args) -> list[dict]:
                         "--mesh", "1", "1", "1"])
     out = []
     for kind, cfg in (("moe", moe), ("dense", dense)):
+        if cfg is None:
+            continue
         label = name if kind == "moe" else f"{name}-dense-twin"
         gc.collect()
         cfg = cfg.replace(param_dtype="float32", remat=args.remat)
@@ -239,7 +314,7 @@ def bench_update(name, moe, dense, counts, args) -> list[dict]:
                     "aux_loss_coef": args.aux_loss_coef if cfg.is_moe else 0.0})
         rec.pop("params", None)
         out.append(rec)
-    if len(out) == 2 and all("step_s" in r for r in out):
+    if len(out) == 2 and all("step_s" in r for r in out) and out[0]["kind"] == "moe":
         out[0]["moe_over_dense"] = {"step_s": out[0]["step_s"] / out[1]["step_s"]}
     return out
 
@@ -314,9 +389,12 @@ def bench_mismatch(name, moe, args) -> dict:
 
 
 def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if args.ragged_dot in ("auto", "cudnn") and "ragged_dot_fusion" not in os.environ.get("XLA_FLAGS", ""):
+        # read when the backend starts: set before the first jax import of this process
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + RAGGED_FUSION_FLAG).strip()
     from jaxrl_llm.metrics import JsonReport
 
-    args = parse_args(argv)
     report = JsonReport(args.out)
     name, kwargs = shape_kwargs(args.shape, args.layers)
     moe, dense = model_configs(kwargs, dtype="bfloat16", param_dtype="bfloat16", train_attention="auto")
@@ -325,17 +403,32 @@ def main(argv=None) -> list[dict]:
                 "layers": moe.num_hidden_layers, "experts": moe.num_experts, "top_k": moe.num_experts_per_tok,
                 "moe_intermediate_size": moe.moe_intermediate_size, "dense_intermediate_size": dense.intermediate_size,
                 "parts": args.parts, "note": ROUTING_NOTE})
+    check = check_dispatch(moe, args)
+    report.add(check)
+    # on a GPU an expanded grouped matmul (x experts FLOPs and memory) would time XLA's fallback, not
+    # the MoE, and can run out of memory: skip the MoE there unless asked (the dense twin still runs)
+    gpu = check["backend"] == "gpu" and not args.allow_expanded
+    skip_fwd, skip_bwd = gpu and check["fwd_expanded"], gpu and check["expanded"]
+    why = ("skipped: the experts' ragged_dot compiles to a dense dot over all experts here (moe_dispatch_check); "
+           "pass --allow-expanded to time it anyway, or --ragged-dot triton")
     if "decode" in args.parts:
-        for r in bench_decode(name, moe, dense, counts, args):
+        for r in bench_decode(name, None if skip_fwd else moe, dense, counts, args):
             report.add(r)
+        if skip_fwd:
+            report.add({"bench": "moe_decode", "model": name, "kind": "moe", "error": why})
     if "mismatch" in args.parts:
-        try:
-            report.add(bench_mismatch(name, moe, args))
-        except Exception as e:  # noqa: BLE001
-            report.add(_failed("mismatch", name, args, e))
+        if skip_fwd:
+            report.add({"bench": "moe_mismatch", "model": name, "error": why})
+        else:
+            try:
+                report.add(bench_mismatch(name, moe, args))
+            except Exception as e:  # noqa: BLE001
+                report.add(_failed("mismatch", name, args, e))
     if "update" in args.parts:
-        for r in bench_update(name, moe, dense, counts, args):
+        for r in bench_update(name, None if skip_bwd else moe, dense, counts, args):
             report.add(r)
+        if skip_bwd:
+            report.add({"bench": "moe_update", "model": name, "kind": "moe", "error": why})
     return report.records
 
 
