@@ -14,6 +14,15 @@ dense SwiGLU MLP of width top_k * moe_intermediate_size (6144), so its parameter
 active parameters per token (all but the router's, hidden * experts per layer).
 `active_params` = all parameters but the unchosen experts' (experts * (1 - top_k / experts)).
 
+First (`moe_dispatch_check`): how the experts' grouped matmul (`jax.lax.ragged_dot`) compiles
+here, forward and weight gradient, at the update's micro-batch shape (`ragged_dot_check`). XLA's
+GPU fallback expands a ragged dot into a dense dot over all experts (x experts FLOPs and memory);
+`--ragged-dot auto` (default) adds XLA's cuDNN ragged-dot fusion flag (after checking in a child
+process that this XLA knows it) and, if the dot is still expanded, tries JAX's Pallas Triton
+lowering. On a GPU, the MoE's decode and mismatch parts are skipped while the forward stays
+expanded, and its update while either stays expanded (the dense twin still runs;
+`--allow-expanded` times it anyway).
+
 Parts (`--skip decode,update,mismatch` drops any):
 - decode: `scripts/bench_rollout.py`'s engine timing (`bench_ours`) for both models at each
   `--batches`, bf16: `ms_per_step` is decode only (the difference of two whole calls that differ
@@ -51,6 +60,7 @@ import gc
 import importlib.util
 import os
 import re
+import subprocess
 import sys
 import time
 
@@ -162,6 +172,33 @@ def ragged_dot_check(cfg, tokens: int) -> dict:
     return out
 
 
+def _triton_lowering(on: bool | None = None) -> bool:
+    """JAX's `jax_ragged_dot_use_gpu_pallas_triton_lowering` (set it when `on` is given); False
+    where this JAX has no such option."""
+    import jax
+
+    try:
+        if on is not None:
+            jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", bool(on))
+        return bool(jax.config.jax_ragged_dot_use_gpu_pallas_triton_lowering)
+    except (AttributeError, KeyError, ValueError):
+        return False
+
+
+def probe_xla_flag(flag: str) -> dict:
+    """Start JAX in a child process with `flag` added to XLA_FLAGS (XLA aborts a process on a
+    flag it does not know, so this one is set only when the child starts cleanly)."""
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flag).strip())
+    try:
+        r = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": "timed out"}
+    if r.returncode != 0:
+        return {"ok": False, "error": r.stderr[-500:]}
+    return {"ok": True, "backend": (r.stdout.strip().splitlines() or ["?"])[-1]}
+
+
 def check_dispatch(moe, args) -> dict:
     """`ragged_dot_check` at the update's micro-batch tokens under the chosen `--ragged-dot`;
     in auto mode on a GPU, when XLA expands it, retry with JAX's Pallas Triton lowering."""
@@ -169,26 +206,29 @@ def check_dispatch(moe, args) -> dict:
 
     tokens = args.micro * args.update_len
     rec = {"bench": "moe_dispatch_check", "backend": jax.default_backend(), "ragged_dot": args.ragged_dot,
-           "xla_flags": os.environ.get("XLA_FLAGS", "")}
-    if args.ragged_dot == "triton":
-        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "fusion_flag_probe": getattr(args, "flag_probe", None)}
+    if args.ragged_dot == "triton" and not _triton_lowering(True):
+        rec["triton_error"] = "this JAX has no jax_ragged_dot_use_gpu_pallas_triton_lowering option"
     try:
         rec.update(ragged_dot_check(moe, tokens))
     except Exception as e:  # noqa: BLE001
         rec.update(error=repr(e)[-1000:], expanded=True, fwd_expanded=True)
     if args.ragged_dot == "auto" and rec["backend"] == "gpu" and rec["expanded"]:
-        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
-        try:
-            tri = ragged_dot_check(moe, tokens)
-        except Exception as e:  # noqa: BLE001
-            tri = {"error": repr(e)[-1000:], "expanded": True, "fwd_expanded": True}
+        if _triton_lowering(True):
+            try:
+                tri = ragged_dot_check(moe, tokens)
+            except Exception as e:  # noqa: BLE001
+                tri = {"error": repr(e)[-1000:], "expanded": True, "fwd_expanded": True}
+        else:
+            tri = {"error": "this JAX has no jax_ragged_dot_use_gpu_pallas_triton_lowering option",
+                   "expanded": True, "fwd_expanded": True}
         rec["triton"] = tri
         better = not tri.get("error") and (tri["expanded"] < rec["expanded"] or tri["fwd_expanded"] < rec["fwd_expanded"])
         if better:
             rec.update(ragged_dot="triton", expanded=tri["expanded"], fwd_expanded=tri["fwd_expanded"])
         else:
-            jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", False)  # no better
-    rec["triton_lowering"] = bool(jax.config.jax_ragged_dot_use_gpu_pallas_triton_lowering)
+            _triton_lowering(False)  # no better
+    rec["triton_lowering"] = _triton_lowering()
     return rec
 
 
@@ -390,9 +430,12 @@ def bench_mismatch(name, moe, args) -> dict:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    args.flag_probe = None
     if args.ragged_dot in ("auto", "cudnn") and "ragged_dot_fusion" not in os.environ.get("XLA_FLAGS", ""):
         # read when the backend starts: set before the first jax import of this process
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + RAGGED_FUSION_FLAG).strip()
+        args.flag_probe = probe_xla_flag(RAGGED_FUSION_FLAG)
+        if args.flag_probe["ok"]:
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + RAGGED_FUSION_FLAG).strip()
     from jaxrl_llm.metrics import JsonReport
 
     report = JsonReport(args.out)
