@@ -23,21 +23,24 @@ lowering. On a GPU, the MoE's decode and mismatch parts are skipped while the fo
 expanded, and its update while either stays expanded (the dense twin still runs;
 `--allow-expanded` times it anyway).
 
-Parts (`--skip decode,update,mismatch` drops any):
+Parts, run in the order mismatch, update, decode (`--skip decode,update,mismatch` drops any; each
+record is printed, and written to `--out`, as soon as it is measured):
 - decode: `scripts/bench_rollout.py`'s engine timing (`bench_ours`) for both models at each
   `--batches`, bf16: `ms_per_step` is decode only (the difference of two whole calls that differ
-  only in decode steps), `decode_tokens_per_s` = batch / step; `moe_over_dense` = the MoE's
-  ms_per_step / the twin's. The MoE's roofline counts active-parameter FLOPs and the weight bytes
-  a step is expected to read under uniform routing: all non-expert weights plus each layer's
-  experts times P(an expert is chosen by at least one of the batch's rows) =
-  1 - (1 - top_k / experts) ** batch (`expected_expert_fraction`).
+  only in decode steps), `decode_tokens_per_s` = batch / step; a `moe_decode_vs_dense` record
+  per batch gives `moe_over_dense` = the MoE's ms_per_step (and total_s) over the twin's. The
+  MoE's roofline counts active-parameter FLOPs and the weight bytes a step is expected to read
+  under uniform routing: all non-expert weights plus each layer's experts times P(an expert is
+  chosen by at least one of the batch's rows) = 1 - (1 - top_k / experts) ** batch
+  (`expected_expert_fraction`).
 - update: `scripts/bench_train.py`'s actor update (`_run_config`: one `ActorWorker.update` of
   `--update-rows` rows of `--update-len` tokens, micro-batches of `--micro` rows, fp32 params and
   Adam, bf16 compute, remat `--remat`), the MoE with the load-balancing loss on
   (`model.moe.aux_loss_coef` = `--aux-loss-coef`; `moe_metrics` has actor/moe_aux_loss and the
   expert load). `mfu` = (6 * active_params without the embedding lookup + 12 * layers * heads *
   head_dim * seq) * tokens / (step time * `--peak-tflops`): attention FLOPs counted, remat
-  recomputation not (bench_train's count with the active parameters).
+  recomputation not (bench_train's count with the active parameters); then a
+  `moe_update_vs_dense` record (step times, MFUs, their ratio).
 - mismatch: the MoE engine (bf16 weights, the trainer's cast) generates `--mismatch-rows`
   samples of `--gen-len` tokens from `--prompt-len`-token random prompts at temperature 1,
   recording every token's experts (router replay R3); then the trainer's old-log-prob pass (fp32
@@ -282,14 +285,14 @@ def _failed(part, name, args, e) -> dict:
     return {"bench": f"moe_{part}", "model": name, "error": repr(e)[-2000:]}
 
 
-def bench_decode(name, moe, dense, counts, args) -> list[dict]:
+def bench_decode(name, moe, dense, counts, args, emit) -> None:
+    """Each engine's record to `emit` as it is measured, then the batch's MoE/dense ratios."""
     import jax.numpy as jnp
 
     br = _script("bench_rollout")
     ns = br.parse_args(["--batches", "1", "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
                         "--steps-per-sync", str(args.steps_per_sync), "--hbm-gbs", str(args.hbm_gbs),
                         "--tflops", str(args.peak_tflops), "--no-peer", "--sync-repeats", "1"])
-    out = []
     for batch in args.batches:
         recs = {}
         for kind, cfg in (("moe", moe), ("dense", dense)):
@@ -300,7 +303,7 @@ def bench_decode(name, moe, dense, counts, args) -> list[dict]:
             try:
                 rec = br.bench_ours(label, batch, ns, layout=args.layout, cfg=cfg)
             except Exception as e:  # noqa: BLE001 - one failed engine must not hide the others
-                out.append(_failed("decode", label, args, e))
+                emit(_failed("decode", label, args, e))
                 continue
             c = counts[kind]
             itemsize = jnp.dtype(cfg.param_dtype).itemsize
@@ -314,16 +317,17 @@ def bench_decode(name, moe, dense, counts, args) -> list[dict]:
                         "roofline_fraction": cost["roofline_ms"] / step_ms,
                         "hbm_fraction": cost["bytes_per_step"] / (step_ms / 1e3) / (args.hbm_gbs * 1e9)})
             recs[kind] = rec
+            emit(rec)
         if "moe" in recs and "dense" in recs:
             ratio = recs["moe"]["ms_per_step"] / recs["dense"]["ms_per_step"]
-            recs["moe"]["moe_over_dense"] = {"ms_per_step": ratio,
-                                             "decode_tokens_per_s": 1.0 / ratio,
-                                             "total_s": recs["moe"]["total_s"] / recs["dense"]["total_s"]}
-        out += [recs[k] for k in ("moe", "dense") if k in recs]
-    return out
+            emit({"bench": "moe_decode_vs_dense", "model": name, "batch": batch,
+                  "moe_ms_per_step": recs["moe"]["ms_per_step"], "dense_ms_per_step": recs["dense"]["ms_per_step"],
+                  "moe_over_dense": {"ms_per_step": ratio, "decode_tokens_per_s": 1.0 / ratio,
+                                     "total_s": recs["moe"]["total_s"] / recs["dense"]["total_s"]}})
 
 
-def bench_update(name, moe, dense, counts, args) -> list[dict]:
+def bench_update(name, moe, dense, counts, args, emit) -> None:
+    """Each model's record to `emit` as it is measured, then the MoE/dense step-time ratio."""
     from jaxrl_llm.config import MoeConfig
 
     bt = _script("bench_train")
@@ -331,7 +335,7 @@ def bench_update(name, moe, dense, counts, args) -> list[dict]:
     ns = bt.parse_args(["--rows", str(args.update_rows), "--prompt-len", str(half), "--response-len", str(half),
                         "--steps", str(args.steps), "--peak-tflops", str(args.peak_tflops), "--devices", "1",
                         "--mesh", "1", "1", "1"])
-    out = []
+    done = {}
     for kind, cfg in (("moe", moe), ("dense", dense)):
         if cfg is None:
             continue
@@ -342,7 +346,7 @@ def bench_update(name, moe, dense, counts, args) -> list[dict]:
         try:
             rec = bt._run_config(label, args.remat, args.micro, ns, cfg=cfg, moe=aux)
         except Exception as e:  # noqa: BLE001
-            out.append(_failed("update", label, args, e))
+            emit(_failed("update", label, args, e))
             continue
         c = counts[kind]
         fpt = bt.flops_per_token(cfg, c["active_params"], args.update_len)
@@ -353,10 +357,12 @@ def bench_update(name, moe, dense, counts, args) -> list[dict]:
                                   "(attention counted; remat recomputation not)",
                     "aux_loss_coef": args.aux_loss_coef if cfg.is_moe else 0.0})
         rec.pop("params", None)
-        out.append(rec)
-    if len(out) == 2 and all("step_s" in r for r in out) and out[0]["kind"] == "moe":
-        out[0]["moe_over_dense"] = {"step_s": out[0]["step_s"] / out[1]["step_s"]}
-    return out
+        emit(rec)
+        done[kind] = rec
+    if len(done) == 2:
+        emit({"bench": "moe_update_vs_dense", "model": name, "moe_step_s": done["moe"]["step_s"],
+              "dense_step_s": done["dense"]["step_s"], "moe_mfu": done["moe"]["mfu"], "dense_mfu": done["dense"]["mfu"],
+              "moe_over_dense": {"step_s": done["moe"]["step_s"] / done["dense"]["step_s"]}})
 
 
 def bench_mismatch(name, moe, args) -> dict:
@@ -454,11 +460,7 @@ def main(argv=None) -> list[dict]:
     skip_fwd, skip_bwd = gpu and check["fwd_expanded"], gpu and check["expanded"]
     why = ("skipped: the experts' ragged_dot compiles to a dense dot over all experts here (moe_dispatch_check); "
            "pass --allow-expanded to time it anyway, or --ragged-dot triton")
-    if "decode" in args.parts:
-        for r in bench_decode(name, None if skip_fwd else moe, dense, counts, args):
-            report.add(r)
-        if skip_fwd:
-            report.add({"bench": "moe_decode", "model": name, "kind": "moe", "error": why})
+    # the order: the shortest parts first (decode compiles two engines per batch size)
     if "mismatch" in args.parts:
         if skip_fwd:
             report.add({"bench": "moe_mismatch", "model": name, "error": why})
@@ -468,10 +470,13 @@ def main(argv=None) -> list[dict]:
             except Exception as e:  # noqa: BLE001
                 report.add(_failed("mismatch", name, args, e))
     if "update" in args.parts:
-        for r in bench_update(name, None if skip_bwd else moe, dense, counts, args):
-            report.add(r)
+        bench_update(name, None if skip_bwd else moe, dense, counts, args, report.add)
         if skip_bwd:
             report.add({"bench": "moe_update", "model": name, "kind": "moe", "error": why})
+    if "decode" in args.parts:
+        bench_decode(name, None if skip_fwd else moe, dense, counts, args, report.add)
+        if skip_fwd:
+            report.add({"bench": "moe_decode", "model": name, "kind": "moe", "error": why})
     return report.records
 
 
