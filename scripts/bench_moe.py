@@ -226,7 +226,8 @@ def check_dispatch(moe, args) -> dict:
             tri = {"error": "this JAX has no jax_ragged_dot_use_gpu_pallas_triton_lowering option",
                    "expanded": True, "fwd_expanded": True}
         rec["triton"] = tri
-        better = not tri.get("error") and (tri["expanded"] < rec["expanded"] or tri["fwd_expanded"] < rec["fwd_expanded"])
+        better = not tri.get("error") and (tri["expanded"] < rec["expanded"]
+                                           or tri["fwd_expanded"] < rec["fwd_expanded"])
         if better:
             rec.update(ragged_dot="triton", expanded=tri["expanded"], fwd_expanded=tri["fwd_expanded"])
         else:
