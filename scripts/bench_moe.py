@@ -15,8 +15,9 @@ active parameters per token (all but the router's, hidden * experts per layer).
 `active_params` = all parameters but the unchosen experts' (experts * (1 - top_k / experts)).
 
 First (`moe_dispatch_check`): how the experts' grouped matmul (`jax.lax.ragged_dot`) compiles
-here, forward and weight gradient, at the update's micro-batch shape (`ragged_dot_check`). XLA's
-GPU fallback expands a ragged dot into a dense dot over all experts (x experts FLOPs and memory);
+here, forward and weight gradient, at the update's micro-batch shape (`ragged_dot_check`: is a
+ragged-dot op or a Pallas kernel left in the optimized program?). XLA's GPU fallback expands a
+ragged dot into a dense dot over all experts (x experts FLOPs and memory);
 `--ragged-dot auto` (default) adds XLA's cuDNN ragged-dot fusion flag (after checking in a child
 process that this XLA knows it) and, if the dot is still expanded, tries JAX's Pallas Triton
 lowering. On a GPU, the MoE's decode and mismatch parts are skipped while the forward stays
@@ -143,15 +144,19 @@ def param_counts(cfg) -> dict:
 RAGGED_FUSION_FLAG = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
 
 
+# in optimized HLO text: a ragged-dot op kept (the opcode after a shape, not a name), or a Pallas kernel
+GROUPED = re.compile(r'[\]}] ragged-dot\(|custom_call_target="[^"]*(?:xla\.gpu\.triton|mosaic_gpu)')
+
+
 def ragged_dot_check(cfg, tokens: int) -> dict:
     """How this backend compiles the experts' grouped matmul (`jax.lax.ragged_dot`) at this
-    shape: `tokens` * top_k rows of [hidden] x [experts, hidden, moe_intermediate], forward
-    (`fwd_flops_ratio`) and the weight gradient (`wgrad_flops_ratio`: ragged contracting dims),
-    each the compiled program's FLOPs (XLA cost analysis) over the grouped matmul's own
-    2 * rows * hidden * width. XLA's GPU fallback expands a ragged dot into a dense dot over
-    all experts (ratio ~ experts: x128 FLOPs and a [rows, experts, hidden] operand); the cuDNN
-    grouped-matmul fusion (XLA flag above, cuDNN >= 9.22) or JAX's Pallas Triton lowering
-    keep it ~1 (a custom call: its FLOPs may read 0). `expanded` when a ratio exceeds 4."""
+    shape: `tokens` * top_k rows of [hidden] x [experts, hidden, moe_intermediate], forward and
+    weight gradient (ragged contracting dims). `<part>_expanded`: the optimized program has no
+    grouped matmul left (no `ragged-dot` op, e.g. in a cuDNN fusion, and no Pallas kernel): XLA's
+    GPU fallback replaced it by a dense dot over all experts (x experts FLOPs and a
+    [rows, experts, hidden] operand). `<part>_flops_ratio`: XLA's FLOP count over the grouped
+    matmul's 2 * rows * hidden * width, for information (XLA counts a kept weight-gradient
+    ragged dot as dense too, and a custom call as 0)."""
     import jax
     import jax.numpy as jnp
 
@@ -160,18 +165,23 @@ def ragged_dot_check(cfg, tokens: int) -> dict:
     lhs = jax.ShapeDtypeStruct((rows, e), jnp.bfloat16)
     rhs = jax.ShapeDtypeStruct((n, e, f), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((n,), jnp.int32)
+    dy = jax.ShapeDtypeStruct((rows, f), jnp.bfloat16)
     ideal = 2.0 * rows * e * f
     fwd = lambda a, b, g: jax.lax.ragged_dot(a, b, g)  # noqa: E731
     wgrad = lambda a, b, g, dy: jax.vjp(lambda b: fwd(a, b, g), b)[1](dy)[0]  # noqa: E731
-    dy = jax.ShapeDtypeStruct((rows, f), jnp.bfloat16)
     out = {"rows": rows, "ideal_flops": ideal}
     for name, fn, extra in (("fwd", fwd, ()), ("wgrad", wgrad, (dy,))):
-        cost = jax.jit(fn).lower(lhs, rhs, sizes, *extra).compile().cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        flops = (cost or {}).get("flops")
+        compiled = jax.jit(fn).lower(lhs, rhs, sizes, *extra).compile()
+        text = compiled.as_text() or ""
+        out[f"{name}_expanded"] = GROUPED.search(text) is None
+        try:
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+            flops = (cost or {}).get("flops")
+        except Exception:  # noqa: BLE001 - information only
+            flops = None
         out[f"{name}_flops_ratio"] = None if flops is None else float(flops) / ideal
-    out["expanded"] = any((out[f"{k}_flops_ratio"] or 0.0) > 4.0 for k in ("fwd", "wgrad"))
-    out["fwd_expanded"] = (out["fwd_flops_ratio"] or 0.0) > 4.0
+    out["expanded"] = out["fwd_expanded"] or out["wgrad_expanded"]
     return out
 
 
