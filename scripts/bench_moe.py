@@ -24,7 +24,7 @@ lowering. On a GPU, the MoE's decode and mismatch parts are skipped while the fo
 expanded, and its update while either stays expanded (the dense twin still runs;
 `--allow-expanded` times it anyway).
 
-Parts, run in the order mismatch, update, decode (`--skip decode,update,mismatch` drops any; each
+Parts, run in the order update, mismatch, decode (`--skip decode,update,mismatch` drops any; each
 record is printed, and written to `--out`, as soon as it is measured):
 - decode: `scripts/bench_rollout.py`'s engine timing (`bench_ours`) for both models at each
   `--batches`, bf16: `ms_per_step` is decode only (the difference of two whole calls that differ
@@ -212,6 +212,25 @@ def probe_xla_flag(flag: str) -> dict:
     return {"ok": True, "backend": (r.stdout.strip().splitlines() or ["?"])[-1]}
 
 
+def _cudnn_versions() -> dict:
+    """cuDNN as jaxlib reports it and as pip installed it (best effort: XLA's cuDNN ragged-dot
+    fusion needs cuDNN >= 9.22; its weight gradient a newer one)."""
+    from importlib import metadata
+
+    out = {}
+    try:
+        from jax._src.lib import cuda_versions
+        out["jaxlib_cudnn"] = cuda_versions.cudnn_get_version() if cuda_versions else None
+    except Exception:  # noqa: BLE001 - information only
+        out["jaxlib_cudnn"] = None
+    for pkg in ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
 def check_dispatch(moe, args) -> dict:
     """`ragged_dot_check` at the update's micro-batch tokens under the chosen `--ragged-dot`;
     in auto mode on a GPU, when XLA expands it, retry with JAX's Pallas Triton lowering."""
@@ -219,7 +238,8 @@ def check_dispatch(moe, args) -> dict:
 
     tokens = args.micro * args.update_len
     rec = {"bench": "moe_dispatch_check", "backend": jax.default_backend(), "ragged_dot": args.ragged_dot,
-           "xla_flags": os.environ.get("XLA_FLAGS", ""), "fusion_flag_probe": getattr(args, "flag_probe", None)}
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "fusion_flag_probe": getattr(args, "flag_probe", None),
+           "cudnn": _cudnn_versions(), "jax": jax.__version__}
     if args.ragged_dot == "triton" and not _triton_lowering(True):
         rec["triton_error"] = "this JAX has no jax_ragged_dot_use_gpu_pallas_triton_lowering option"
     try:
@@ -471,7 +491,12 @@ def main(argv=None) -> list[dict]:
     skip_fwd, skip_bwd = gpu and check["fwd_expanded"], gpu and check["expanded"]
     why = ("skipped: the experts' ragged_dot compiles to a dense dot over all experts here (moe_dispatch_check); "
            "pass --allow-expanded to time it anyway, or --ragged-dot triton")
-    # the order: the shortest parts first (decode compiles two engines per batch size)
+    # the order: the update first, on a clean device (its fp32 params and Adam moments are the
+    # largest footprint), the decode last (it compiles two engines per batch size)
+    if "update" in args.parts:
+        bench_update(name, None if skip_bwd else moe, dense, counts, args, report.add)
+        if skip_bwd:
+            report.add({"bench": "moe_update", "model": name, "kind": "moe", "error": why})
     if "mismatch" in args.parts:
         if skip_fwd:
             report.add({"bench": "moe_mismatch", "model": name, "error": why})
@@ -480,10 +505,6 @@ def main(argv=None) -> list[dict]:
                 report.add(bench_mismatch(name, moe, args))
             except Exception as e:  # noqa: BLE001
                 report.add(_failed("mismatch", name, args, e))
-    if "update" in args.parts:
-        bench_update(name, None if skip_bwd else moe, dense, counts, args, report.add)
-        if skip_bwd:
-            report.add({"bench": "moe_update", "model": name, "kind": "moe", "error": why})
     if "decode" in args.parts:
         bench_decode(name, None if skip_fwd else moe, dense, counts, args, report.add)
         if skip_fwd:
