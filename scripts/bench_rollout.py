@@ -224,13 +224,14 @@ def _trace_diff(paths, steps: int) -> dict:
 
 
 def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", batch_invariant=None,
-               quantization="none"):
+               quantization="none", cfg=None):
+    """cfg: a ModelConfig to time instead of `name`'s Qwen2.5 shape (scripts/bench_moe.py)."""
     import rollout
     from jaxrl_llm.models import init_model
     from rollout._engine import PREFILL_BUCKETS
 
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
-    cfg = _config(name, dtype, variant)
+    cfg = _config(name, dtype, variant) if cfg is None else cfg
     model = init_model(cfg, seed=0)
     prefill_len = next(b for b in PREFILL_BUCKETS if b >= args.prompt_len)
     opts = _engine_opts(args.engine_opt)

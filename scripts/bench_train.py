@@ -78,7 +78,9 @@ def flops_per_token(cfg, n_params: int, seq: int) -> float:
     return 6.0 * n + attn
 
 
-def _run_config(name: str, remat: str, micro: int, args) -> dict:
+def _run_config(name: str, remat: str, micro: int, args, cfg=None, moe=None) -> dict:
+    """cfg: a ModelConfig to time instead of `name`'s Qwen2.5 shape; moe: the actor's
+    `model.moe` router losses (scripts/bench_moe.py)."""
     import jax
     from flax import nnx
 
@@ -87,13 +89,13 @@ def _run_config(name: str, remat: str, micro: int, args) -> dict:
     from jaxrl_llm.models import _decoder
     from jaxrl_llm.workers import ActorWorker
 
-    tiny = name == "tiny"
-    shape = QWEN25[name]
-    cfg = models.ModelConfig(
-        model_type="qwen2", attention_bias=True, rope_theta=1e6, max_position_embeddings=32768,
-        head_dim=shape["hidden_size"] // shape["num_attention_heads"],
-        dtype=args.compute_dtype, param_dtype="float32" if tiny else args.param_dtype,
-        remat=remat, train_attention=args.attention, **shape)
+    if cfg is None:
+        shape = QWEN25[name]
+        cfg = models.ModelConfig(
+            model_type="qwen2", attention_bias=True, rope_theta=1e6, max_position_embeddings=32768,
+            head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+            dtype=args.compute_dtype, param_dtype="float32" if name == "tiny" else args.param_dtype,
+            remat=remat, train_attention=args.attention, **shape)
     devices = jax.devices()[:args.devices] if args.devices > 0 else jax.devices()
     mesh = sharding.make_mesh(sharding.MeshConfig(*args.mesh), devices=devices)
     model = sharding.init_sharded(lambda: models.CausalLM(cfg, rngs=nnx.Rngs(params=0)), mesh,
@@ -104,7 +106,7 @@ def _run_config(name: str, remat: str, micro: int, args) -> dict:
     cd.actor.optim.lr = 1e-6
     cd.data.builtin_task, cd.model.tokenizer = "arithmetic", "char"  # validation only
     actor_cfg = C.to_run_config(cd).actor
-    worker = ActorWorker(model, actor_cfg, mesh=mesh, total_steps=100, temperature=1.0)
+    worker = ActorWorker(model, actor_cfg, mesh=mesh, total_steps=100, temperature=1.0, moe=moe)
     del model
 
     rng = np.random.default_rng(0)
@@ -150,6 +152,7 @@ def _run_config(name: str, remat: str, micro: int, args) -> dict:
         "bytes_in_use": max((st.get("bytes_in_use") or 0) for st in stats) or None,
         "grad_norm": float(metrics["actor/grad_norm"]),
         "first_pg_loss": float(first["actor/pg_loss"]), "first_grad_norm": float(first["actor/grad_norm"]),
+        **({"moe_metrics": {k: float(v) for k, v in metrics.items() if "moe" in k}} if cfg.is_moe else {}),
     }
 
 

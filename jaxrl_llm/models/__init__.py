@@ -12,6 +12,6 @@ from ._lora import (LORA_TARGETS, LoraSpec, add_lora, merge_lora, merged_model, 
 from ._peft import load_peft_adapter, read_peft_config, save_peft_adapter
 from ._hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
 from ._tokenizer import (CharTokenizer, HFTokenizer, compile_chat_template, load_tokenizer)
-from ._presets import QWEN25_SHAPES
+from ._presets import QWEN25_SHAPES, QWEN3_MOE_SHAPES
 
 _jax_cache.install()  # atomic writes to JAX's persistent compilation cache (module docstring)

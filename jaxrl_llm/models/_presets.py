@@ -19,3 +19,12 @@ QWEN25_SHAPES: dict[str, dict] = {
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
 }
+
+# Qwen3-MoE (model_type qwen3_moe: qk_norm, no attention bias, every layer sparse)
+QWEN3_MOE_SHAPES: dict[str, dict] = {
+    "30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                    moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                    norm_topk_prob=True, tie_word_embeddings=False, rope_theta=1e6,
+                    max_position_embeddings=40960, rms_norm_eps=1e-6),
+}
