@@ -9,6 +9,9 @@ executable's `memory_analysis()` and FLOPs / bytes accessed from its `cost_analy
     python scripts/tpu/aot_compile.py --topology=v5e:2x4 --model=qwen2.5-1.5b \\
         --config=configs/grpo_gsm8k.py --config.mesh.fsdp=-1 --out=runs/aot_1.5b_v5e-8.json
 
+`--model`: a Qwen2.5 preset or `qwen3-30b-a3b` (Qwen3-30B-A3B's config.json: 128 experts, top-8;
+the training and rollout rules put the experts on `fsdp`, so `mesh.fsdp` must divide 128).
+
 Programs (those the config uses): `actor_update` (one optimizer step over one mini-batch, with
 its micro-batch scan), `log_prob` (the actor's / reference's log-probs of one step's rollouts),
 `critic_update` and `values` (GAE), `prefill`, `insert`, `generate` (one decode step of every
@@ -95,6 +98,16 @@ CHIPS = {
 }
 
 MODEL_PRESETS = {f"qwen2.5-{k}": v for k, v in models.QWEN25_SHAPES.items()}
+# presets given as a Hugging Face config.json dict (models.config_from_hf reads them)
+HF_PRESETS = {
+    # Qwen/Qwen3-30B-A3B's config.json: 128 experts, 8 per token, every layer sparse
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, rope_theta=1e6,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False),
+}
 PROGRAMS = ("actor_update", "log_prob", "critic_update", "values", "prefill", "insert", "generate",
             "decode_loop", "weight_sync")
 
@@ -119,14 +132,17 @@ def topology_devices(name: str):
 
 
 def model_config(run, preset: str) -> models.ModelConfig:
-    """The architecture: a Qwen2.5 preset, the config's `model.path` config.json, or `model.init`."""
+    """The architecture: a preset (Qwen2.5 shapes, or a config.json dict of HF_PRESETS), the
+    config's `model.path` config.json, or `model.init`."""
     m = run.model
     kinds = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
                  train_attention=m.train_attention, decode_attention=m.decode_attention)
     if preset:
+        if preset in HF_PRESETS:
+            return models.config_from_hf(HF_PRESETS[preset], **kinds)
         if preset not in MODEL_PRESETS:
-            raise ValueError(f"--model={preset!r}; choose one of {sorted(MODEL_PRESETS)} or leave it "
-                             f"empty to use the config's model")
+            raise ValueError(f"--model={preset!r}; choose one of {sorted(MODEL_PRESETS) + sorted(HF_PRESETS)} "
+                             f"or leave it empty to use the config's model")
         return models.ModelConfig(model_type="qwen2", attention_bias=True, rope_theta=1e6,
                                   max_position_embeddings=32768, **MODEL_PRESETS[preset], **kinds)
     if m.path:
@@ -736,7 +752,7 @@ def main(argv=None) -> int:
     ap.add_argument("--table", nargs="+", default=(), metavar="JSON",
                     help="print the docs' markdown tables from saved reports and exit")
     ap.add_argument("--config", default="configs/grpo_gsm8k.py", help="config file[:variant]")
-    ap.add_argument("--model", default="", help=f"architecture preset ({', '.join(MODEL_PRESETS)}); "
+    ap.add_argument("--model", default="", help=f"architecture preset ({', '.join([*MODEL_PRESETS, *HF_PRESETS])}); "
                     "empty: the config's model.path or model.init")
     ap.add_argument("--programs", default="all", help=f"comma list of {', '.join(PROGRAMS)}")
     ap.add_argument("--cost", action=argparse.BooleanOptionalAction, default=True,

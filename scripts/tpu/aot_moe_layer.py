@@ -7,8 +7,8 @@ experts: experts on the `fsdp` axis").
 
 Arguments: topology, fsdp size, tokens per chip, `ep` (the training rules) or `replicated` (the
 `expert` axis on no mesh axis). bf16 activations and weights as `ShapeDtypeStruct`s, so nothing is
-allocated; one layer takes 2-5 minutes to compile on a 2-core machine. `aot_compile.py` has no
-MoE preset yet.
+allocated; one layer takes 2-5 minutes to compile on a 2-core machine. The whole model's
+programs: `aot_compile.py --model=qwen3-30b-a3b` (docs/aot/).
 """
 import os
 import sys

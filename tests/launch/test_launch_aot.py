@@ -168,3 +168,48 @@ def test_a_program_the_compiler_refuses_for_lack_of_hbm_is_reported_with_the_exc
     assert not entry["fits"] and entry["compile_error"].startswith("RESOURCE_EXHAUSTED")
     assert entry["over_by_bytes"] == int(19.54 * gib - 15.75 * gib + gib)
     assert entry["peak_bytes"] == int(19.54 * gib + gib)
+
+
+
+def test_the_qwen3_30b_a3b_preset_is_its_hugging_face_config_with_the_experts_on_fsdp(aot):
+    """`--model=qwen3-30b-a3b`: Qwen3-30B-A3B's config.json (every layer sparse, 128 experts, top-8)
+    with the run's dtypes and remat, 30.5B parameters; on a v5e:2x2 fsdp=4 mesh the training
+    shardings split each expert weight's `expert` dim over fsdp (32 whole experts per chip)."""
+    import math
+
+    import jax
+    from flax import nnx
+
+    from jaxrl_llm import config as C
+
+    run = C.load_config("configs/grpo_gsm8k.py", [])
+    cfg = aot.model_config(run, "qwen3-30b-a3b")
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == ("qwen3_moe", 48, 2048, 151936)
+    moe = (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob)
+    assert moe == (128, 8, 768, True)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.qk_norm) == (32, 4, 128, True)
+    assert (cfg.intermediate_size, cfg.rms_norm_eps) == (6144, 1e-6)
+    assert (cfg.tie_word_embeddings, cfg.rope_theta, cfg.max_position_embeddings) == (False, 1e6, 40960)
+    assert cfg.remat == run.model.remat == "full"
+    mesh = aot.sharding.make_mesh((1, 4, 1), devices=aot.topology_devices("v5e:2x2"))
+    _, params = aot.abstract_params(cfg, mesh)
+    params = nnx.to_pure_dict(params)
+    assert round(sum(math.prod(x.shape) for x in jax.tree.leaves(params)) / 1e9, 1) == 30.5
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        kernel = params["model"]["layers"]["mlp"]["experts"][proj]["kernel"]
+        assert kernel.shape[:2] == (48, 128) and kernel.sharding.spec[1] == "fsdp"
+    with pytest.raises(ValueError, match="qwen3-30b-a3b"):
+        aot.model_config(run, "qwen3-31b")
+
+
+def test_a_tiny_moe_compiles_for_v5e_with_router_replay(aot):
+    """The MoE path of the update, the decode step and the weight sync (quickstart's `moe`
+    variant: 4 experts, top-2, one per chip on fsdp=4), the update with router replay (its
+    micro-batches carry the engine's experts per token): the grouped matmuls compile to the TPU's
+    ragged-dot kernels."""
+    out = aot.run_aot("v5e:2x2", CONFIG + ",moe", TINY + ("--config.actor.router_replay.mode=replay",),
+                      programs=("actor_update", "generate", "weight_sync"), cost=False)
+    assert out["model_config"]["num_experts"] == 4 and out["mesh"]["fsdp"] == 4 and out["fits"]
+    for name in ("actor_update", "generate"):
+        assert {"ragged-dot-metadata", "ragged-dot-none"} <= set(out["programs"][name]["pallas_kernels"])
+    assert out["programs"]["weight_sync"]["output_bytes"] >= out["resident_bytes"]["engine_params"] > 0
