@@ -100,13 +100,11 @@ CHIPS = {
 MODEL_PRESETS = {f"qwen2.5-{k}": v for k, v in models.QWEN25_SHAPES.items()}
 # presets given as a Hugging Face config.json dict (models.config_from_hf reads them)
 HF_PRESETS = {
-    # Qwen/Qwen3-30B-A3B's config.json: 128 experts, 8 per token, every layer sparse
+    # Qwen/Qwen3-30B-A3B's config.json (models.QWEN3_MOE_SHAPES plus the keys config_from_hf reads
+    # from a checkpoint): 128 experts, 8 per token, every layer sparse
     "qwen3-30b-a3b": dict(
-        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
-        intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
-        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, rope_theta=1e6,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False),
+        models.QWEN3_MOE_SHAPES["30b-a3b"], architectures=["Qwen3MoeForCausalLM"], decoder_sparse_step=1,
+        mlp_only_layers=[], hidden_act="silu", attention_bias=False),
 }
 PROGRAMS = ("actor_update", "log_prob", "critic_update", "values", "prefill", "insert", "generate",
             "decode_loop", "weight_sync")
