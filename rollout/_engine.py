@@ -182,6 +182,9 @@ class Engine:
             raise ValueError(f"record_experts=True (router replay) needs a mixture-of-experts model; "
                              f"model_type {config.model_type!r} has no router")
         self.record_experts = bool(record_experts)
+        if config.is_moe:  # a warning on GPU where XLA computes every expert for every token
+            models.warn_if_experts_expanded(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                            config.num_experts_per_tok)
         if dtype is not None:
             dtype = to_dtype(dtype)
             config = config.replace(dtype=dtype, param_dtype=dtype)

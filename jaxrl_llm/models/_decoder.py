@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
+import re
 from typing import Any
 
 import jax
@@ -429,6 +431,41 @@ def grouped_experts(x, experts, kernels):
     out = _ragged_swiglu(xs, sizes, kernels)  # [T*k, e], sorted
     unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
     return unsorted.reshape(t, k, -1)
+
+
+# a grouped matmul kept in optimized HLO text: the `ragged-dot` op (the opcode after a shape, not a
+# name) or a Pallas kernel; without either, XLA replaced it by a dense dot over all experts
+_GROUPED_HLO = re.compile(r'[\]}] ragged-dot\(|custom_call_target="[^"]*(?:xla\.gpu\.triton|mosaic_gpu)')
+
+
+def ragged_dot_expanded(num_experts: int, hidden: int, width: int, *, rows: int = 256,
+                        dtype=jnp.bfloat16) -> bool:
+    """Whether this backend compiles the experts' grouped matmul (`jax.lax.ragged_dot` of `rows`
+    x [hidden] by [num_experts, hidden, width], forward) to a dense dot over all experts: no
+    `ragged-dot` op and no Pallas kernel left in the optimized program. Then every token pays
+    for every expert's matmul (num_experts / top_k times the FLOPs). On TPU the op stays grouped;
+    on GPU it does only with XLA's cuDNN ragged-dot fusion (cuDNN >= 9.22) or a Pallas lowering."""
+    lhs = jax.ShapeDtypeStruct((rows, hidden), dtype)
+    rhs = jax.ShapeDtypeStruct((num_experts, hidden, width), dtype)
+    sizes = jax.ShapeDtypeStruct((num_experts,), jnp.int32)
+    text = jax.jit(jax.lax.ragged_dot).lower(lhs, rhs, sizes).compile().as_text() or ""
+    return _GROUPED_HLO.search(text) is None
+
+
+@functools.cache
+def warn_if_experts_expanded(num_experts: int, hidden: int, width: int, top_k: int) -> bool:
+    """On GPU, logs a warning (once per shape) when `ragged_dot_expanded`: a MoE model then runs
+    correctly but computes every expert for every token. Returns whether it warned."""
+    if jax.default_backend() != "gpu" or not ragged_dot_expanded(num_experts, hidden, width):
+        return False
+    logging.getLogger(__name__).warning(
+        "mixture-of-experts on GPU: XLA compiles the experts' grouped matmul (jax.lax.ragged_dot) to a "
+        "dense dot over all %d experts here, so each token pays for %d experts' matmuls instead of %d "
+        "(about %.0fx the expert FLOPs and a [tokens, experts, ...] operand); results are correct. XLA's "
+        "cuDNN ragged-dot fusion (XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true, cuDNN "
+        ">= 9.22) keeps it grouped; docs/concepts.md, 'Mixture-of-experts models'",
+        num_experts, num_experts, top_k, num_experts / top_k)
+    return True
 
 
 def expert_mix(x, experts, weights, kernels):

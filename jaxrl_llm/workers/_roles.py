@@ -291,6 +291,10 @@ class ActorWorker(_Trained):
         self.cfg, self.temperature, self.remove_padding = cfg, temperature, remove_padding
         self.moe = moe if moe is not None else MoeConfig(aux_loss_coef=0.0, z_loss_coef=0.0)
         self._router = model.config.is_moe  # the update reads the router logits (metrics, losses)
+        if self._router:
+            c = model.config
+            models.warn_if_experts_expanded(c.num_experts, c.hidden_size, c.moe_intermediate_size,
+                                            c.num_experts_per_tok)
         rr = cfg.router_replay
         if rr.record and not self._router:
             raise ConfigError(f"actor.router_replay.mode={rr.mode!r} needs a mixture-of-experts model; model_type "

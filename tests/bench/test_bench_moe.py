@@ -31,14 +31,3 @@ def test_bench_moe_rejects_unknown_shapes_and_parts(load_script):
         bench.parse_args(["--skip", "decode,prefill"])
     assert bench.parse_args(["--skip", "decode,update"]).parts == ["mismatch"]
 
-
-def test_dispatch_check_tells_a_kept_grouped_matmul_from_xlas_dense_expansion(load_script):
-    grouped = load_script("bench_moe").GROUPED
-    kept = ["%ragged-dot.1 = bf16[65536,768]{1,0} ragged-dot(bf16[65536,2048]{1,0} %p0, bf16[128,2048,768]{2,1,0} %p1,",
-            '%cc = bf16[64,768]{1,0} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton", api_version=',
-            '%cc = bf16[64,768]{1,0} custom-call(%x), custom_call_target="mosaic_gpu_v2"']
-    expanded = ["%ragged-dot.1 = bf16[65536,768]{1,0} dot(bf16[65536,128,2048]{2,1,0} %select, %p1)",  # kept name
-                '%f = bf16[64,768]{1,0} fusion(%a), kind=kCustom, backend_config={"kind":"__triton_gemm"}',
-                'metadata={op_name="jit(<lambda>)/ragged_dot_general"}']
-    assert all(grouped.search(t) for t in kept)
-    assert not any(grouped.search(t) for t in expanded)
