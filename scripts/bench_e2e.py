@@ -45,7 +45,10 @@ steps, pad excluded) and `real_tokens_per_s/<stage>` for `old_log_prob`, `ref`, 
 `compiled_after_warmup/<pass>` (the same after the warm-up step: a larger `compiled/` count means
 a timed step met a new pack shape and its stage time includes a compilation). With both modes, a
 record `bench: e2e_packing` follows with `speedup/<stage>` = padded seconds / packed seconds
-(= packed / padded real tokens per second: the real tokens are the same).
+(= packed / padded real tokens per second: the real tokens are the same). `compile_s/<stage>` is
+the time JAX reported tracing, lowering and compiling inside the stage (`jax.monitoring` events),
+`timing_s_excl_compile/<stage>` the stage without it and `speedup_excl_compile/<stage>` their
+ratio: the steady-state comparison when a timed step met a new shape.
 
 Reported per model (the mean over the timed steps after one warm-up step):
 - `timing_s/<stage>` and `perf/throughput` = (prompt + response tokens) / step time / devices,
@@ -226,6 +229,25 @@ def _generate(worker, cfg, prompts, seed: int) -> dict:
                            sampling=rollout.SamplingParams(temperature=1.0), seed=seed)
 
 
+# seconds JAX spent tracing, lowering and compiling programs, all threads (`_watch_compiles`)
+_COMPILE_S = [0.0]
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+
+
+@functools.cache
+def _watch_compiles() -> None:
+    """Adds every trace / lowering / backend-compile duration JAX reports to `_COMPILE_S` (once per
+    process), so a stage's time can be given without the compiles inside it."""
+    import jax
+
+    def listen(event, duration, **_):
+        if event in _COMPILE_EVENTS:
+            _COMPILE_S[0] += float(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+
+
 def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start_next=None, twice=False,
           lengths=None):
     """One GRPO step -> (timing, step info, future of the next step's rollout or None).
@@ -240,13 +262,16 @@ def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start
 
     timing: dict[str, float] = {}
 
+    _watch_compiles()
+
     def timed(name, fn):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _COMPILE_S[0]
         out = fn()
         timing[name] = time.perf_counter() - t0
+        timing[f"compile_s/{name}"] = _COMPILE_S[0] - c0  # compiles inside it (overlap: any thread's)
         return out
 
-    t_step = time.perf_counter()
+    t_step, c_step = time.perf_counter(), _COMPILE_S[0]
     n = cfg.rollout.n
     if pending is not None:
         gen = timed("gen", pending.result)
@@ -281,6 +306,7 @@ def _step(worker, cfg, prompts, seed: int, *, overlap=False, pending=None, start
         timed("update_tail", lambda: jax.block_until_ready(worker.actor.params))
         sync = timed("update_weights", worker.sync_weights)
     timing["step"] = time.perf_counter() - t_step
+    timing["compile_s/step"] = _COMPILE_S[0] - c_step
     if twice and not overlap:  # the same sync again at once: what the first one pays for coming first
         timed("update_weights_again", worker.sync_weights)
     n_prompt = int(batch.attention_mask[:, :batch.prompts.shape[1]].sum())
@@ -390,6 +416,7 @@ def _steps(worker, cfg, args, prompts, limit: float) -> dict:
         pool.shutdown()
     keys = set.intersection(*(set(t) for t in timings))
     timing = {k: float(np.mean([t[k] for t in timings])) for k in sorted(keys)}
+    compiles = {k: timing.pop(k) for k in [k for k in timing if k.startswith("compile_s/")]}
     out = {"warmup_step_s": warmup_s,
            **{k.replace("compiled/", "compiled_after_warmup/"): v for k, v in after_warmup.items()}}
     out.update(M.compute_timing_metrics(timing, num_prompt_tokens=last["n_prompt"],
@@ -411,6 +438,10 @@ def _steps(worker, cfg, args, prompts, limit: float) -> dict:
     out["response_len_max"] = int(np.max(last["resp_lens"]))
     out.update({f"real_tokens_per_s/{s}": sum(reals) / (timing[s] * len(reals)) if timing.get(s) else None
                 for s in PACKING_STAGES})
+    # the timed steps' compiles (a shape first seen after the warm-up) and each stage without them
+    out.update(compiles)
+    out.update({f"timing_s_excl_compile/{k[len('compile_s/'):]}": timing[k[len('compile_s/'):]] - v
+                for k, v in compiles.items() if k[len("compile_s/"):] in timing})
     return out
 
 
@@ -454,6 +485,8 @@ def packing_summary(padded: dict, packed: dict) -> dict:
     for s in PACKING_STAGES:
         a, b = padded.get(f"timing_s/{s}"), packed.get(f"timing_s/{s}")
         out[f"speedup/{s}"] = a / b if a and b else None
+        a, b = padded.get(f"timing_s_excl_compile/{s}"), packed.get(f"timing_s_excl_compile/{s}")
+        out[f"speedup_excl_compile/{s}"] = a / b if a and b else None
     return out
 
 

@@ -69,7 +69,23 @@ def test_bench_e2e_lognormal_lengths_padded_and_packed_see_the_same_real_tokens(
     for stage in ("old_log_prob", "ref", "update_actor", "step"):
         assert packed[f"real_tokens_per_s/{stage}"] > 0 and summary[f"speedup/{stage}"] > 0
     assert packed["compiled/old_log_prob"] >= packed["compiled_after_warmup/old_log_prob"] >= 1
+    for r in (padded, packed):  # each stage also without the compiles inside its timed steps
+        for stage in ("old_log_prob", "ref", "update_actor", "step"):
+            c = r[f"compile_s/{stage}"]
+            assert c >= 0 and abs(r[f"timing_s_excl_compile/{stage}"] - (r[f"timing_s/{stage}"] - c)) < 1e-9
+    assert all(summary[f"speedup_excl_compile/{s}"] > 0 for s in ("old_log_prob", "ref", "update_actor", "step"))
     capsys.readouterr()
+
+
+def test_the_compile_watch_counts_a_new_programs_trace_lowering_and_compile(load_script):
+    import jax
+    import numpy as np
+
+    bench = load_script("bench_e2e")
+    bench._watch_compiles()
+    before = bench._COMPILE_S[0]
+    jax.jit(lambda x: x * 3.0 + 1.25)(np.ones(7, np.float32)).block_until_ready()
+    assert bench._COMPILE_S[0] > before
 
 
 def test_cut_responses_right_pads_past_each_length(load_script):
