@@ -20,9 +20,9 @@ ragged-dot op or a Pallas kernel left in the optimized program?). XLA's GPU fall
 ragged dot into a dense dot over all experts (x experts FLOPs and memory);
 `--ragged-dot auto` (default) adds XLA's cuDNN ragged-dot fusion flag (after checking in a child
 process that this XLA knows it) and, if the dot is still expanded, tries JAX's Pallas Triton
-lowering. On a GPU, the MoE's decode and mismatch parts are skipped while the forward stays
-expanded, and its update while either stays expanded (the dense twin still runs;
-`--allow-expanded` times it anyway).
+lowering. Where it stays expanded on a GPU the model itself runs every expert on every token
+instead (`models` `dense_experts`: num_experts / top_k times a grouped matmul's expert FLOPs, top_k
+times less than the expansion); every MoE record then says `experts_dispatch: dense`.
 
 Parts, run in the order update, mismatch, decode (`--skip decode,update,mismatch` drops any; each
 record is printed, and written to `--out`, as soon as it is measured):
@@ -291,8 +291,6 @@ def parse_args(argv=None):
                    help="the experts' grouped matmul on GPU: cudnn (XLA's cuDNN ragged-dot fusion flag), "
                    "xla (no flag), triton (JAX's Pallas Triton lowering), auto (cudnn, then triton if XLA "
                    "still expands it to a dense dot over all experts)")
-    p.add_argument("--allow-expanded", action="store_true",
-                   help="time the MoE even when its grouped matmul compiles to a dense dot over all experts")
     p.add_argument("--out", default="", help="also write the results (a JSON list) here")
     p.add_argument("--tiny", "--dry-run", dest="tiny", action="store_true",
                    help="tiny shape, batch 4, 16+8 tokens, 8-row updates of 16 tokens: a CPU smoke run")
@@ -486,30 +484,21 @@ def main(argv=None) -> list[dict]:
                 "parts": args.parts, "note": ROUTING_NOTE})
     check = check_dispatch(moe, args)
     report.add(check)
-    # on a GPU an expanded grouped matmul (x experts FLOPs and memory) would time XLA's fallback, not
-    # the MoE, and can run out of memory: skip the MoE there unless asked (the dense twin still runs)
-    gpu = check["backend"] == "gpu" and not args.allow_expanded
-    skip_fwd, skip_bwd = gpu and check["fwd_expanded"], gpu and check["expanded"]
-    why = ("skipped: the experts' ragged_dot compiles to a dense dot over all experts here (moe_dispatch_check); "
-           "pass --allow-expanded to time it anyway, or --ragged-dot triton")
+    # where XLA would expand the grouped matmul on a GPU, the model runs its experts densely
+    # (`_decoder.dense_experts`): the MoE records say which dispatch they timed
+    dispatch = "dense" if check["backend"] == "gpu" and check["expanded"] else "ragged_dot"
+    add = lambda rec: report.add(dict(rec, experts_dispatch=dispatch) if rec.get("kind") != "dense" else rec)  # noqa: E731
     # the order: the update first, on a clean device (its fp32 params and Adam moments are the
     # largest footprint), the decode last (it compiles two engines per batch size)
     if "update" in args.parts:
-        bench_update(name, None if skip_bwd else moe, dense, counts, args, report.add)
-        if skip_bwd:
-            report.add({"bench": "moe_update", "model": name, "kind": "moe", "error": why})
+        bench_update(name, moe, dense, counts, args, add)
     if "mismatch" in args.parts:
-        if skip_fwd:
-            report.add({"bench": "moe_mismatch", "model": name, "error": why})
-        else:
-            try:
-                report.add(bench_mismatch(name, moe, args))
-            except Exception as e:  # noqa: BLE001
-                report.add(_failed("mismatch", name, args, e))
+        try:
+            add(bench_mismatch(name, moe, args))
+        except Exception as e:  # noqa: BLE001
+            add(_failed("mismatch", name, args, e))
     if "decode" in args.parts:
-        bench_decode(name, None if skip_fwd else moe, dense, counts, args, report.add)
-        if skip_fwd:
-            report.add({"bench": "moe_decode", "model": name, "kind": "moe", "error": why})
+        bench_decode(name, moe, dense, counts, args, add)
     return report.records
 
 

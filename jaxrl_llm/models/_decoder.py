@@ -441,31 +441,70 @@ _GROUPED_HLO = re.compile(r'[\]}] ragged-dot\(|custom_call_target="[^"]*(?:xla\.
 def ragged_dot_expanded(num_experts: int, hidden: int, width: int, *, rows: int = 256,
                         dtype=jnp.bfloat16) -> bool:
     """Whether this backend compiles the experts' grouped matmul (`jax.lax.ragged_dot` of `rows`
-    x [hidden] by [num_experts, hidden, width], forward) to a dense dot over all experts: no
-    `ragged-dot` op and no Pallas kernel left in the optimized program. Then every token pays
-    for every expert's matmul (num_experts / top_k times the FLOPs). On TPU the op stays grouped;
-    on GPU it does only with XLA's cuDNN ragged-dot fusion (cuDNN >= 9.22) or a Pallas lowering."""
+    x [hidden] by [num_experts, hidden, width]), forward or weight gradient, to a dense dot over
+    all experts: no `ragged-dot` op and no Pallas kernel left in the optimized program. Then every
+    token-expert pair pays for every expert's matmul (num_experts times the FLOPs). On TPU the op
+    stays grouped; on GPU only with XLA's cuDNN ragged-dot fusion (cuDNN >= 9.22; the weight
+    gradient needs a newer one) or a Pallas lowering."""
     lhs = jax.ShapeDtypeStruct((rows, hidden), dtype)
     rhs = jax.ShapeDtypeStruct((num_experts, hidden, width), dtype)
     sizes = jax.ShapeDtypeStruct((num_experts,), jnp.int32)
-    text = jax.jit(jax.lax.ragged_dot).lower(lhs, rhs, sizes).compile().as_text() or ""
-    return _GROUPED_HLO.search(text) is None
+    dy = jax.ShapeDtypeStruct((rows, width), dtype)
+    fwd = jax.lax.ragged_dot
+    wgrad = lambda a, b, g, dy: jax.vjp(lambda b: fwd(a, b, g), b)[1](dy)[0]  # noqa: E731
+    for fn, args in ((fwd, (lhs, rhs, sizes)), (wgrad, (lhs, rhs, sizes, dy))):
+        text = jax.jit(fn).lower(*args).compile().as_text() or ""
+        if _GROUPED_HLO.search(text) is None:
+            return True
+    return False
 
 
 @functools.cache
 def warn_if_experts_expanded(num_experts: int, hidden: int, width: int, top_k: int) -> bool:
-    """On GPU, logs a warning (once per shape) when `ragged_dot_expanded`: a MoE model then runs
-    correctly but computes every expert for every token. Returns whether it warned."""
-    if jax.default_backend() != "gpu" or not ragged_dot_expanded(num_experts, hidden, width):
+    """On GPU, logs a warning (once per shape) when `ragged_dot_expanded`: the experts then run
+    densely (`dense_experts`: every expert on every token). Returns whether it warned."""
+    if jax.default_backend() != "gpu" or not _expanded_on_gpu(num_experts, hidden, width):
         return False
     logging.getLogger(__name__).warning(
-        "mixture-of-experts on GPU: XLA compiles the experts' grouped matmul (jax.lax.ragged_dot) to a "
-        "dense dot over all %d experts here, so each token pays for %d experts' matmuls instead of %d "
-        "(about %.0fx the expert FLOPs and a [tokens, experts, ...] operand); results are correct. XLA's "
-        "cuDNN ragged-dot fusion (XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true, cuDNN "
-        ">= 9.22) keeps it grouped; docs/concepts.md, 'Mixture-of-experts models'",
-        num_experts, num_experts, top_k, num_experts / top_k)
+        "mixture-of-experts on GPU: XLA would compile the experts' grouped matmul (jax.lax.ragged_dot) to "
+        "a dense dot over all %d experts for every token-expert pair, so the experts run densely "
+        "instead: every expert on every token, %.0fx the expert FLOPs of a grouped matmul (%dx less "
+        "than XLA's expansion); results are the same. XLA's cuDNN ragged-dot fusion "
+        "(XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true, cuDNN >= 9.22) keeps it grouped; "
+        "docs/concepts.md, 'Mixture-of-experts models'", num_experts, num_experts / top_k, top_k)
     return True
+
+
+def _route_matrix(experts, weights, n: int, first: int = 0):
+    """[T, n] routing weights of experts first .. first + n - 1: weights[t, j] where
+    experts[t, j] is one of them, else 0 (summed if an expert repeats)."""
+    hit = experts[..., None] == first + jnp.arange(n, dtype=experts.dtype)  # [T, k, n]
+    return jnp.einsum("tkn,tk->tn", hit.astype(weights.dtype), weights)
+
+
+def _dense_swiglu(x, route, kernels):
+    """sum_E route[t, E] * expert_E(x[t]) over every expert (`route` 0 for unchosen ones): one
+    matmul per projection over all experts; x [T, e], route [T, E], kernels as `grouped_experts`."""
+    gate_w, up_w, down_w = (w.astype(x.dtype) for w in kernels)
+    h = jax.nn.silu(jnp.einsum("te,Eef->tEf", x, gate_w)) * jnp.einsum("te,Eef->tEf", x, up_w)
+    return jnp.einsum("tEf,Efe->te", h * route.astype(x.dtype)[..., None], down_w)
+
+
+def dense_experts(kernels) -> bool:
+    """Whether `expert_mix` runs every expert on every token (`_dense_swiglu`) instead of the
+    sorted `ragged_dot` dispatch: on GPU where XLA expands `ragged_dot` into a dense dot over all
+    experts for every token-expert pair (`ragged_dot_expanded`), which costs top_k times more than
+    running each expert once per token. Elsewhere (TPU, CPU, a GPU that keeps the grouped matmul)
+    the dispatch is `ragged_dot`."""
+    if _kernels.target_platform() != "gpu":
+        return False
+    n, e, f = kernels[0].shape[-3:]
+    return _expanded_on_gpu(int(n), int(e), int(f))
+
+
+@functools.cache
+def _expanded_on_gpu(n: int, e: int, f: int) -> bool:
+    return ragged_dot_expanded(n, e, f)
 
 
 def expert_mix(x, experts, weights, kernels):
@@ -478,6 +517,8 @@ def expert_mix(x, experts, weights, kernels):
     otherwise (no rules active, or the dim whole) it is `grouped_experts` on all experts."""
     plan = _expert_plan(kernels[0].shape[0])
     if plan is None:
+        if dense_experts(kernels):
+            return _dense_swiglu(x, _route_matrix(experts, weights, kernels[0].shape[0]), kernels)
         return jnp.einsum("tke,tk->te", grouped_experts(x, experts, kernels), weights.astype(x.dtype))
     return _expert_parallel(plan, x, experts, weights, kernels)
 
@@ -539,6 +580,8 @@ def _expert_parallel(plan: _ExpertPlan, x, experts, weights, kernels):
     tok, ker = P(plan.tokens or None), P(plan.experts, None, plan.mlp or None)
     down = P(plan.experts, plan.mlp or None, None)
 
+    dense = dense_experts(kernels)
+
     def local(x, ids, w, gate_w, up_w, down_w):
         if gather:
             x, ids, w = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, ids, w))
@@ -546,13 +589,14 @@ def _expert_parallel(plan: _ExpertPlan, x, experts, weights, kernels):
         for a in plan.experts:  # this device's expert block, major axis first (as the sharding)
             shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
         kern = (gate_w, up_w, down_w)
+        own = _own_experts_dense if dense else _own_experts
         rows, steps = x.shape[0], -(-x.shape[0] * k // EP_STEP_PAIRS)
         if steps <= 1:
-            y = _own_experts(x, ids, w, shard, kern)
+            y = own(x, ids, w, shard, kern)
         else:
             block = -(-rows // steps)
             xs = [jnp.pad(a, ((0, block * steps - rows), (0, 0))).reshape(steps, block, -1) for a in (x, ids, w)]
-            step = jax.checkpoint(lambda _, xiw: (None, _own_experts(*xiw, shard, kern)))
+            step = jax.checkpoint(lambda _, xiw: (None, own(*xiw, shard, kern)))
             y = jax.lax.scan(step, None, tuple(xs))[1].reshape(block * steps, -1)[:rows]
         if gather:
             y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
@@ -580,6 +624,12 @@ def _own_experts(x, ids, w, shard, kernels):
     scale = jnp.where(mine, w.reshape(-1)[order], 0)[:, None]
     out = jnp.where(mine[:, None], out * scale, 0)  # rows outside every group: 0 whatever the kernel left
     return jnp.zeros(x.shape, out.dtype).at[order // k].add(out)
+
+
+def _own_experts_dense(x, ids, w, shard, kernels):
+    """`_own_experts` with every local expert run on every row (`dense_experts`)."""
+    n_local = kernels[0].shape[0]
+    return _dense_swiglu(x, _route_matrix(ids, w, n_local, shard * n_local), kernels)
 
 
 class SparseMLP(nnx.Module):
