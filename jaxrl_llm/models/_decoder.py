@@ -482,12 +482,31 @@ def _route_matrix(experts, weights, n: int, first: int = 0):
     return jnp.einsum("tkn,tk->tn", hit.astype(weights.dtype), weights)
 
 
-def _dense_swiglu(x, route, kernels):
-    """sum_E route[t, E] * expert_E(x[t]) over every expert (`route` 0 for unchosen ones): one
-    matmul per projection over all experts; x [T, e], route [T, E], kernels as `grouped_experts`."""
+def _dense_swiglu_impl(x, route, kernels):
     gate_w, up_w, down_w = (w.astype(x.dtype) for w in kernels)
     h = jax.nn.silu(jnp.einsum("te,Eef->tEf", x, gate_w)) * jnp.einsum("te,Eef->tEf", x, up_w)
     return jnp.einsum("tEf,Efe->te", h * route.astype(x.dtype)[..., None], down_w)
+
+
+@jax.custom_vjp
+def _dense_swiglu(x, route, kernels):
+    """sum_E route[t, E] * expert_E(x[t]) over every expert (`route` 0 for unchosen ones): one
+    matmul per projection over all experts; x [T, e], route [T, E], kernels as `grouped_experts`.
+    Its backward keeps only the inputs and recomputes the forward: the `[T, E, f]` products (num
+    experts / top_k times the sorted dispatch's activations) are never kept for it, whatever the
+    model's remat policy (a nested `jax.checkpoint` would not override an outer `dots` policy)."""
+    return _dense_swiglu_impl(x, route, kernels)
+
+
+def _dense_swiglu_fwd(x, route, kernels):
+    return _dense_swiglu_impl(x, route, kernels), (x, route, kernels)
+
+
+def _dense_swiglu_bwd(inputs, g):
+    return jax.vjp(_dense_swiglu_impl, *inputs)[1](g)
+
+
+_dense_swiglu.defvjp(_dense_swiglu_fwd, _dense_swiglu_bwd)
 
 
 def dense_experts(kernels) -> bool:

@@ -94,3 +94,26 @@ def test_only_a_gpu_that_expands_ragged_dot_runs_the_experts_densely(monkeypatch
     monkeypatch.setattr(_decoder, "_expanded_on_gpu", lambda n, e, f: (n, e, f) == (8, 32, 16))
     assert _decoder.dense_experts(kernels)
     assert not _decoder.dense_experts((jax.ShapeDtypeStruct((4, 32, 16), jax.numpy.float32),) * 3)
+
+
+def test_the_dense_expert_path_keeps_no_all_experts_activation_for_the_backward(capsys):
+    """Under remat=dots the model keeps matmul outputs; the dense path's `[T, E, f]` products
+    are recomputed in its backward instead, so nothing of that size is saved."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    T, e, f, E, k = 12, 16, 8, 6, 2
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (T, e))
+    kernels = tuple(jax.random.normal(kk, shape) for kk, shape in zip(keys[1:4], ((E, e, f), (E, e, f), (E, f, e))))
+    experts = jax.random.randint(keys[4], (T, k), 0, E)
+    route = _decoder._route_matrix(experts, jax.numpy.full((T, k), 0.5), E)
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    fn = jax.checkpoint(lambda x, ks: (_decoder._dense_swiglu(x, route, ks) ** 2).sum(), policy=policy)
+    capsys.readouterr()
+    print_saved_residuals(fn, x, kernels)
+    saved = capsys.readouterr().out.replace(" ", "")
+    assert "argumentx" in saved and f"[{T},{E},{f}]" not in saved, saved
+    plain = lambda x, ks: (_decoder._dense_swiglu_impl(x, route, ks) ** 2).sum()  # noqa: E731
+    for got, want in zip(jax.tree.leaves(jax.grad(fn, (0, 1))(x, kernels)),
+                         jax.tree.leaves(jax.grad(plain, (0, 1))(x, kernels))):
+        assert float(jax.numpy.abs(got - want).max()) <= 1e-5
