@@ -155,26 +155,14 @@ def ragged_dot_check(cfg, tokens: int) -> dict:
     [rows, experts, hidden] operand). `<part>_flops_ratio`: XLA's FLOP count over the grouped
     matmul's 2 * rows * hidden * width, for information (XLA counts a kept weight-gradient
     ragged dot as dense too, and a custom call as 0)."""
-    import jax
-    import jax.numpy as jnp
-
-    # a ragged-dot op or a Pallas kernel kept in the optimized HLO (`models.ragged_dot_expanded`'s test)
-    from jaxrl_llm.models._decoder import _GROUPED_HLO as GROUPED
+    from jaxrl_llm.models._decoder import program_expanded, ragged_dot_programs
 
     rows = tokens * cfg.num_experts_per_tok
     e, f, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    lhs = jax.ShapeDtypeStruct((rows, e), jnp.bfloat16)
-    rhs = jax.ShapeDtypeStruct((n, e, f), jnp.bfloat16)
-    sizes = jax.ShapeDtypeStruct((n,), jnp.int32)
-    dy = jax.ShapeDtypeStruct((rows, f), jnp.bfloat16)
     ideal = 2.0 * rows * e * f
-    fwd = lambda a, b, g: jax.lax.ragged_dot(a, b, g)  # noqa: E731
-    wgrad = lambda a, b, g, dy: jax.vjp(lambda b: fwd(a, b, g), b)[1](dy)[0]  # noqa: E731
     out = {"rows": rows, "ideal_flops": ideal}
-    for name, fn, extra in (("fwd", fwd, ()), ("wgrad", wgrad, (dy,))):
-        compiled = jax.jit(fn).lower(lhs, rhs, sizes, *extra).compile()
-        text = compiled.as_text() or ""
-        out[f"{name}_expanded"] = GROUPED.search(text) is None
+    for name, compiled in ragged_dot_programs(n, e, f, rows=rows).items():
+        out[f"{name}_expanded"] = program_expanded(compiled)
         try:
             cost = compiled.cost_analysis()
             cost = cost[0] if isinstance(cost, (list, tuple)) else cost

@@ -438,25 +438,35 @@ def grouped_experts(x, experts, kernels):
 _GROUPED_HLO = re.compile(r'[\]}] ragged-dot\(|custom_call_target="[^"]*(?:xla\.gpu\.triton|mosaic_gpu)')
 
 
-def ragged_dot_expanded(num_experts: int, hidden: int, width: int, *, rows: int = 256,
-                        dtype=jnp.bfloat16) -> bool:
-    """Whether this backend compiles the experts' grouped matmul (`jax.lax.ragged_dot` of `rows`
-    x [hidden] by [num_experts, hidden, width]), forward or weight gradient, to a dense dot over
-    all experts: no `ragged-dot` op and no Pallas kernel left in the optimized program. Then every
-    token-expert pair pays for every expert's matmul (num_experts times the FLOPs). On TPU the op
-    stays grouped; on GPU only with XLA's cuDNN ragged-dot fusion (cuDNN >= 9.22; the weight
-    gradient needs a newer one) or a Pallas lowering."""
+def ragged_dot_programs(num_experts: int, hidden: int, width: int, *, rows: int = 256,
+                        dtype=jnp.bfloat16) -> dict:
+    """{"fwd", "wgrad"}: this backend's compiled forward and weight gradient of the experts'
+    grouped matmul, `jax.lax.ragged_dot` of `rows` x [hidden] by [num_experts, hidden, width]."""
     lhs = jax.ShapeDtypeStruct((rows, hidden), dtype)
     rhs = jax.ShapeDtypeStruct((num_experts, hidden, width), dtype)
     sizes = jax.ShapeDtypeStruct((num_experts,), jnp.int32)
     dy = jax.ShapeDtypeStruct((rows, width), dtype)
     fwd = jax.lax.ragged_dot
     wgrad = lambda a, b, g, dy: jax.vjp(lambda b: fwd(a, b, g), b)[1](dy)[0]  # noqa: E731
-    for fn, args in ((fwd, (lhs, rhs, sizes)), (wgrad, (lhs, rhs, sizes, dy))):
-        text = jax.jit(fn).lower(*args).compile().as_text() or ""
-        if _GROUPED_HLO.search(text) is None:
-            return True
-    return False
+    return {"fwd": jax.jit(fwd).lower(lhs, rhs, sizes).compile(),
+            "wgrad": jax.jit(wgrad).lower(lhs, rhs, sizes, dy).compile()}
+
+
+def program_expanded(compiled) -> bool:
+    """Whether a compiled program has no grouped matmul left (`_GROUPED_HLO`): XLA replaced its
+    `ragged_dot` by a dense dot over all experts."""
+    return _GROUPED_HLO.search(compiled.as_text() or "") is None
+
+
+def ragged_dot_expanded(num_experts: int, hidden: int, width: int, *, rows: int = 256,
+                        dtype=jnp.bfloat16) -> bool:
+    """Whether this backend compiles the experts' grouped matmul (`ragged_dot_programs`), forward
+    or weight gradient, to a dense dot over all experts: no `ragged-dot` op and no Pallas kernel
+    left in the optimized program. Then every token-expert pair pays for every expert's matmul
+    (num_experts times the FLOPs). On TPU the op stays grouped; on GPU only with XLA's cuDNN
+    ragged-dot fusion (cuDNN >= 9.22; the weight gradient needs a newer one) or a Pallas lowering."""
+    programs = ragged_dot_programs(num_experts, hidden, width, rows=rows, dtype=dtype)
+    return any(program_expanded(c) for c in programs.values())
 
 
 @functools.cache
