@@ -22,7 +22,7 @@
 This package does not import optax or trainer code.
 """
 from ._driver import RolloutBatch, RolloutDriver
-from ._engine import BATCH_INVARIANT_ROWS, PREFILL_BUCKETS, Engine, prefill_bucket
+from ._engine import BATCH_INVARIANT_ROWS, PREFILL_BUCKETS, Engine, default_compiler_options, prefill_bucket
 from ._sampling import SamplingParams, sample
 from ._replica import LocalReplica, Replica
 from ._process_replica import ProcessReplica
@@ -33,4 +33,4 @@ from ._state import DecodeState, Prefix, ResultTokens, SlotData
 __all__ = ["Engine", "RolloutDriver", "RolloutBatch", "RolloutServer", "GenerateOutput",
            "ReplicaRouter", "Replica", "LocalReplica", "ProcessReplica",
            "SamplingParams", "sample", "DecodeState", "Prefix", "ResultTokens", "SlotData",
-           "BATCH_INVARIANT_ROWS", "PREFILL_BUCKETS", "prefill_bucket"]
+           "BATCH_INVARIANT_ROWS", "PREFILL_BUCKETS", "prefill_bucket", "default_compiler_options"]

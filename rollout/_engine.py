@@ -65,6 +65,19 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def default_compiler_options(platform: str, layout: str, quantization: str) -> tuple[dict, dict]:
+    """The engine's XLA options when none are given: (decode programs, prompt-shaped programs).
+    On GPU, cuBLAS instead of Triton GEMMs for the per_layer_fused decode (measured faster,
+    docs/benchmarks.md §3; int8 keeps Triton, which can fuse the int8 -> bf16 weight convert into
+    the GEMM: not measured) and for every fp8 program (Triton's fp8 GEMM autotuning did not finish
+    compiling the prefill in 280 s on an H200; cuBLASLt's fp8 matmul compiles in about 20 s)."""
+    if platform != "gpu":
+        return {}, {}
+    cublas = {"xla_gpu_enable_triton_gemm": False}
+    decode = cublas if (layout == "per_layer_fused" and quantization != "int8") or quantization == "fp8" else {}
+    return dict(decode), (dict(cublas) if quantization == "fp8" else {})
+
+
 def _as_model(model_or_pair) -> tuple[ModelConfig, Any]:
     """(config, pure param dict) from a CausalLM or a (graphdef, state, ...) tuple."""
     if isinstance(model_or_pair, nnx.Module):
@@ -148,8 +161,11 @@ class Engine:
     copy); what auto picks on GPU when the sync copies.
     decode_compiler_options: XLA options for the decode programs only (`generate`, the decode
     loop). None: {"xla_gpu_enable_triton_gemm": False} (cuBLAS for the skinny decode matmuls)
-    for per_layer_fused on GPU, where it measured faster (docs/benchmarks.md §3), else none;
-    {} turns that off.
+    on GPU for per_layer_fused (measured faster, docs/benchmarks.md §3) and for fp8, else none
+    (`default_compiler_options`); {} turns that off.
+    prefill_compiler_options: XLA options for the programs that run prompt-shaped matmuls
+    (`prefill`, `extend`, `append_rows`). None: {"xla_gpu_enable_triton_gemm": False} for fp8 on
+    GPU, else none (`default_compiler_options` says why); {} turns that off.
     record_experts (MoE models, router replay): prefill and the decode steps also record the
     experts every layer chose for each token they feed: `Prefix.experts` and the decode loop's
     `out["experts"]` (`expert_ids` describes both; `rollout.RolloutDriver` collects them).
@@ -176,7 +192,7 @@ class Engine:
                  seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
                  layer_layout: str = "auto", decode_compiler_options: dict | None = None,
                  record_experts: bool = False, batch_invariant: bool = False,
-                 quantization: str = "none"):
+                 quantization: str = "none", prefill_compiler_options: dict | None = None):
         self._check_sizes(max_concurrent_decodes, max_prefill_length, max_target_length)
         if record_experts and not config.is_moe:
             raise ValueError(f"record_experts=True (router replay) needs a mixture-of-experts model; "
@@ -221,12 +237,10 @@ class Engine:
             graphdef, abstract = nnx.split(abstract_model(config, layer_layout=self._layout), nnx.Param)
             self._graphdef = graphdef
             self._param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, self._mesh, self._rules))
-        if decode_compiler_options is None:  # measured: cuBLAS beats Triton on the fused decode
-            gpu = self._mesh.devices.flat[0].platform == "gpu"
-            # (int8 keeps Triton: it can fuse the int8 -> bf16 weight convert into the GEMM; not measured)
-            decode_compiler_options = ({"xla_gpu_enable_triton_gemm": False}
-                                       if gpu and self._layout == "per_layer_fused" and quantization != "int8" else {})
-        self._decode_options = dict(decode_compiler_options)
+        decode_default, prefill_default = default_compiler_options(
+            self._mesh.devices.flat[0].platform, self._layout, quantization)
+        self._decode_options = dict(decode_default if decode_compiler_options is None else decode_compiler_options)
+        self._prefill_options = dict(prefill_default if prefill_compiler_options is None else prefill_compiler_options)
         self._sync = WeightSync(self._layout, self._layout_shardings, config.param_dtype, self._mesh,
                                 quantization, self._param_shardings)
         self._state_shardings = self._decode_state_shardings()
@@ -263,7 +277,7 @@ class Engine:
                    seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
                    layer_layout: str = "auto", decode_compiler_options: dict | None = None,
                    record_experts: bool = False, batch_invariant: bool = False,
-                   quantization: str = "none") -> "Engine":
+                   quantization: str = "none", prefill_compiler_options: dict | None = None) -> "Engine":
         """An engine over an in-memory CausalLM (or `(graphdef, params, ...)` from `nnx.split`).
 
         mesh None: the params' own mesh when they are `NamedSharding`-placed on a
@@ -281,7 +295,7 @@ class Engine:
                    stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tokenizer=tokenizer,
                    layer_layout=layer_layout, decode_compiler_options=decode_compiler_options,
                    record_experts=record_experts, batch_invariant=batch_invariant,
-                   quantization=quantization)
+                   quantization=quantization, prefill_compiler_options=prefill_compiler_options)
 
     @classmethod
     def from_pretrained(cls, path: str, *, max_concurrent_decodes: int, max_prefill_length: int,
@@ -360,7 +374,8 @@ class Engine:
     # ---------------------------------------------------------------- compiled pieces
     def _build_compiled(self):
         st = self._state_shardings
-        self._prefill_jit = jax.jit(self._prefill_core, out_shardings=self._prefix_shardings)
+        pre = {"compiler_options": self._prefill_options} if self._prefill_options else {}
+        self._prefill_jit = jax.jit(self._prefill_core, out_shardings=self._prefix_shardings, **pre)
         self._insert_jit = jax.jit(self._insert_core, donate_argnums=(0,), out_shardings=st)
         opts = {"compiler_options": self._decode_options} if self._decode_options else {}
         self._generate_jit = jax.jit(self._generate_core, donate_argnums=(1,),
@@ -368,9 +383,9 @@ class Engine:
         self._loop_jit = jax.jit(self._loop_core, donate_argnums=(1, 2),
                                  out_shardings=(st, None, self._replicated), **opts)
         self._extend_jit = jax.jit(self._extend_core, static_argnums=(4,),  # records no experts
-                                   out_shardings=dataclasses.replace(self._prefix_shardings, experts=None))
+                                   out_shardings=dataclasses.replace(self._prefix_shardings, experts=None), **pre)
         self._append_jit = jax.jit(self._append_core, donate_argnums=(1,),
-                                   out_shardings=(st, self._replicated if self.record_experts else None))
+                                   out_shardings=(st, self._replicated if self.record_experts else None), **pre)
         self._init_jit = jax.jit(self._init_core, out_shardings=st)
         self._join_jit = jax.jit(self._join_core, static_argnums=(1,), out_shardings=self._prefix_shardings)
         self._free_jit = jax.jit(self._free_core, donate_argnums=(0,), out_shardings=st)

@@ -86,6 +86,36 @@ def test_bad_quantization_is_a_clear_error(tiny_model):
         _engine(tiny_model, "fp4")
 
 
+def test_default_compiler_options_turn_triton_gemms_off_for_fp8_on_gpu():
+    """cuBLAS(Lt) instead of Triton GEMMs: the fused decode on GPU (except int8), and every fp8
+    program on GPU (Triton's fp8 autotuning stalled the H200 prefill compile); none elsewhere."""
+    off = {"xla_gpu_enable_triton_gemm": False}
+    dco = rollout.default_compiler_options
+    assert dco("gpu", "per_layer_fused", "none") == (off, {})
+    assert dco("gpu", "per_layer_fused", "int8") == ({}, {})
+    assert dco("gpu", "per_layer", "none") == ({}, {})
+    assert dco("gpu", "per_layer", "fp8") == (off, off)
+    assert dco("gpu", "per_layer_fused", "fp8") == (off, off)
+    for platform in ("cpu", "tpu"):
+        for q in ("none", "fp8", "int8"):
+            assert dco(platform, "per_layer_fused", q) == ({}, {})
+
+
+def test_prefill_compiler_options_reach_the_prompt_programs_only(tiny_model):
+    """`prefill_compiler_options` compile into prefill (a bogus option fails it, naming the
+    option) and not into the decode programs; `decode_compiler_options` the other way round."""
+    padded = np.zeros(16, np.int32)
+    bogus = {"xla_no_such_option_for_this_test": True}
+    e = _engine(tiny_model, "fp8", prefill_compiler_options=bogus)
+    with pytest.raises(Exception, match="xla_no_such_option_for_this_test"):
+        e.prefill(params=e.params, padded_tokens=padded, true_length=5)
+    e = _engine(tiny_model, "fp8", decode_compiler_options=bogus)
+    prefix = e.prefill(params=e.params, padded_tokens=padded, true_length=5)  # prefill compiles
+    state = e.insert(prefix, e.init_decode_state(), slot=0)
+    with pytest.raises(Exception, match="xla_no_such_option_for_this_test"):
+        e.generate(e.params, state)
+
+
 def _params_summary(params):
     return {"/".join(str(getattr(k, "key", k)) for k in path): (x.shape, x.dtype)
             for path, x in jax.tree_util.tree_leaves_with_path(params)}
