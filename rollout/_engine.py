@@ -166,6 +166,11 @@ class Engine:
     prefill_compiler_options: XLA options for the programs that run prompt-shaped matmuls
     (`prefill`, `extend`, `append_rows`). None: {"xla_gpu_enable_triton_gemm": False} for fp8 on
     GPU, else none (`default_compiler_options` says why); {} turns that off.
+    kv_cache_dtype: "auto" (default: the engine's dtype) | "fp8" — the decode state's keys and
+    values stored as e4m3 (unscaled, saturated at +-448: `models.to_cache`), half of bf16's
+    bytes; attention reads them back in `dtype` (the Triton decode kernel converts in registers;
+    the other paths upcast the layer's cache first). Prefill's own cache stays in `dtype` until
+    it is inserted. Not on TPU's Pallas decode kernel (the XLA path runs there).
     record_experts (MoE models, router replay): prefill and the decode steps also record the
     experts every layer chose for each token they feed: `Prefix.experts` and the decode loop's
     `out["experts"]` (`expert_ids` describes both; `rollout.RolloutDriver` collects them).
@@ -192,7 +197,8 @@ class Engine:
                  seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
                  layer_layout: str = "auto", decode_compiler_options: dict | None = None,
                  record_experts: bool = False, batch_invariant: bool = False,
-                 quantization: str = "none", prefill_compiler_options: dict | None = None):
+                 quantization: str = "none", prefill_compiler_options: dict | None = None,
+                 kv_cache_dtype: str = "auto"):
         self._check_sizes(max_concurrent_decodes, max_prefill_length, max_target_length)
         if record_experts and not config.is_moe:
             raise ValueError(f"record_experts=True (router replay) needs a mixture-of-experts model; "
@@ -210,6 +216,7 @@ class Engine:
         config = source_config if quantization == "none" else source_config.replace(quantization=quantization)
         self.config = config
         self.quantization = quantization
+        self.kv_cache_dtype = models.kv_cache_dtype(kv_cache_dtype, config.dtype)  # validates the name
         self.sampling = SamplingParams(temperature, top_k, top_p)
         self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
         self.pad_token_id = int(pad_token_id)
@@ -277,7 +284,8 @@ class Engine:
                    seed: int = 0, stop_token_ids=(), pad_token_id: int = 0, tokenizer=None,
                    layer_layout: str = "auto", decode_compiler_options: dict | None = None,
                    record_experts: bool = False, batch_invariant: bool = False,
-                   quantization: str = "none", prefill_compiler_options: dict | None = None) -> "Engine":
+                   quantization: str = "none", prefill_compiler_options: dict | None = None,
+                   kv_cache_dtype: str = "auto") -> "Engine":
         """An engine over an in-memory CausalLM (or `(graphdef, params, ...)` from `nnx.split`).
 
         mesh None: the params' own mesh when they are `NamedSharding`-placed on a
@@ -295,14 +303,16 @@ class Engine:
                    stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tokenizer=tokenizer,
                    layer_layout=layer_layout, decode_compiler_options=decode_compiler_options,
                    record_experts=record_experts, batch_invariant=batch_invariant,
-                   quantization=quantization, prefill_compiler_options=prefill_compiler_options)
+                   quantization=quantization, prefill_compiler_options=prefill_compiler_options,
+                   kv_cache_dtype=kv_cache_dtype)
 
     @classmethod
     def from_pretrained(cls, path: str, *, max_concurrent_decodes: int, max_prefill_length: int,
                         max_target_length: int, dtype=jnp.bfloat16, temperature: float = 1.0,
                         top_k: int = -1, top_p: float = 1.0, seed: int = 0, mesh=None,
                         rules="rollout", layer_layout: str = "per_layer",
-                        batch_invariant: bool = False, quantization: str = "none") -> "Engine":
+                        batch_invariant: bool = False, quantization: str = "none",
+                        kv_cache_dtype: str = "auto") -> "Engine":
         """An engine over a Hugging Face folder (config.json + safetensors [+ tokenizer]).
 
         Stop tokens and pad id come from the folder's tokenizer (eos ids) when it has one, else
@@ -331,7 +341,7 @@ class Engine:
                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                               stop_token_ids=stop, pad_token_id=pad, tokenizer=tokenizer,
                               layer_layout=layer_layout, batch_invariant=batch_invariant,
-                              quantization=quantization)
+                              quantization=quantization, kv_cache_dtype=kv_cache_dtype)
 
     @property
     def _per_layer(self) -> bool:
@@ -416,7 +426,7 @@ class Engine:
         shape = (c.num_hidden_layers, n, self._max_target, c.num_key_value_heads, c.head_dim)
         zi = jnp.zeros((n,), jnp.int32)
         return DecodeState(
-            cache=self._cache_tree(lambda axes: jnp.zeros(shape[-len(axes):], c.dtype),
+            cache=self._cache_tree(lambda axes: jnp.zeros(shape[-len(axes):], self.kv_cache_dtype),
                                    KVCache.LOGICAL_AXES),
             tokens=zi, lengths=zi, generated=zi, max_new=zi, active=jnp.zeros((n,), jnp.bool_),
             row=zi, keys=jax.random.split(jax.random.key(0), n),
@@ -426,10 +436,10 @@ class Engine:
                      temperature, top_k, top_p, key):
         """Copies prefix rows `src` into slots `dst` (int32[m]; dst >= slots is ignored)."""
         def put_cache(buf, val):  # one layer's [slots, s, kvh, d] <- prefix [p, bucket, kvh, d]
-            return buf.at[dst, :val.shape[1]].set(val[src].astype(buf.dtype), mode="drop")
+            return buf.at[dst, :val.shape[1]].set(models.to_cache(val[src], buf.dtype), mode="drop")
 
         def put_stacked(buf, val):  # [L, slots, s, kvh, d] <- [L, p, bucket, kvh, d]
-            return buf.at[:, dst, :val.shape[2]].set(val[:, src].astype(buf.dtype), mode="drop")
+            return buf.at[:, dst, :val.shape[2]].set(models.to_cache(val[:, src], buf.dtype), mode="drop")
 
         if self._per_layer:
             cache = KVCache(tuple(map(put_cache, state.cache.k, prefix.cache.k)),
@@ -1031,4 +1041,4 @@ class Engine:
         """Bytes of the decode state's K and V (the same in both layer layouts)."""
         c = self.config
         n = c.num_hidden_layers * self._slots * self._max_target * c.num_key_value_heads * c.head_dim
-        return 2 * n * jnp.dtype(c.dtype).itemsize
+        return 2 * n * self.kv_cache_dtype.itemsize

@@ -40,7 +40,9 @@ engine's real weight bytes (quantized kernels + scales + bf16 embedding/head/nor
 record's matmul FLOPs count against `--fp8-tflops` (int8 is weight-only: bf16 compute), and
 each quantized record gets `vs_unquantized` = {"decode_only": the `none` record's ms_per_step /
 its own, "whole_call": total_s ratio} when `none` ran in the same run with the same model, batch,
-layout and variant (list `none` first). With `--check`, each format's one-token decode is
+layout and variant (list `none` first). `--kv-cache-dtype auto fp8` does the same per
+`rollout.kv_cache_dtype` (each format with each cache dtype; `kv_read_bytes` counts the cache's
+real itemsize; the baseline of `vs_unquantized` is none with auto). With `--check`, each format's one-token decode is
 also compared with the fp32 reference (`check_variants`). Every record has `sync_ms`: the median
 of `--sync-repeats` warm `engine.update_params` of the model's bf16 stacked weights (relayout,
 plus quantization when on; `sync_bytes_written`, `sync_donated`).
@@ -97,6 +99,8 @@ def parse_args(argv=None):
                    help="engine layer_layout(s) to compare (see the module docstring)")
     p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8", "int8"],
                    help="engine weight format(s) to compare in this run (rollout.quantization)")
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8"],
+                   help="engine KV cache dtype(s) to compare in this run (rollout.kv_cache_dtype)")
     p.add_argument("--sync-repeats", type=int, default=5,
                    help="time this many weight syncs of the model into the engine (sync_ms: median)")
     p.add_argument("--fp8-tflops", type=float, default=1979.0,
@@ -167,12 +171,13 @@ def _peak_bytes():
 
 
 def step_cost(c, n_params: int, batch: int, context: float, *, hbm_gbs: float, tflops: float,
-              weight_bytes: int | None = None, matmul_tflops: float | None = None) -> dict:
+              weight_bytes: int | None = None, matmul_tflops: float | None = None,
+              kv_itemsize: int | None = None) -> dict:
     """Least bytes and FLOPs of one decode step of `batch` rows at mean `context` cached tokens,
     and the roofline time max(bytes / HBM, FLOPs / peak) in ms. `weight_bytes` (default: n_params
     in param_dtype) and `matmul_tflops` (the weight matmuls' peak, default `tflops`) for a
-    quantized engine."""
-    itemsize = jnp.dtype(c.dtype).itemsize
+    quantized engine; `kv_itemsize` (default: c.dtype's) for an fp8 KV cache."""
+    itemsize = kv_itemsize or jnp.dtype(c.dtype).itemsize
     if weight_bytes is None:
         weight_bytes = n_params * jnp.dtype(c.param_dtype).itemsize
     kv_bytes = batch * context * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * itemsize
@@ -224,7 +229,7 @@ def _trace_diff(paths, steps: int) -> dict:
 
 
 def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", batch_invariant=None,
-               quantization="none", cfg=None):
+               quantization="none", cfg=None, kv_cache_dtype="auto"):
     """cfg: a ModelConfig to time instead of `name`'s Qwen2.5 shape (scripts/bench_moe.py)."""
     import rollout
     from jaxrl_llm.models import init_model
@@ -242,7 +247,7 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", batch_in
     engine = rollout.Engine.from_model(
         model, max_concurrent_decodes=batch, max_prefill_length=prefill_len,
         max_target_length=max(prefill_len + 1, args.prompt_len + args.gen_len), temperature=1.0,
-        layer_layout=layout, quantization=quantization, **opts)
+        layer_layout=layout, quantization=quantization, kv_cache_dtype=kv_cache_dtype, **opts)
     sync = _time_sync(engine, model, args.sync_repeats)
     del model
     driver = rollout.RolloutDriver(engine, steps_per_sync=args.steps_per_sync,
@@ -269,11 +274,13 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", batch_in
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))
     cost = step_cost(c, n_params, batch, context, hbm_gbs=args.hbm_gbs, tflops=args.tflops,
                      weight_bytes=weight_bytes,
-                     matmul_tflops=args.fp8_tflops if quantization == "fp8" else None)
+                     matmul_tflops=args.fp8_tflops if quantization == "fp8" else None,
+                     kv_itemsize=engine.kv_cache_dtype.itemsize)
     rec = {
         "engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
         "decode_attention": cfg.decode_attention, "decode_unroll": cfg.decode_unroll,
-        "layer_layout": engine.layer_layout, "quantization": quantization, "engine_opts": opts,
+        "layer_layout": engine.layer_layout, "quantization": quantization,
+        "kv_cache_dtype": kv_cache_dtype, "engine_opts": opts,
         "batch_invariant": engine.batch_invariant,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "prompt_len": args.prompt_len, "gen_len": long_, "short_len": short, "dtype": str(jnp.dtype(dtype)),
@@ -288,7 +295,7 @@ def bench_ours(name, batch, args, variant="auto:1", layout="per_layer", batch_in
         "decode_loops": out.stats["decode_loops"], "steps_per_sync": args.steps_per_sync, **sync,
     }
     if args.trace:
-        tag = f"{engine.layer_layout}_{variant.replace(':', '_')}_{quantization}_b{batch}"
+        tag = f"{engine.layer_layout}_{variant.replace(':', '_')}_{quantization}_kv{kv_cache_dtype}_b{batch}"
         paths = [os.path.join(args.trace, f"trace_{tag}_{n}.json.gz") for n in (short, long_)]
         for gen, path in zip((short, long_), paths):
             perfetto_trace(lambda gen=gen: run(gen), path)
@@ -466,19 +473,20 @@ def main(argv=None) -> list[dict]:
                 report.add(p)
             invariant = {"off": [None], "on": [True], "both": [False, True]}[args.batch_invariant]
             unquantized = {}
-            for layout, variant, quant in [] if args.peer_only else [
-                    (lay, v, q) for lay in args.layouts for v in args.variants for q in args.quantization]:
+            for layout, variant, quant, kv in [] if args.peer_only else [
+                    (lay, v, q, k) for lay in args.layouts for v in args.variants for q in args.quantization
+                    for k in args.kv_cache_dtype]:
                 fast = None
                 for inv in invariant:
                     gc.collect()  # the previous engine (a reference cycle through its jits) and its cache
                     try:
-                        ours = bench_ours(name, batch, args, variant, layout, inv, quant)
+                        ours = bench_ours(name, batch, args, variant, layout, inv, quant, kv_cache_dtype=kv)
                     except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
                         if args.tiny:
                             raise
                         ours = {"engine": "jaxrl_llm.rollout", "model": f"qwen2.5-{name}", "batch": batch,
                                 "variant": variant, "layer_layout": layout, "batch_invariant": bool(inv),
-                                "quantization": quant, "error": repr(e)[-2000:]}
+                                "quantization": quant, "kv_cache_dtype": kv, "error": repr(e)[-2000:]}
                     if inv is False and "error" not in ours:
                         fast = ours
                     elif inv and fast is not None and "error" not in ours:
@@ -486,7 +494,7 @@ def main(argv=None) -> list[dict]:
                                                 if fast.get(k)}
                     if peers:
                         ours["vs_peer"] = compare(ours, peers)
-                    if quant == "none":
+                    if quant == "none" and kv == "auto":
                         unquantized[(layout, variant, inv)] = ours
                     elif "ms_per_step" in ours and "ms_per_step" in unquantized.get((layout, variant, inv), {}):
                         base = unquantized[(layout, variant, inv)]

@@ -49,7 +49,7 @@ def base_config() -> ConfigDict:
     c.ref = dict(log_prob_max_token_len_per_device=0)
     c.rollout = dict(
         n=8, temperature=1.0, top_k=-1, top_p=1.0, max_concurrent_decodes=256,
-        steps_per_sync=16, dtype="", quantization="none", use_rollout_log_probs=False,
+        steps_per_sync=16, dtype="", quantization="none", kv_cache_dtype="auto", use_rollout_log_probs=False,
         log_prob_max_token_len_per_device=0, partial_rollout_kv="recompute", free_cache_engine=True,
         batch_invariant=False,
         replicas_per_host=1, max_inflight_per_replica=0, replica_backend="local", replica_max_restarts=1,

@@ -34,6 +34,7 @@ KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
                 "kl+", "k1+", "abs+", "low_var_kl+", "k3+")  # "+": k2's gradient (straight-through)
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 ROLLOUT_QUANTIZATIONS = ("none", "fp8", "int8")  # jaxrl_llm.models._quant.QUANTIZATIONS
+KV_CACHE_DTYPES = ("auto", "fp8")  # jaxrl_llm.models.KV_CACHE_DTYPES
 ROLLOUT_RS_LEVELS = ("token", "sequence", "geometric")
 TOOL_CALL_FORMATS = ("hermes", "llama3_json", "qwen3_coder")
 BUILTIN_TASKS = ("", "arithmetic", "arithmetic_tools", "countdown")
@@ -183,7 +184,8 @@ def resolve_aliases(cfg: ConfigDict | Mapping[str, Any]) -> dict:
     so the loaded config says the same under both names.
 
     `algorithm.rollout_correction.rollout_is='auto'` (the default) becomes 'token' (truncated
-    importance sampling per token) when `rollout.quantization` is fp8/int8 and the old-log-prob
+    importance sampling per token) when `rollout.quantization` is fp8/int8 or
+    `rollout.kv_cache_dtype` is fp8, and the old-log-prob
     pass runs (no bypass), else '' (off); a value the user set is kept."""
     d = cfg.to_dict() if isinstance(cfg, ConfigDict) else _plain_dict(cfg)
     _resolve_bypass_mode(d)
@@ -245,24 +247,27 @@ def _resolve_bypass_mode(d: dict) -> None:
 
 
 def _resolve_rollout_is(d: dict) -> None:
-    """`rollout_is='auto'` -> 'token' under a quantized rollout (the engine's policy then differs
-    from the trainer's by the quantization error; TIS corrects it), else '' (logged when on)."""
+    """`rollout_is='auto'` -> 'token' under a low-precision rollout (quantized weights or an fp8 KV
+    cache: the engine's policy then differs from the trainer's by the rounding; TIS corrects it),
+    else '' (logged when on)."""
     rc, r = d.get("algorithm", {}).get("rollout_correction"), d.get("rollout")
     if not isinstance(rc, dict) or not isinstance(r, dict) or rc.get("rollout_is") != "auto":
         return
     quant = r.get("quantization", "none")
-    if quant not in ROLLOUT_QUANTIZATIONS:  # validate() names the field
-        rc["rollout_is"] = ""
+    if quant not in ROLLOUT_QUANTIZATIONS or r.get("kv_cache_dtype", "auto") not in KV_CACHE_DTYPES:
+        rc["rollout_is"] = ""  # validate() names the field
         return
-    on = quant != "none" and not r.get("use_rollout_log_probs")
+    low = [f"rollout.quantization={quant}"] if quant != "none" else []
+    low += ["rollout.kv_cache_dtype=fp8"] if r.get("kv_cache_dtype", "auto") == "fp8" else []
+    what = " and ".join(low)
+    on = bool(low) and not r.get("use_rollout_log_probs")
     rc["rollout_is"] = "token" if on else ""
     if on:
-        _log.info("rollout.quantization=%s: algorithm.rollout_correction.rollout_is='token' (truncated IS, "
-                  "threshold %s) on by default; set rollout_is='' to turn it off", quant,
-                  rc.get("rollout_is_threshold"))
-    elif quant != "none":
-        _log.warning("rollout.quantization=%s with rollout.use_rollout_log_probs=True: no rollout "
-                     "correction (bypass mode); the quantization mismatch enters the PPO ratio", quant)
+        _log.info("%s: algorithm.rollout_correction.rollout_is='token' (truncated IS, threshold %s) on by "
+                  "default; set rollout_is='' to turn it off", what, rc.get("rollout_is_threshold"))
+    elif low:
+        _log.warning("%s with rollout.use_rollout_log_probs=True: no rollout correction (bypass mode); "
+                     "the low-precision mismatch enters the PPO ratio", what)
 
 
 def _plain_dict(x):
@@ -326,6 +331,7 @@ def validate(c: RunConfig) -> None:
     _choice(c.rollout.dtype, ("", "float32", "bfloat16"), "rollout.dtype")
     _choice(c.rollout.partial_rollout_kv, ("recompute", "keep"), "rollout.partial_rollout_kv")
     _choice(c.rollout.quantization, ROLLOUT_QUANTIZATIONS, "rollout.quantization")
+    _choice(c.rollout.kv_cache_dtype, KV_CACHE_DTYPES, "rollout.kv_cache_dtype")
     for name in ("max_prompt_length", "max_response_length", "train_batch_size", "val_batch_size"):
         _positive(getattr(c.data, name), f"data.{name}")
     _positive(c.rollout.n, "rollout.n")

@@ -200,6 +200,7 @@ class RolloutConfig:
     steps_per_sync: int  # decode steps on device between host checks
     dtype: str  # "" = same as the actor's compute dtype
     quantization: str  # none | fp8 | int8: the engine's attention and dense-MLP weights, quantized per output channel inside each weight sync (fp8: e4m3 weights and per-token e4m3 activations, an FP8 GEMM on Hopper; int8: weight-only); embeddings, LM head, norms and MoE experts stay in rollout.dtype. Turns algorithm.rollout_correction.rollout_is='auto' into token-level TIS (docs/rollout.md "Low-precision rollout")
+    kv_cache_dtype: str  # auto | fp8 (vLLM/verl's name): auto = rollout.dtype; fp8 = the decode KV cache in e4m3 (unscaled, saturated at +-448), half of bf16's bytes, read back in rollout.dtype by attention. Turns algorithm.rollout_correction.rollout_is='auto' into token-level TIS like rollout.quantization (docs/rollout.md "Low-precision rollout")
     use_rollout_log_probs: bool  # reuse the engine's log-probs as old_log_probs (no old-log-prob pass); alias algorithm.rollout_correction.bypass_mode
     log_prob_max_token_len_per_device: int  # actor.use_dynamic_bsz: tokens per device per micro-batch of the old-log-prob pass; 0 = actor.ppo_max_token_len_per_device (verl's log_prob_max_token_len_per_gpu)
     free_cache_engine: bool  # colocate_async: the engine sleeps while the actor trains (its KV cache, and its own weight copy where the layouts differ, are released; held requests are re-prefilled at wake), verl's name; False: it is only suspended
@@ -234,7 +235,7 @@ class RolloutCorrectionConfig:
     """verl's `algorithm.rollout_correction`: the gap between the engine's policy (stale weights
     under one-step-off-policy, bf16 serving) and the trainer's old log-probs."""
 
-    rollout_is: str  # "" (off) | token | sequence | auto (the default: token when rollout.quantization is fp8/int8 and rollout.use_rollout_log_probs is off, else off; resolved at load)
+    rollout_is: str  # "" (off) | token | sequence | auto (the default: token when rollout.quantization is fp8/int8 or rollout.kv_cache_dtype is fp8, and rollout.use_rollout_log_probs is off, else off; resolved at load)
     rollout_is_threshold: float
     rollout_is_batch_normalize: bool
     rollout_rs: str  # "" (off) | token | sequence | geometric

@@ -7,7 +7,7 @@ from ._decoder import (LAYER_LAYOUTS, CausalLM, KVCache, Transformer, ValueModel
                        rope_inv_freq, segment_positions, stack_layers, unstack_layers, convert_layers,
                        params_layout, load_balancing_loss, router_z_loss, expert_load, route, replay_route,
                        expert_index_dtype, routing_mismatch, ragged_dot_expanded,
-                       warn_if_experts_expanded)
+                       warn_if_experts_expanded, KV_CACHE_DTYPES, kv_cache_dtype, to_cache)
 from ._lora import (LORA_TARGETS, LoraSpec, add_lora, merge_lora, merged_model, resolve_targets,
                     split_lora)
 from ._peft import load_peft_adapter, read_peft_config, save_peft_adapter

@@ -149,6 +149,34 @@ def attend(q, k, v, mask):
 # beats cudnn by about 4 % per decode step at batch 256 and 512, 2 % at 64).
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
+_FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
+
+
+def kv_cache_dtype(name: str, dtype):
+    """The KV cache's storage dtype for `rollout.kv_cache_dtype`: "auto" keeps the engine's
+    `dtype`; "fp8" stores e4m3 keys and values (unscaled: scale 1, values saturated at +-448),
+    read back in `dtype` by attention."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={name!r} is not one of {KV_CACHE_DTYPES}")
+    return jnp.dtype(dtype) if name == "auto" else _FP8
+
+
+def to_cache(x, dtype):
+    """x cast to the cache's dtype; to fp8 saturating (e4m3fn has no infinity: a value past 448
+    would become NaN)."""
+    if jnp.dtype(dtype) == _FP8:
+        x = jnp.clip(x.astype(jnp.float32), -_FP8_MAX, _FP8_MAX)
+    return x.astype(dtype)
+
+
+def _from_cache(x, dtype):
+    """A layer's cache as attention reads it: an fp8 cache upcast to the compute dtype (the
+    Triton decode kernel instead reads the fp8 bytes and converts in registers)."""
+    return x.astype(dtype) if x.dtype == _FP8 else x
+
+
 def attend_one(q, k_cache, v_cache, kv_lengths):
     """Attention of one new query per row over a cache. q [b, 1, h, d]; caches [b, s, kvh, d];
     kv_lengths int32[b]: row b sees cache slots < kv_lengths[b]. Same math as `attend`."""
@@ -175,12 +203,13 @@ def _cudnn_ok(dtype, head_dim: int) -> bool:
             and head_dim % 8 == 0 and head_dim <= 128)
 
 
-def _pallas_ok(head_dim: int) -> bool:
-    return _kernels.target_platform() == "tpu" and head_dim % 128 == 0
+def _pallas_ok(dtype, head_dim: int) -> bool:
+    return _kernels.target_platform() == "tpu" and head_dim % 128 == 0 and jnp.dtype(dtype) != _FP8
 
 
 def _triton_ok(dtype, head_dim: int, cache_len: int) -> bool:
-    return (_kernels.target_platform() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    """bf16/fp16 caches, and fp8 ones (the kernel converts the loaded keys and values)."""
+    return (_kernels.target_platform() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16, _FP8)
             and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and cache_len % 16 == 0)
 
 
@@ -190,7 +219,7 @@ def _decode_attention_impl(config: ModelConfig, t: int, dtype, head_dim: int, ca
     if t != 1:
         return "einsum"
     if impl == "auto":
-        if _pallas_ok(head_dim):
+        if _pallas_ok(dtype, head_dim):
             return "pallas"
         if _triton_ok(dtype, head_dim, cache_len):
             return "triton"
@@ -1026,24 +1055,31 @@ class Transformer(nnx.Module):
         kv_lengths = jnp.minimum(cache_index + 1, s).astype(jnp.int32)  # t == 1: slots <= write
         attention = functools.partial(_decode_attention, impl, mask, kv_lengths)
 
+        compute = self.config.dtype
+        if impl == "triton":  # reads an fp8 cache itself
+            read = lambda x: x  # noqa: E731
+        else:
+            read = functools.partial(_from_cache, dtype=compute)
+
         if per_layer:
             def kv_fn(i, cache, k, v):
                 # each layer's cache is its own (donated) buffer: scatter the new tokens in place
                 # and let attention read it where it lies
-                k_i = cache.k[i].at[rows, write].set(k.astype(cache.k[i].dtype), mode="drop")
-                v_i = cache.v[i].at[rows, write].set(v.astype(cache.v[i].dtype), mode="drop")
+                k_i = cache.k[i].at[rows, write].set(to_cache(k, cache.k[i].dtype), mode="drop")
+                v_i = cache.v[i].at[rows, write].set(to_cache(v, cache.v[i].dtype), mode="drop")
                 new = KVCache(_replace(cache.k, i, k_i), _replace(cache.v, i, v_i))
-                return k_i, v_i, attention(k_i, v_i), new
+                k_r, v_r = read(k_i), read(v_i)
+                return k_r, v_r, attention(k_r, v_r), new
 
             return self._scan(self.embed(input_ids), positions, kv_fn, cache, remat=False,
                               record=record_experts)
 
         def kv_fn(i, cache, k, v):
             # in-place scatter of the new tokens into the carried cache (only b * t rows move)
-            k_all = cache.k.at[i, rows, write].set(k.astype(cache.k.dtype), mode="drop")
-            v_all = cache.v.at[i, rows, write].set(v.astype(cache.v.dtype), mode="drop")
-            k_i = jax.lax.dynamic_index_in_dim(k_all, i, 0, keepdims=False)
-            v_i = jax.lax.dynamic_index_in_dim(v_all, i, 0, keepdims=False)
+            k_all = cache.k.at[i, rows, write].set(to_cache(k, cache.k.dtype), mode="drop")
+            v_all = cache.v.at[i, rows, write].set(to_cache(v, cache.v.dtype), mode="drop")
+            k_i = read(jax.lax.dynamic_index_in_dim(k_all, i, 0, keepdims=False))
+            v_i = read(jax.lax.dynamic_index_in_dim(v_all, i, 0, keepdims=False))
             return k_i, v_i, attention(k_i, v_i), KVCache(k_all, v_all)
 
         unroll = self._unroll(self.config.decode_unroll)
@@ -1059,7 +1095,7 @@ def _train_attention_impl(config: ModelConfig) -> str:
     """The full-forward attention `config.train_attention` resolves to."""
     impl = config.train_attention
     if impl == "auto":
-        if _pallas_ok(config.head_dim):
+        if _pallas_ok(config.dtype, config.head_dim):
             return "splash"
         return "cudnn" if _cudnn_ok(config.dtype, config.head_dim) else "xla"
     return impl

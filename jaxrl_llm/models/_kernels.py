@@ -212,21 +212,23 @@ def _triton_decode_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref, g: int,
     end = jnp.minimum(start + chunk, length)
     head = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < g  # the tile has rows >= g (dot >= 16)
     q = plgpu.load(q_ref.at[pl.ds(0, rows), :], mask=head[:, None], other=0.0)
-    q = (q.astype(jnp.float32) * scale).astype(k_ref.dtype)
+    # an fp8 cache (rollout.kv_cache_dtype): its bytes are loaded and converted to q's dtype here
+    dot_dtype = q_ref.dtype if k_ref.dtype == jnp.float8_e4m3fn else k_ref.dtype
+    q = (q.astype(jnp.float32) * scale).astype(dot_dtype)
 
     def body(i, carry):
         o, m, l = carry
         first = start + i * block
         slot = first + jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
         valid = slot < end
-        k = plgpu.load(k_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0.0)
+        k = plgpu.load(k_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0.0).astype(dot_dtype)
         s = plgpu.dot(q, k, trans_b=True)  # [rows, block], fp32
         s = jnp.where(valid[None, :], s, _MASK)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[:, None])
         alpha = jnp.exp(m - m_new)
-        v = plgpu.load(v_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0.0)
-        o = alpha[:, None] * o + plgpu.dot(p.astype(v.dtype), v)
+        v = plgpu.load(v_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0.0).astype(dot_dtype)
+        o = alpha[:, None] * o + plgpu.dot(p.astype(dot_dtype), v)
         return o, m_new, alpha * l + p.sum(axis=-1)
 
     d = q_ref.shape[-1]

@@ -159,7 +159,7 @@ class HostWorker:
                          top_k=c.rollout.top_k, top_p=c.rollout.top_p, seed=c.trainer.seed,
                          stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id,
                          batch_invariant=c.rollout.batch_invariant,
-                         quantization=c.rollout.quantization)
+                         quantization=c.rollout.quantization, kv_cache_dtype=c.rollout.kv_cache_dtype)
         if c.rollout.replica_backend == "process":  # each replica a child process (no engine here)
             self._start_process_replicas(engine_kw)
             return self.sync_weights()  # the children start on zero weights

@@ -281,7 +281,8 @@ def _engine_programs(run, cfg, graphdef, params, rollout_mesh, wanted, programs,
         max_prefill_length=prefill, max_target_length=prefill + run.data.max_response_length,
         dtype=run.rollout.dtype or run.model.dtype, temperature=run.rollout.temperature,
         record_experts=run.actor.router_replay.record,  # as HostWorker's engines
-        quantization=run.rollout.quantization, batch_invariant=run.rollout.batch_invariant)
+        quantization=run.rollout.quantization, batch_invariant=run.rollout.batch_invariant,
+        kv_cache_dtype=run.rollout.kv_cache_dtype)
     rows = run.data.train_batch_size * run.rollout.n
     prefill_rows = rollout._engine._next_pow2(max(min(64, rows), 4))  # RolloutDriver's prefill batch
     same_devices = set(rollout_mesh.devices.flat) == set(jax.tree.leaves(params)[0].sharding.device_set)

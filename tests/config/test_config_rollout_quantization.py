@@ -1,5 +1,5 @@
-"""rollout.quantization: its values, and the token-level TIS it turns on by default
-(algorithm.rollout_correction.rollout_is='auto')."""
+"""rollout.quantization and rollout.kv_cache_dtype: their values, and the token-level TIS they
+turn on by default (algorithm.rollout_correction.rollout_is='auto')."""
 import logging
 import os
 
@@ -38,13 +38,25 @@ def test_bypass_mode_leaves_tis_off_under_quantization_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="jaxrl_llm.config._load"):
         run = load_config(QUICKSTART, ["rollout.quantization=int8", "rollout.use_rollout_log_probs=True"])
     assert run.algorithm.rollout_correction.rollout_is == ""
-    assert "the quantization mismatch enters the PPO ratio" in caplog.text
+    assert "the low-precision mismatch enters the PPO ratio" in caplog.text
+
+
+def test_an_fp8_kv_cache_turns_token_tis_on_by_default_and_logs_it(caplog):
+    with caplog.at_level(logging.INFO, logger="jaxrl_llm.config._load"):
+        run = load_config(QUICKSTART, ["rollout.kv_cache_dtype=fp8"])
+    assert run.rollout.kv_cache_dtype == "fp8" and run.rollout.quantization == "none"
+    assert run.algorithm.rollout_correction.rollout_is == "token"
+    assert "rollout.kv_cache_dtype=fp8: algorithm.rollout_correction.rollout_is='token'" in caplog.text
+    both = load_config(QUICKSTART, ["rollout.kv_cache_dtype=fp8", "rollout.quantization=fp8"])
+    assert both.algorithm.rollout_correction.rollout_is == "token"
+    assert load_config(QUICKSTART).rollout.kv_cache_dtype == "auto"
 
 
 @pytest.mark.parametrize("field, value, message", [
     ("rollout.quantization", "fp4", "rollout.quantization='fp4' is not one of ['none', 'fp8', 'int8']"),
     ("rollout.quantization", "FP8", "rollout.quantization='FP8' is not one of"),
     (_RC + "rollout_is", "tokens", "algorithm.rollout_correction.rollout_is='tokens'"),
+    ("rollout.kv_cache_dtype", "fp16", "rollout.kv_cache_dtype='fp16' is not one of ['auto', 'fp8']"),
 ])
 def test_bad_quantization_values_are_config_errors(field, value, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -55,3 +67,6 @@ def test_config_choices_are_the_engines_formats():
     from jaxrl_llm.config._load import ROLLOUT_QUANTIZATIONS
     from jaxrl_llm.models._quant import QUANTIZATIONS
     assert ROLLOUT_QUANTIZATIONS == QUANTIZATIONS
+    from jaxrl_llm.config._load import KV_CACHE_DTYPES
+    from jaxrl_llm.models import KV_CACHE_DTYPES as ENGINE_KV
+    assert KV_CACHE_DTYPES == ENGINE_KV

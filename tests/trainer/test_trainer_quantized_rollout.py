@@ -1,5 +1,6 @@
-"""rollout.quantization in a training step: the engine rolls out with fp8 weights, token-level TIS
-is on by default, and the mismatch metrics reach the step's metrics."""
+"""rollout.quantization and rollout.kv_cache_dtype in a training step: the engine rolls out with
+fp8 weights and an fp8 KV cache, token-level TIS is on by default, and the mismatch metrics reach
+the step's metrics."""
 import math
 
 import jax
@@ -9,7 +10,7 @@ from jaxrl_llm.workers import HostWorker
 
 
 def test_fp8_rollout_step_reports_the_mismatch_and_applies_tis(tiny_run):
-    run = tiny_run(**{"rollout.quantization": "fp8"})
+    run = tiny_run(**{"rollout.quantization": "fp8", "rollout.kv_cache_dtype": "fp8"})
     assert run.algorithm.rollout_correction.rollout_is == "token"  # on by default
     trainer = RLTrainer(run)
     try:
@@ -17,6 +18,8 @@ def test_fp8_rollout_step_reports_the_mismatch_and_applies_tis(tiny_run):
         engine = trainer.group.workers[0].engine  # the local backend's host worker
         assert engine.quantization == "fp8"
         assert "float8_e4m3fn" in {str(x.dtype) for x in jax.tree.leaves(engine.params)}
+        assert str(engine.kv_cache_dtype) == "float8_e4m3fn"
+        assert {str(x.dtype) for x in jax.tree.leaves(engine.init_decode_state().cache)} == {"float8_e4m3fn"}
         metrics = trainer.train_step()
     finally:
         trainer.close()
