@@ -140,3 +140,25 @@ def test_server_sessions_reuse_a_parked_fp8_cache(tiny_model, prompts):
     # measured: all 5 tokens equal, max |log-prob difference| 6.9e-4 (the extend reads the
     # prompt's KV in e4m3 where a full prefill attends to it in bf16)
     np.testing.assert_allclose(two.log_probs[:n], ref.log_probs[:n], atol=1e-2)
+
+
+def test_fp8_kv_cache_decode_compiles_for_a_tpu_slice():
+    """v5e:2x2 (libtpu's compiler on this machine, `scripts/tpu/aot_compile.py`): the decode step
+    with an e4m3 cache compiles on the XLA path (the Pallas decode kernel does not take fp8),
+    with half the cache bytes. Skipped only when libtpu is not installed."""
+    pytest.importorskip("libtpu")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "tpu" / "aot_compile.py"
+    spec = importlib.util.spec_from_file_location("aot_compile", path)
+    aot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(aot)
+    tiny = ("--config.model.init.head_dim=128", "--config.model.init.num_attention_heads=2",
+            "--config.model.init.num_key_value_heads=2", "--config.model.dtype=bfloat16")
+    out = {kv: aot.run_aot("v5e:2x2", "configs/quickstart.py:tiny", tiny + (f"--config.rollout.kv_cache_dtype={kv}",),
+                           programs=("generate",), cost=False) for kv in ("auto", "fp8")}
+    assert out["fp8"]["engine"]["kv_cache_bytes_global"] * 2 == out["auto"]["engine"]["kv_cache_bytes_global"]
+    assert out["auto"]["programs"]["generate"]["pallas_kernels"] == ["jaxrl_decode_attention"]
+    assert out["fp8"]["programs"]["generate"]["pallas_kernels"] == []
+    assert out["fp8"]["programs"]["generate"]["argument_bytes"] < out["auto"]["programs"]["generate"]["argument_bytes"]
