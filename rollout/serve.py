@@ -4,6 +4,7 @@
         [--max-target-length N] [--max-prefill-length N] [--max-queued-requests 64]
         [--dtype checkpoint] [--temperature 0] [--host ADDR (--auth-token T | --insecure)]
         [--served-model-name NAME] [--tool-parser hermes]
+        [--quantization none|fp8|int8] [--kv-cache-dtype auto|fp8] [--batch-invariant]
 
 --api openai (see rollout/_openai.py and docs/rollout.md) serves `GET /v1/models`,
 `POST /v1/chat/completions` and `POST /v1/completions` over a `RolloutServer` with the
@@ -88,6 +89,12 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", choices=("none", "fp8", "int8"), default="none",
+                   help="the engine's dense weights: none | fp8 | int8 (docs/rollout.md, 'Low-precision rollout')")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="the decode KV cache: auto (the serving dtype) | fp8 (e4m3, half the bytes)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="results independent of which requests share a batch (rollout.batch_invariant)")
     args = p.parse_args(argv)
     _check(p, args)
     return args
@@ -176,18 +183,25 @@ def target_length(path: str, requested: int | None) -> int:
     return requested
 
 
-def start(args):
-    """Builds the engine and starts the server; returns the `jetstream_adapter.Server`, or with
-    --api openai the `OpenAIServer` (its `.server` the `RolloutServer`)."""
+def build_engine(args):
+    """The served `Engine`, from `parse_args`'s result."""
     from ._engine import Engine
-    from .jetstream_adapter import run_server
 
     dtype = checkpoint_dtype(args.checkpoint) if args.dtype == "checkpoint" else args.dtype
-    engine = Engine.from_pretrained(
+    return Engine.from_pretrained(
         args.checkpoint, max_concurrent_decodes=args.slots,
         max_prefill_length=args.max_prefill_length, max_target_length=args.max_target_length,
         dtype=dtype, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed)
+        seed=args.seed, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        batch_invariant=args.batch_invariant)
+
+
+def start(args):
+    """Builds the engine and starts the server; returns the `jetstream_adapter.Server`, or with
+    --api openai the `OpenAIServer` (its `.server` the `RolloutServer`)."""
+    from .jetstream_adapter import run_server
+
+    engine = build_engine(args)
     if args.api == "openai":
         from jaxrl_llm.models import load_tokenizer
 

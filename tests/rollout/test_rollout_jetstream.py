@@ -120,6 +120,21 @@ def test_serve_defaults_to_the_checkpoints_dtype_and_positions(tmp_path, capsys)
     assert "exceeds the model's max_position_embeddings 256" in capsys.readouterr().err
 
 
+def test_serve_passes_the_low_precision_and_invariance_flags_to_the_engine():
+    """--quantization, --kv-cache-dtype and --batch-invariant reach the served engine (defaults:
+    none, the serving dtype, off); a bad value is a usage error."""
+    from rollout import serve
+    args = serve.parse_args(["--checkpoint", FIXTURE])
+    assert (args.quantization, args.kv_cache_dtype, args.batch_invariant) == ("none", "auto", False)
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--checkpoint", FIXTURE, "--kv-cache-dtype", "fp16"])
+    engine = serve.build_engine(serve.parse_args([
+        "--checkpoint", FIXTURE, "--slots", "2", "--max-prefill-length", "16", "--max-target-length", "32",
+        "--dtype", "bfloat16", "--quantization", "int8", "--kv-cache-dtype", "fp8", "--batch-invariant"]))
+    assert engine.quantization == "int8" and engine.batch_invariant
+    assert str(engine.kv_cache_dtype) == "float8_e4m3fn"
+
+
 def test_serve_names_the_hf_folder_when_given_something_else(tmp_path):
     from rollout import serve
     with pytest.raises(FileNotFoundError, match="hf_actor"):
