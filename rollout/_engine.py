@@ -68,8 +68,8 @@ def _next_pow2(n: int) -> int:
 def default_compiler_options(platform: str, layout: str, quantization: str) -> tuple[dict, dict]:
     """The engine's XLA options when none are given: (decode programs, prompt-shaped programs).
     On GPU, cuBLAS instead of Triton GEMMs for the per_layer_fused decode (measured faster,
-    docs/benchmarks.md §3; int8 keeps Triton, which can fuse the int8 -> bf16 weight convert into
-    the GEMM: not measured) and for every fp8 program (Triton's fp8 GEMM autotuning did not finish
+    docs/benchmarks.md §3; int8 keeps Triton, which fuses the int8 -> bf16 weight convert into
+    the GEMM: cuBLAS measured slower for int8 on an H200) and for every fp8 program (Triton's fp8 GEMM autotuning did not finish
     compiling the prefill in 280 s on an H200; cuBLASLt's fp8 matmul compiles in about 20 s)."""
     if platform != "gpu":
         return {}, {}
@@ -171,6 +171,7 @@ class Engine:
     bytes; attention reads them back in `dtype` (the Triton decode kernel converts in registers;
     the other paths upcast the layer's cache first). Prefill's own cache stays in `dtype` until
     it is inserted. Not on TPU's Pallas decode kernel (the XLA path runs there).
+    `engine.kv_cache_dtype` is the resolved dtype (e.g. bfloat16 or float8_e4m3fn).
     record_experts (MoE models, router replay): prefill and the decode steps also record the
     experts every layer chose for each token they feed: `Prefix.experts` and the decode loop's
     `out["experts"]` (`expert_ids` describes both; `rollout.RolloutDriver` collects them).

@@ -43,6 +43,9 @@ import math
 import os
 import sys
 
+from jaxrl_llm.models import KV_CACHE_DTYPES
+from jaxrl_llm.models._quant import QUANTIZATIONS
+
 from ._engine import PREFILL_BUCKETS as _PREFILL_BUCKETS
 from .jetstream_adapter import is_loopback  # imports no jetstream
 
@@ -89,9 +92,9 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quantization", choices=("none", "fp8", "int8"), default="none",
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                    help="the engine's dense weights: none | fp8 | int8 (docs/rollout.md, 'Low-precision rollout')")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="the decode KV cache: auto (the serving dtype) | fp8 (e4m3, half the bytes)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="results independent of which requests share a batch (rollout.batch_invariant)")
