@@ -129,8 +129,90 @@ class RolloutDriver:
         key = _as_key(seed)
         rows = len(prompts) * n
         t = int(max_new_tokens)
-        # Output buffers in power-of-two shapes (>= 16) so the decode loop compiles once for many
-        # batch sizes and lengths; rows and steps beyond the request are never written.
+        out = self._buffers(rows, t)
+        run = _Run(self, prompts, np.repeat(np.arange(len(prompts)), n), np.full(rows, t), sampling, key,
+                   params, int(row_offset))
+        out = self._loop(run, out)
+        batch = self._collect(out, n, len(prompts), t, run.stats)
+        if e.record_experts:
+            width = max(len(p) for p in prompts) if prompt_width is None else int(prompt_width)
+            batch.routed_experts = _routed_experts(run.prompt_experts, to_host(out["experts"]), prompts,
+                                                   batch.response_lengths, n, width, t)
+        return batch
+
+    def teacher_force(self, prompts, responses, response_lengths, *, max_new_tokens: int,
+                      sampling: SamplingParams | None = None) -> np.ndarray:
+        """The engine's log-prob of each given response token: row r's prompt `prompts[r]`
+        (unpadded) is prefilled and its decode steps are fed `responses[r, :response_lengths[r]]`
+        instead of sampling, in the programs `generate` runs (the same decode loop over buffers of
+        the same shapes for the same `max_new_tokens` and row count), so on a `batch_invariant`
+        engine each log-prob is bit for bit the one the rollout reported for that token under the
+        same weights, wherever and beside whatever it ran. Identical prompts are prefilled once.
+        Log-probs are log_softmax(logits / T)[token] with `sampling`'s temperature (T = 1 when
+        greedy). Returns f32[rows, responses.shape[1]], 0 past each row's length.
+
+        Single-turn rows only: a stop token before a row's last token (a multi-turn trajectory)
+        is an error, as is a row that would run past the KV cache."""
+        e = self.engine
+        if not e.batch_invariant:
+            raise ValueError("teacher_force needs a batch_invariant engine (rollout.batch_invariant=True): "
+                             "otherwise its log-probs depend on what shares its calls and would not be "
+                             "the rollout's")
+        responses = np.asarray(responses)
+        lengths = np.asarray(response_lengths, np.int64).reshape(-1)
+        if responses.ndim != 2 or len(responses) != len(prompts) or len(lengths) != len(prompts):
+            raise ValueError(f"teacher_force: {len(prompts)} prompts, responses of shape {responses.shape} and "
+                             f"{len(lengths)} lengths must describe the same rows")
+        t = int(max_new_tokens)
+        if lengths.min(initial=0) < 0 or lengths.max(initial=0) > min(t, responses.shape[1]):
+            raise ValueError(f"teacher_force: response lengths must be in [0, {min(t, responses.shape[1])}] "
+                             f"(max_new_tokens={t}, {responses.shape[1]} response columns)")
+        real = np.flatnonzero(lengths > 0)
+        logp = np.zeros(responses.shape, np.float32)
+        if real.size == 0:
+            return logp
+        vocab = e.config.vocab_size
+        for r in real:
+            toks = responses[r, :lengths[r]]
+            if toks.min() < 0 or toks.max() >= vocab:
+                raise ValueError(f"teacher_force: response {r} has token ids outside [0, {vocab})")
+            early = np.flatnonzero(np.isin(toks[:-1], np.asarray(e.stop_token_ids)))
+            if early.size:
+                raise ValueError(f"teacher_force: response {r} has a stop token at position {early[0]}, before "
+                                 f"its last token ({lengths[r] - 1}): only single-turn responses can be "
+                                 "replayed through the decode loop")
+        # identical prompts prefilled once: rows grouped by prompt (the run keeps a prefix until
+        # its last row), results put back in the caller's order
+        unique: dict[tuple, int] = {}
+        prompt_of = np.asarray([unique.setdefault(tuple(int(x) for x in prompts[r]), len(unique)) for r in real])
+        order = real[np.argsort(prompt_of, kind="stable")]
+        uniq = self._validate([list(p) for p in unique], 1, t)
+        sampling = self.engine.sampling if sampling is None else sampling
+        forced = np.full((len(order), t), -1, np.int32)
+        for i, r in enumerate(order):
+            forced[i, :lengths[r]] = responses[r, :lengths[r]]
+        out = self._buffers(len(order), t, forced)
+        run = _Run(self, uniq, np.sort(prompt_of, kind="stable"), lengths[order], sampling,
+                   jax.random.key(0), e.params, 0)
+        e.check_params(run.params)
+        out = self._loop(run, out)
+        got = to_host(out["lengths"])[:len(order)]
+        if np.any(got != lengths[order]):
+            i = int(np.flatnonzero(got != lengths[order])[0])
+            raise RuntimeError(f"teacher_force: response {order[i]} stopped after {got[i]} of its "
+                               f"{lengths[order][i]} tokens")
+        scored = to_host(out["log_probs"])[:len(order)]
+        for i, r in enumerate(order):
+            logp[r, :lengths[r]] = scored[i, :lengths[r]]
+        return logp
+
+    def _buffers(self, rows: int, t: int, forced: np.ndarray | None = None) -> dict:
+        """The decode loop's output buffers for `rows` rows of up to `t` tokens, in power-of-two
+        shapes (>= 16) so the loop compiles once for many batch sizes and lengths (rows and steps
+        beyond the request are never written). A batch_invariant engine's carry `forced` (the
+        teacher-forced tokens, -1 = sample) always, so generating and teacher forcing run one
+        program."""
+        e = self.engine
         rcap, tcap = _next_pow2(max(rows, 16)), _next_pow2(max(t, 16))
         out = {"tokens": jnp.zeros((rcap, tcap), jnp.int32),
                "log_probs": jnp.zeros((rcap, tcap), jnp.float32),
@@ -138,17 +220,22 @@ class RolloutDriver:
         if e.record_experts:
             (layers, k), dtype = e.expert_ids
             out["experts"] = jnp.full((rcap, tcap, layers, k), -1, dtype)
-        state = self._state if self._state is not None else e.init_decode_state()
+        if e.batch_invariant:
+            buf = np.full((rcap, tcap), -1, np.int32)
+            if forced is not None:
+                buf[:forced.shape[0], :forced.shape[1]] = forced
+            out["forced"] = jnp.asarray(buf)
+        elif forced is not None:
+            raise ValueError("forced tokens need a batch_invariant engine")
+        return out
+
+    def _loop(self, run: "_Run", out: dict) -> dict:
+        """Runs `run` to completion on the kept decode state; returns the filled buffers."""
+        state = self._state if self._state is not None else self.engine.init_decode_state()
         self._state = None  # donated below; restored only when the call finishes cleanly
-        run = _Run(self, prompts, n, t, sampling, key, params, int(row_offset))
         state, out = run.loop(state, out)
         self._state = state
-        batch = self._collect(out, n, len(prompts), t, run.stats)
-        if e.record_experts:
-            width = max(len(p) for p in prompts) if prompt_width is None else int(prompt_width)
-            batch.routed_experts = _routed_experts(run.prompt_experts, to_host(out["experts"]), prompts,
-                                                   batch.response_lengths, n, width, t)
-        return batch
+        return out
 
     def _collect(self, out, n, num_prompts, t, stats) -> RolloutBatch:
         e = self.engine
@@ -186,12 +273,15 @@ def _routed_experts(prompt_experts: dict, decoded: np.ndarray, prompts, lengths,
 class _Run:
     """One `generate` call's host-side bookkeeping: which rows are pending, which prefixes live."""
 
-    def __init__(self, driver: RolloutDriver, prompts, n, max_new, sampling, key, params, row_offset=0):
+    def __init__(self, driver: RolloutDriver, prompts, prompt_of, max_new, sampling, key, params, row_offset=0):
+        """prompt_of int[rows]: each row's prompt (a prompt's rows consecutive); max_new int[rows]."""
         self.d, self.e = driver, driver.engine
         self.row_offset = row_offset
-        self.prompts, self.n, self.max_new = prompts, n, max_new
+        self.prompts, self.prompt_of, self.max_new = prompts, np.asarray(prompt_of), np.asarray(max_new)
         self.sampling, self.key, self.params = sampling, key, params
-        self.rows = len(prompts) * n
+        self.rows = len(self.prompt_of)
+        self.n = int(np.bincount(self.prompt_of).max())  # the most rows of one prompt
+        self.last_row = {int(p): r for r, p in enumerate(self.prompt_of)}  # a prompt's prefix dies with it
         self.next_row = 0
         self.live: OrderedDict[int, tuple] = OrderedDict()  # prompt -> (Prefix, row in it)
         self.prompt_experts: dict[int, np.ndarray] = {}  # record_experts: prompt -> [len - 1, L, k]
@@ -222,7 +312,7 @@ class _Run:
         take = min(len(free), self.rows - self.next_row)
         rows = np.arange(self.next_row, self.next_row + take)
         self.next_row += take
-        prompt_of = rows // self.n
+        prompt_of = self.prompt_of[rows]
         self._prefill_missing([int(p) for p in dict.fromkeys(prompt_of) if int(p) not in self.live])
         groups: dict[int, list] = {}
         for slot, row, p in zip(free[:take], rows, prompt_of):
@@ -237,10 +327,10 @@ class _Run:
                     self.key, jnp.asarray(rws, jnp.int32) + self.row_offset))))
             state = self.e.insert_rows(
                 state, prefix, src=np.asarray(src), dst=np.asarray(dst), rows=np.asarray(rws),
-                max_new=np.full(len(dst), self.max_new), sampling=self.sampling, **keys)
+                max_new=self.max_new[np.asarray(rws)], sampling=self.sampling, **keys)
             self.stats["insert_calls"] += 1
-        for row, p in zip(rows, prompt_of):  # a prompt's prefix dies with its last sample
-            if row % self.n == self.n - 1:
+        for row, p in zip(rows, prompt_of):  # a prompt's prefix dies with its last row
+            if self.last_row[int(p)] == row:
                 self.live.pop(int(p), None)
         return state, free[:take]
 

@@ -532,10 +532,12 @@ class Engine:
         return self._arm(state, cache, dst, last, start + true_lengths - 1, rows, max_new,
                          temperature, top_k, top_p, key), experts
 
-    def _step(self, params, state: DecodeState):
+    def _step(self, params, state: DecodeState, forced=None):
         """One decode step for all slots. Returns (state, tokens, log_probs, valid, generated,
         experts): the experts each layer chose for the fed tokens [slots, L, k] with
-        `record_experts`, else None."""
+        `record_experts`, else None. `forced` (int32[slots], batch_invariant engines): a slot's
+        token where >= 0 instead of the sampled one (teacher forcing, `RolloutDriver.teacher_force`);
+        its log-prob is then that token's."""
         model = self._model(params)
         out = model.decode(state.tokens[:, None], positions=state.lengths[:, None], cache=state.cache,
                            cache_index=state.lengths, record_experts=self.record_experts)
@@ -544,6 +546,8 @@ class Engine:
         logits = model.logits(hidden[:, 0])
         keys = jax.vmap(jax.random.fold_in)(state.keys, state.generated)
         tok, logp = sample(logits, keys, state.temperature, state.top_k, state.top_p)
+        if forced is not None:
+            tok = jnp.where(forced >= 0, forced, tok)
         if self.batch_invariant:  # the trainer's formula (`algos.token_log_probs_*`), bit for bit
             logp = _log_softmax_at(logits, tok, state.temperature)
         act = state.active
@@ -563,8 +567,10 @@ class Engine:
     def _loop_core(self, params, state, out, num_steps, min_free):
         """Up to `num_steps` decode steps on device; stops early when no slot is active or at least
         `min_free` slots are free. Writes each valid token into `out` at (row, step of the row),
-        and with `record_experts` the experts of the token each step fed into `out["experts"]`."""
-        rows_cap = out["tokens"].shape[0]
+        and with `record_experts` the experts of the token each step fed into `out["experts"]`.
+        `out["forced"]` (int32 like `out["tokens"]`, batch_invariant engines): the token each row
+        takes at each step where >= 0, instead of sampling (teacher forcing)."""
+        rows_cap, steps_cap = out["tokens"].shape
 
         def cond(c):
             i, st, _ = c
@@ -573,7 +579,10 @@ class Engine:
 
         def body(c):
             i, st, o = c
-            new, tok, logp, valid, generated, experts = self._step(params, st)
+            forced = None
+            if "forced" in o:
+                forced = o["forced"][jnp.clip(st.row, 0, rows_cap - 1), jnp.clip(st.generated, 0, steps_cap - 1)]
+            new, tok, logp, valid, generated, experts = self._step(params, st, forced)
             r = jnp.where(valid, st.row, rows_cap)
             o = {**o, "tokens": o["tokens"].at[r, st.generated].set(tok, mode="drop"),
                  "log_probs": o["log_probs"].at[r, st.generated].set(logp, mode="drop"),
@@ -637,6 +646,8 @@ class Engine:
             if self.record_experts:
                 (layers, k), dtype = self.expert_ids
                 out["experts"] = sds((out_rows, out_tokens, layers, k), dtype)
+            if self.batch_invariant:  # the RL driver's buffers carry the teacher-forced tokens
+                out["forced"] = i32((out_rows, out_tokens))
             lower = {
                 "prefill": lambda: self._prefill_jit.lower(params, i32((prefill_rows, self._max_prefill)),
                                                            i32((prefill_rows,))),

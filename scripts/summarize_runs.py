@@ -1,6 +1,6 @@
 """Per-run summary of metrics.jsonl files (one JSON object keyed by file name): step times after
-the first step (mean, steps/s, every `timing_s/*` stage), response lengths per step and the last
-validation metrics.
+the first step (mean, steps/s, every `timing_s/*` stage), response lengths and the engine/trainer
+log-prob mismatch (`rollout/logprob_abs_diff/{max,mean}`) per step and the last validation metrics.
 
     python scripts/summarize_runs.py runs/a/metrics.jsonl runs/b/metrics.jsonl
 """
@@ -29,6 +29,9 @@ def summarize(path: str) -> dict:
         "response_length_mean": values("response_length/mean"),
         "response_length_max": values("response_length/max"),
         "prompt_length_mean": values("prompt_length/mean")[:3],
+        # the engine/trainer log-prob mismatch per step (runs with an old-log-prob pass)
+        "logprob_abs_diff_max": values("rollout/logprob_abs_diff/max"),
+        "logprob_abs_diff_mean": values("rollout/logprob_abs_diff/mean"),
         "val": [{k: v for k, v in r.items() if k.startswith("val") and not k.endswith("_s")}
                 for r in rows if any(k.startswith("val") for k in r)][-3:],
     }

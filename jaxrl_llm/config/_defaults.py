@@ -42,7 +42,7 @@ def base_config() -> ConfigDict:
         ppo_epochs=1, shuffle=False, policy_loss="vanilla", loss_agg_mode="token-mean",
         clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
         entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.001, kl_loss_type="low_var_kl",
-        skip_redundant_old_log_prob=True)
+        skip_redundant_old_log_prob=True, old_log_prob_pass="trainer")
     c.critic = dict(
         optim=_optim(1e-5), ppo_mini_batch_size=16, ppo_micro_batch_size_per_device=8,
         use_dynamic_bsz=False, ppo_max_token_len_per_device=32768, ppo_epochs=1, cliprange_value=0.5, loss_agg_mode="token-mean", warmup_steps_before_actor=0)

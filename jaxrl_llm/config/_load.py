@@ -21,7 +21,7 @@ from ml_collections import ConfigDict, config_flags
 
 from jaxrl_llm.sandbox import SANDBOX_KINDS
 
-from ._schema import ROUTER_REPLAY_MODES, RunConfig
+from ._schema import OLD_LOG_PROB_PASSES, ROUTER_REPLAY_MODES, RunConfig
 
 _log = logging.getLogger(__name__)
 
@@ -401,6 +401,7 @@ def validate(c: RunConfig) -> None:
     _positive(c.model.moe.aux_loss_coef, "model.moe.aux_loss_coef", allow_zero=True)
     _positive(c.model.moe.z_loss_coef, "model.moe.z_loss_coef", allow_zero=True)
     _check_router_replay(c)
+    _check_old_log_prob_pass(c)
     _check_multi_turn(c)
     _check_dapo(c)
     _check_async(c)
@@ -536,6 +537,29 @@ def _check_router_replay(c: RunConfig) -> None:
     if c.rollout.replica_backend == "process":
         raise ConfigError(f"{where}={rr.mode!r}: rollout.replica_backend='process' replicas do not record the "
                           f"experts; use rollout.replica_backend='local', or set {where}='disabled'")
+
+
+def _check_old_log_prob_pass(c: RunConfig) -> None:
+    """actor.old_log_prob_pass='engine' replays single-turn rollouts through an idle, unquantized,
+    batch-invariant in-process engine holding the weights the update starts from."""
+    where = "actor.old_log_prob_pass"
+    _choice(c.actor.old_log_prob_pass, OLD_LOG_PROB_PASSES, where)
+    if c.actor.old_log_prob_pass != "engine":
+        return
+    why = {
+        "rollout.batch_invariant=False (without it the engine's log-probs depend on what shares "
+        "its calls, so a replay is not the rollout; set rollout.batch_invariant=True)": not c.rollout.batch_invariant,
+        f"trainer.v1.trainer_mode={c.trainer.v1.trainer_mode!r} (in the async modes the engine runs "
+        "ahead with other weights; use 'sync')": c.trainer.v1.trainer_mode != "sync",
+        "rollout.multi_turn.enable (the engine pass replays single-turn responses)": c.rollout.multi_turn.enable,
+        f"rollout.quantization={c.rollout.quantization!r} / rollout.kv_cache_dtype={c.rollout.kv_cache_dtype!r} "
+        "(pi_old would be the quantized policy's)": c.rollout.quantization != "none" or c.rollout.kv_cache_dtype != "auto",
+        "rollout.replica_backend='process' (no engine in the trainer's process)": c.rollout.replica_backend == "process",
+        "rollout.use_rollout_log_probs (bypass mode runs no old-log-prob pass)": c.rollout.use_rollout_log_probs,
+    }
+    bad = [k for k, v in why.items() if v]
+    if bad:
+        raise ConfigError(f"{where}='engine' cannot run with " + "; nor with ".join(bad))
 
 
 def _check_model_init(i) -> None:

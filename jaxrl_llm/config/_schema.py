@@ -102,6 +102,7 @@ class LoraConfig:
 
 
 ROUTER_REPLAY_MODES = ("disabled", "record", "replay", "R3")
+OLD_LOG_PROB_PASSES = ("trainer", "engine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +142,7 @@ class ActorConfig:
     kl_loss_coef: float
     kl_loss_type: str
     skip_redundant_old_log_prob: bool  # skip the old-log-prob pass when nothing reads its result but one on-policy optimizer step (ppo_epochs 1, one mini-batch, no KL in reward, no rollout correction), which takes them from its own forward: same weights and metrics, less the engine/trainer mismatch diagnostics (rollout/logprob_abs_diff/*, rollout/probs_diff/*, actor/entropy_rollout); False = always run the pass (docs/algorithms.md)
+    old_log_prob_pass: str  # trainer | engine: what computes the old-log-prob pass. trainer: the actor's forward (the fast path). engine: the rollout engine's own programs, each row's prompt prefilled and its response fed through the decode loop (rollout.RolloutDriver.teacher_force), so pi_old is, bit for bit, what the engine computes for those tokens with the weights the update starts from: rollout/logprob_abs_diff/max == 0 in the sync mode, bf16 and MoE included; the update then reads pi_old in every mini-batch (no on-policy shortcut). Needs rollout.batch_invariant, trainer.v1.trainer_mode='sync', single-turn rollouts, an unquantized rollout and rollout.replica_backend='local'; costs a decode-loop pass (docs/reliability.md)
 
 
 @dataclasses.dataclass(frozen=True)

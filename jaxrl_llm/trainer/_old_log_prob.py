@@ -7,7 +7,10 @@ Three sources, chosen per step by `old_log_prob_source`:
   pi_old; no pass runs. Any engine/trainer mismatch (bf16 serving, stale weights in the async
   modes) enters the PPO ratio of every mini-batch.
 - `"pass"`: `HostWorker.compute_old_log_prob`, an actor forward over the batch with the weights
-  the update starts from, plus the engine/trainer mismatch metrics.
+  the update starts from, plus the engine/trainer mismatch metrics; or, with
+  `actor.old_log_prob_pass='engine'`, `HostWorker.compute_engine_log_prob`: the rollout engine's
+  own programs replaying each response with those weights (what the engine computes, bit for bit;
+  the update then reads pi_old in every mini-batch).
 - `"update"`: no pass, because nothing would read its result. The actor update is told its data
   is on-policy (`update_actor(on_policy=True)`), so its first mini-batch takes pi_old from its own
   forward under stop_gradient and never reads `old_log_probs`. When that first mini-batch is the
@@ -78,7 +81,9 @@ def mismatch_metrics(computed: dict[str, np.ndarray], batch: Batch) -> dict[str,
     output), over the generated tokens; and the trainer's entropy on them."""
     mask = batch.response_mask
     old = computed["old_log_probs"]
-    out = {"actor/entropy_rollout": float((computed["entropys"] * mask).sum() / max(mask.sum(), 1))}
+    out = {}
+    if "entropys" in computed:  # the trainer's pass (the engine's computes no entropy)
+        out["actor/entropy_rollout"] = float((computed["entropys"] * mask).sum() / max(mask.sum(), 1))
     diff = np.abs(old - batch.rollout_log_probs) * mask
     out["rollout/logprob_abs_diff/mean"] = float(diff.sum() / max(mask.sum(), 1))
     real = diff[mask > 0]  # engine vs trainer log-prob of each generated token

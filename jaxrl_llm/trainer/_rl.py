@@ -322,9 +322,11 @@ class RLTrainer:
         mini_rows = c.actor.ppo_mini_batch_size * c.rollout.n
         olp = old_log_prob_source(c, rows=batch.rows, mini_rows=mini_rows)  # rollout | pass | update
         computed = None
+        engine_pass = olp == "pass" and c.actor.old_log_prob_pass == "engine"
         if olp == "pass":
             with self.timer.phase("old_log_prob"):
-                computed = self.call0(HostWorker.compute_old_log_prob, batch)
+                computed = self.call0(HostWorker.compute_engine_log_prob if engine_pass
+                                      else HostWorker.compute_old_log_prob, batch)
         metrics.update(set_old_log_probs(batch, olp, computed))
         if c.algorithm.rollout_correction.enabled:
             with self.timer.phase("rollout_correction"):
@@ -353,13 +355,14 @@ class RLTrainer:
                                           seed=self._seed(2)))
         if self.global_step >= c.critic.warmup_steps_before_actor or not c.use_critic:
             with self.timer.phase("update_actor"):
-                # on-policy unless pi_old is the engine's: the first mini-batch's ratio is then exactly 1
-                metrics.update(self.call0(HostWorker.update_actor, batch, mini_rows=mini_rows,
-                                          seed=self._seed(3), on_policy=olp != "rollout"))
+                # on-policy unless pi_old is the engine's (bypass mode, or the engine's pass): the
+                # first mini-batch's ratio is then exactly 1
+                metrics.update(self.call0(HostWorker.update_actor, batch, mini_rows=mini_rows, seed=self._seed(3),
+                                          on_policy=olp != "rollout" and not engine_pass))
             _chaos.kill_point("update", self.global_step + 1)
             metrics.update(self.source.after_update(self.global_step))  # the mode's weight sync
         timing["step"] = time.perf_counter() - t_step
-        metrics.update(self._step_metrics(batch, timing, old_log_prob_pass=olp == "pass"))
+        metrics.update(self._step_metrics(batch, timing, old_log_prob_pass=olp == "pass" and not engine_pass))
         metrics.update(self.source.end_step(timing))
         metrics["training/epoch"] = float(self.loader.epoch)
         return metrics
@@ -497,12 +500,13 @@ class RLTrainer:
         out.update(M.compute_throughput_metrics(total_tokens=n_prompt + n_resp, step_time_s=timing["step"],
                                                 num_devices=info["num_devices"]))
         seq = batch.input_ids.shape[1]
-        # forward + backward of the actor update, plus the old-log-prob forward (1/3 of 6N)
+        # forward + backward of the actor update, plus the trainer's old-log-prob forward (1/3 of 6N)
         passes = c.actor.ppo_epochs + (1 / 3 if old_log_prob_pass else 0)
+        olp_s = timing.get("old_log_prob", 0) if old_log_prob_pass else 0
         out["perf/mfu/actor"] = M.compute_mfu(
             num_params=info["num_params"], num_layers=info["num_layers"], hidden=info["hidden_size"],
             seq_len=seq, tokens=int(batch.attention_mask.sum() * passes),
-            time_s=max(timing.get("update_actor", 0) + timing.get("old_log_prob", 0), 1e-9),
+            time_s=max(timing.get("update_actor", 0) + olp_s, 1e-9),
             num_devices=info["num_devices"], peak_flops_per_device=M.peak_flops(info["device_kind"], "bfloat16"))  # MFU vs the bf16 peak
         device_peak = M.max_memory_allocated_gb()  # None on CPU: no device memory to report
         if device_peak is not None:

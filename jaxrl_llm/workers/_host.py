@@ -501,6 +501,31 @@ class HostWorker:
         _check_batch(batch, "compute_old_log_prob")
         return self.actor.compute_log_prob(batch)
 
+    def compute_engine_log_prob(self, batch: Batch) -> dict[str, np.ndarray]:
+        """{"old_log_probs"} [B, t] from the rollout engine (actor.old_log_prob_pass='engine'): each
+        row's prompt prefilled and its response fed through the decode loop, in the programs the
+        rollout ran (`RolloutDriver.teacher_force`), with the weights of the last sync (the ones
+        the update starts from in the sync trainer mode). With several hosts every host scores
+        every row on its own replica (the same numbers: batch-invariant programs)."""
+        _check_batch(batch, "compute_engine_log_prob")
+        if self.driver is None:
+            raise RuntimeError("compute_engine_log_prob needs this process's rollout engine "
+                               "(rollout.replica_backend='local')")
+        c = self.config
+        p = batch.prompts.shape[1]
+        real = batch.attention_mask[:, :p] > 0
+        prompts = [row[keep].tolist() for row, keep in zip(batch.prompts, real)]
+        mask = batch.response_mask
+        lengths = mask.sum(axis=1)
+        holes = np.flatnonzero(np.any(mask != (np.arange(mask.shape[1])[None, :] < lengths[:, None]), axis=1))
+        if holes.size:  # response_mask must be one run from column 0
+            raise ValueError(f"actor.old_log_prob_pass='engine' replays single-turn responses only; row "
+                             f"{holes[0]}'s response_mask is not one run of model tokens from its start")
+        logp = self.driver.teacher_force(prompts, batch.responses, lengths,
+                                         max_new_tokens=c.data.max_response_length,
+                                         sampling=rollout.SamplingParams.from_config(c.rollout))
+        return {"old_log_probs": logp}
+
     def compute_ref_log_prob(self, batch: Batch) -> dict[str, np.ndarray]:
         """{"ref_log_prob"} [B, t]."""
         _check_batch(batch, "compute_ref_log_prob")

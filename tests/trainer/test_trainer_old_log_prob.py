@@ -22,14 +22,18 @@ _MISMATCH = ("actor/entropy_rollout", "rollout/logprob_abs_diff/", "rollout/prob
 _NOT_COMPARED = ("timing_s/", "timing_per_token_ms/", "perf/", "rollout/sync_", "training/old_log_prob_skipped") + _MISMATCH
 
 
-def _steps(run, steps=2):
-    """(metrics of each step, actor params as numpy leaves, old-log-prob passes run)."""
+def _steps(run, steps=2, engine_passes=None):
+    """(metrics of each step, actor params as numpy leaves, old-log-prob passes run); the batch
+    of each engine pass is appended to `engine_passes`."""
     trainer = RLTrainer(run)
     try:
         trainer.call0(HostWorker.start_rl, run.trainer.total_training_steps)
         worker, passes = trainer.group.workers[0], []
         real = worker.compute_old_log_prob
         worker.compute_old_log_prob = lambda batch: passes.append(1) or real(batch)
+        real_engine = worker.compute_engine_log_prob
+        if engine_passes is not None:
+            worker.compute_engine_log_prob = lambda batch: engine_passes.append(batch) or real_engine(batch)
         metrics = []
         for _ in range(steps):
             metrics.append(trainer.train_step())
@@ -136,3 +140,39 @@ def test_bypass_mode_is_an_alias_of_use_rollout_log_probs(tiny_run):
     built = dataclasses.replace(run, rollout=dataclasses.replace(run.rollout, use_rollout_log_probs=True))
     with pytest.raises(ConfigError, match=re.escape("bypass_mode=False is an alias of rollout.use_rollout_log_probs")):
         validate(built)
+
+
+_BF16 = {"model.dtype": "bfloat16", "rollout.batch_invariant": True}
+_ENGINE_PASS = {"actor.old_log_prob_pass": "engine"}
+
+
+def test_the_engine_pass_gives_the_engines_log_probs_bit_for_bit_in_bf16(tiny_run):
+    """actor.old_log_prob_pass='engine', bf16 compute and KV cache, 2 steps (the second after a
+    weight sync): pi_old is the engine's replay of each response, equal to the rollout's
+    log-probs to the bit (rollout/logprob_abs_diff/max == 0), where the trainer's forward differs
+    from them; the update reads it in both mini-batches and trains."""
+    calls = []
+    engine, _, trainer_passes = _steps(tiny_run(**_BF16, **_ENGINE_PASS), engine_passes=calls)
+    assert trainer_passes == 0 and len(calls) == 2
+    for m, batch in zip(engine, calls):
+        assert m["training/old_log_prob_skipped"] == 0.0 and "actor/entropy_rollout" not in m
+        assert m["rollout/logprob_abs_diff/max"] == 0.0 and m["rollout/probs_diff/max"] == 0.0
+        assert m["actor/grad_norm"] > 0
+        mask = batch.response_mask > 0
+        np.testing.assert_array_equal(batch.old_log_probs[mask], batch.rollout_log_probs[mask])
+    assert engine[0]["actor/ppo_kl"] != 0.0  # the trainer's forward is not the engine's: ratio != 1
+    trainer, _, _ = _steps(tiny_run(**_BF16), steps=1)
+    assert trainer[0]["rollout/logprob_abs_diff/max"] > 0.0  # the trainer's forward differs (CPU: ~5e-7)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({}, "rollout.batch_invariant=False"),
+    ({"rollout.batch_invariant": True, "trainer.v1.trainer_mode": "colocate_async"}, "trainer_mode='colocate_async'"),
+    ({"rollout.batch_invariant": True, "rollout.quantization": "fp8"}, "rollout.quantization='fp8'"),
+    ({"rollout.batch_invariant": True, **_BYPASS}, "bypass mode"),
+])
+def test_the_engine_pass_refuses_what_it_cannot_replay(tiny_run, extra, match):
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        tiny_run(**_ENGINE_PASS, **extra)
+    with pytest.raises(ConfigError, match="actor.old_log_prob_pass"):
+        tiny_run(**{"actor.old_log_prob_pass": "gpu"})
