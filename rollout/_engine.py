@@ -797,7 +797,8 @@ class Engine:
             return jax.lax.slice_in_dim(jnp.concatenate(xs, axis=axis), 0, p, axis=axis)
 
         cache = jax.tree.map(functools.partial(join, axis), *[q.cache for q in parts])
-        return Prefix(cache, join(0, *[q.lengths for q in parts]), join(0, *[q.tokens for q in parts]))
+        experts = None if parts[0].experts is None else join(0, *[q.experts for q in parts])  # record_experts
+        return Prefix(cache, join(0, *[q.lengths for q in parts]), join(0, *[q.tokens for q in parts]), experts)
 
     def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int,
                 sampler=None, rng=None) -> Prefix:

@@ -85,3 +85,16 @@ def test_teacher_force_refuses_what_it_cannot_replay(tiny_model, prompts5):
         driver.teacher_force([prompts5[0]], np.asarray([[9, 10]]), [3], max_new_tokens=4)
     np.testing.assert_array_equal(  # nothing to score
         driver.teacher_force([prompts5[0]], np.asarray([[9, 10]]), [0], max_new_tokens=4), np.zeros((1, 2)))
+
+
+def test_prompts_prefilled_in_several_fixed_row_calls_keep_their_recorded_experts(prompts5):
+    """A batch_invariant engine prefills 5 prompts as two fixed-row calls joined into one prefix;
+    the join keeps each prompt's recorded experts (router replay), equal to a prompt's alone."""
+    engine = _engine(models.from_pretrained(FIXTURE), record_experts=True)
+    driver = rollout.RolloutDriver(engine, steps_per_sync=4)
+    kw = dict(n=1, max_new_tokens=4, sampling=SAMPLED, seed=3, prompt_width=16)
+    together = driver.generate(prompts5, **kw).routed_experts
+    alone = driver.generate(prompts5[4:], row_offset=4, **kw).routed_experts
+    for r, p in enumerate(prompts5):
+        assert np.all(together[r, 16 - len(p):15] >= 0)  # every prompt token but the last was routed
+    np.testing.assert_array_equal(together[4], alone[0])

@@ -146,13 +146,18 @@ _BF16 = {"model.dtype": "bfloat16", "rollout.batch_invariant": True}
 _ENGINE_PASS = {"actor.old_log_prob_pass": "engine"}
 
 
-def test_the_engine_pass_gives_the_engines_log_probs_bit_for_bit_in_bf16(tiny_run):
+@pytest.mark.parametrize("variant, extra", [
+    ("tiny,local", {}),
+    ("tiny,local,moe", {"actor.router_replay.mode": "replay", "mesh.data": 2, "mesh.fsdp": 4}),  # Qwen3-MoE, R3
+])
+def test_the_engine_pass_gives_the_engines_log_probs_bit_for_bit_in_bf16(tiny_run, variant, extra):
     """actor.old_log_prob_pass='engine', bf16 compute and KV cache, 2 steps (the second after a
     weight sync): pi_old is the engine's replay of each response, equal to the rollout's
     log-probs to the bit (rollout/logprob_abs_diff/max == 0), where the trainer's forward differs
-    from them; the update reads it in both mini-batches and trains."""
+    from them; the update reads it in both mini-batches and trains. Dense, and MoE with router
+    replay (the update routes by the engine's recorded experts)."""
     calls = []
-    engine, _, trainer_passes = _steps(tiny_run(**_BF16, **_ENGINE_PASS), engine_passes=calls)
+    engine, _, trainer_passes = _steps(tiny_run(variant, **_BF16, **_ENGINE_PASS, **extra), engine_passes=calls)
     assert trainer_passes == 0 and len(calls) == 2
     for m, batch in zip(engine, calls):
         assert m["training/old_log_prob_skipped"] == 0.0 and "actor/entropy_rollout" not in m
@@ -161,6 +166,9 @@ def test_the_engine_pass_gives_the_engines_log_probs_bit_for_bit_in_bf16(tiny_ru
         mask = batch.response_mask > 0
         np.testing.assert_array_equal(batch.old_log_probs[mask], batch.rollout_log_probs[mask])
     assert engine[0]["actor/ppo_kl"] != 0.0  # the trainer's forward is not the engine's: ratio != 1
+    if extra:
+        assert "rollout/router_replay/mismatch_frac" not in engine[0]  # no trainer pass to compare
+        return
     trainer, _, _ = _steps(tiny_run(**_BF16), steps=1)
     assert trainer[0]["rollout/logprob_abs_diff/max"] > 0.0  # the trainer's forward differs (CPU: ~5e-7)
 
