@@ -5,13 +5,13 @@ replies, the user messages between them), the experts of the model's own top-k o
 of the whole trajectory, and -1 where nothing was fed."""
 import os
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import rollout
 from jaxrl_llm import agent, models
 from test_agent_loop import multi_turn
+from moe_helpers import own_top_k
 
 pytest.importorskip("openai")
 HERE = os.path.dirname(__file__)
@@ -28,13 +28,6 @@ def model():
 def engine(model):  # the shapes of tests/rollout/test_server_router_replay.py (compiled once)
     return rollout.Engine.from_model(model, max_concurrent_decodes=2, max_prefill_length=16,
                                      max_target_length=48, record_experts=True)
-
-
-def _own_top_k(model, seq) -> np.ndarray:
-    """[len(seq), L, k]: the experts the model picks on a full forward of seq (sorted ids)."""
-    ids = jnp.asarray([seq], jnp.int32)
-    out = model.prefill(ids, attention_mask=jnp.ones_like(ids), record_experts=True)
-    return np.sort(np.moveaxis(np.asarray(out[2]), 0, 2)[0], -1)
 
 
 @pytest.mark.parametrize("reuse", [True, False])  # parked KV reused, or each request re-prefilled
@@ -62,6 +55,6 @@ def test_openai_agent_rows_carry_the_engines_experts_for_every_fed_token(char_to
         assert (mask[:np.flatnonzero(mask)[-1]] == 0).any()  # user tokens a later request prefilled
         seq = list(prompt) + list(got["responses"][i, :n])
         row = ex[i, width - len(prompt):width + n]
-        np.testing.assert_array_equal(np.sort(row[:-1], -1), _own_top_k(model, seq)[:-1])
+        np.testing.assert_array_equal(np.sort(row[:-1], -1), own_top_k(model, seq)[:-1])
         assert (row[-1] == -1).all() and (ex[i, :width - len(prompt)] == -1).all()
         assert (ex[i, width + n:] == -1).all()

@@ -3,13 +3,13 @@
 recorded token's experts are the model's own top-k on a full forward of the sequence."""
 import os
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import rollout
 from conftest import hook_decode  # at collection (tests/rollout/conftest.py); later, `conftest` can be another
 from jaxrl_llm import models
+from moe_helpers import own_top_k
 
 FIXTURE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures", "models", "qwen3_moe"))
 SAMPLED = rollout.SamplingParams(1.0)
@@ -27,19 +27,12 @@ def engine(model):  # max_prefill_length 16: a full turn-2 prompt is a prefill p
                                      max_target_length=48, record_experts=True)
 
 
-def _own_top_k(model, seq) -> np.ndarray:
-    """[len(seq), L, k]: the experts the model picks on a full forward of seq (sorted ids)."""
-    ids = jnp.asarray([seq], jnp.int32)
-    out = model.prefill(ids, attention_mask=jnp.ones_like(ids), record_experts=True)
-    return np.sort(np.moveaxis(np.asarray(out[2]), 0, 2)[0], -1)
-
-
 def _check(model, out, prompt):
     seq = list(prompt) + list(out.token_ids)
     ex = out.routed_experts
     assert ex is not None and ex.shape[:1] == (len(seq),) and ex.dtype == np.int8
     assert (ex[-1] == -1).all()  # the last generated token is never fed
-    np.testing.assert_array_equal(np.sort(ex[:-1], -1), _own_top_k(model, seq)[:-1])
+    np.testing.assert_array_equal(np.sort(ex[:-1], -1), own_top_k(model, seq)[:-1])
 
 
 @pytest.mark.parametrize("reuse", [True, False])
@@ -82,7 +75,7 @@ def test_a_sync_that_re_prefills_a_held_request_records_the_new_weights_experts(
         assert out.policy_versions[:2] == [0, 0] and out.policy_versions[-1] == 1
         _check(other, out, PROMPT)
         seq = PROMPT + out.token_ids
-        assert (np.sort(out.routed_experts[:-1], -1) != _own_top_k(model, seq)[:-1]).any()  # the sync mattered
+        assert (np.sort(out.routed_experts[:-1], -1) != own_top_k(model, seq)[:-1]).any()  # the sync mattered
     finally:
         monkeypatch.undo()
         engine.update_params(model)
