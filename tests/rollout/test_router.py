@@ -496,9 +496,17 @@ def test_a_replica_marked_dead_by_the_caller_hands_its_requests_over(engines, ti
 
 def test_no_live_replica_left_fails_every_request_with_one_clear_error(engines, prompts, monkeypatch):
     router, replicas, placed = make_router(engines, n=2)
+    submitted = threading.Event()  # both replicas fail only once all 5 are in (else a late submit
+                                   # meets the dead router first: CI30 under load)
+
+    def boom(i):
+        assert submitted.wait(60)
+        raise RuntimeError(f"boom {i}")
+
     for i, e in enumerate(engines[:2]):
-        hook_decode(monkeypatch, e, {1: lambda i=i: (_ for _ in ()).throw(RuntimeError(f"boom {i}"))})
+        hook_decode(monkeypatch, e, {1: lambda i=i: boom(i)})
     futures = [router.submit(f"r{i}", prompts[i], sampling=GREEDY, max_new_tokens=4) for i in range(5)]
+    submitted.set()
     for f in futures:
         with pytest.raises(RuntimeError, match=r"no live rollout replica.*boom 0.*boom 1"):
             f.result(timeout=120)  # a guard against a hang, not a timing assertion
