@@ -185,14 +185,15 @@ class RolloutDriver:
         # its last row), results put back in the caller's order
         unique: dict[tuple, int] = {}
         prompt_of = np.asarray([unique.setdefault(tuple(int(x) for x in prompts[r]), len(unique)) for r in real])
-        order = real[np.argsort(prompt_of, kind="stable")]
+        by_prompt = np.argsort(prompt_of, kind="stable")
+        order = real[by_prompt]
         uniq = self._validate([list(p) for p in unique], 1, t)
-        sampling = self.engine.sampling if sampling is None else sampling
+        sampling = e.sampling if sampling is None else sampling
         forced = np.full((len(order), t), -1, np.int32)
         for i, r in enumerate(order):
             forced[i, :lengths[r]] = responses[r, :lengths[r]]
         out = self._buffers(len(order), t, forced)
-        run = _Run(self, uniq, np.sort(prompt_of, kind="stable"), lengths[order], sampling,
+        run = _Run(self, uniq, prompt_of[by_prompt], lengths[order], sampling,
                    jax.random.key(0), e.params, 0)
         e.check_params(run.params)
         out = self._loop(run, out)
