@@ -1,16 +1,17 @@
 """Where a step's old log-probs (pi_old, the batch's `old_log_probs`) come from: one policy.
 
-Three sources, chosen per step by `old_log_prob_source`:
+Four sources, chosen per step by `old_log_prob_source`:
 
 - `"rollout"`: bypass mode (`rollout.use_rollout_log_probs`, verl's
   `algorithm.rollout_correction.bypass_mode`): the engine's log-probs of the sampled tokens are
   pi_old; no pass runs. Any engine/trainer mismatch (bf16 serving, stale weights in the async
   modes) enters the PPO ratio of every mini-batch.
 - `"pass"`: `HostWorker.compute_old_log_prob`, an actor forward over the batch with the weights
-  the update starts from, plus the engine/trainer mismatch metrics; or, with
-  `actor.old_log_prob_pass='engine'`, `HostWorker.compute_engine_log_prob`: the rollout engine's
-  own programs replaying each response with those weights (what the engine computes, bit for bit;
-  the update then reads pi_old in every mini-batch).
+  the update starts from, plus the engine/trainer mismatch metrics.
+- `"engine"`: the pass with `actor.old_log_prob_pass='engine'`,
+  `HostWorker.compute_engine_log_prob`: the rollout engine's own programs replaying each
+  response with those weights (what the engine computes, bit for bit), plus the same metrics.
+  pi_old is then the engine's, so the update reads it in every mini-batch.
 - `"update"`: no pass, because nothing would read its result. The actor update is told its data
   is on-policy (`update_actor(on_policy=True)`), so its first mini-batch takes pi_old from its own
   forward under stop_gradient and never reads `old_log_probs`. When that first mini-batch is the
@@ -52,27 +53,33 @@ def old_log_prob_readers(c: RunConfig, *, rows: int, mini_rows: int) -> tuple[st
 
 
 def old_log_prob_source(c: RunConfig, *, rows: int, mini_rows: int) -> str:
-    """`"rollout"` (bypass mode), `"pass"` (compute them) or `"update"` (redundant: the update's
-    own forward gives them); see the module docstring."""
+    """`"rollout"` (bypass mode), `"pass"` / `"engine"` (compute them with the trainer's forward /
+    the engine, `actor.old_log_prob_pass`) or `"update"` (redundant: the update's own forward
+    gives them); see the module docstring."""
     if c.rollout.use_rollout_log_probs:
         return "rollout"
-    return "pass" if old_log_prob_readers(c, rows=rows, mini_rows=mini_rows) else "update"
+    if not old_log_prob_readers(c, rows=rows, mini_rows=mini_rows):
+        return "update"
+    return "engine" if c.actor.old_log_prob_pass == "engine" else "pass"
+
+
+COMPUTED = ("pass", "engine")  # the sources that run a pass (its output goes to set_old_log_probs)
 
 
 def set_old_log_probs(batch: Batch, source: str, computed: dict[str, np.ndarray] | None = None) -> dict[str, float]:
     """Puts `batch.old_log_probs` from `source` (`computed`: the pass's output when it is
     `"pass"`); returns the step's metrics: `training/old_log_prob_skipped` (1 when no pass ran)
     and, after a pass, the engine/trainer mismatch metrics."""
-    metrics = {"training/old_log_prob_skipped": float(source != "pass")}
+    metrics = {"training/old_log_prob_skipped": float(source not in COMPUTED)}
     if source == "rollout":
         batch.old_log_probs = batch.rollout_log_probs
     elif source == "update":  # never read: the update takes pi_old from its own forward
         batch.old_log_probs = np.full(batch.response_mask.shape, np.nan, np.float32)
-    elif source == "pass":
+    elif source in COMPUTED:
         batch.old_log_probs = computed["old_log_probs"]
         metrics.update(mismatch_metrics(computed, batch))
     else:
-        raise ValueError(f"unknown old-log-prob source {source!r}; use 'rollout', 'pass' or 'update'")
+        raise ValueError(f"unknown old-log-prob source {source!r}; use 'rollout', 'pass', 'engine' or 'update'")
     return metrics
 
 

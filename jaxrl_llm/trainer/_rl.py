@@ -37,6 +37,9 @@ from ._startup import check_data_files, describe_run, prepare_builtin_data, writ
 
 log = logging.getLogger(__name__)
 
+# the worker call of each old-log-prob source that runs a pass (`_old_log_prob.COMPUTED`)
+_OLD_LOG_PROB_PASSES = {"pass": HostWorker.compute_old_log_prob, "engine": HostWorker.compute_engine_log_prob}
+
 
 class NonFiniteError(FloatingPointError):
     """The run stopped: too many consecutive steps had NaN/inf updates (all of them skipped)."""
@@ -320,13 +323,11 @@ class RLTrainer:
         t_step = time.perf_counter()
         examples, batch = self._train_batch(timing, metrics)
         mini_rows = c.actor.ppo_mini_batch_size * c.rollout.n
-        olp = old_log_prob_source(c, rows=batch.rows, mini_rows=mini_rows)  # rollout | pass | update
+        olp = old_log_prob_source(c, rows=batch.rows, mini_rows=mini_rows)  # rollout | pass | engine | update
         computed = None
-        engine_pass = olp == "pass" and c.actor.old_log_prob_pass == "engine"
-        if olp == "pass":
+        if olp in _OLD_LOG_PROB_PASSES:
             with self.timer.phase("old_log_prob"):
-                computed = self.call0(HostWorker.compute_engine_log_prob if engine_pass
-                                      else HostWorker.compute_old_log_prob, batch)
+                computed = self.call0(_OLD_LOG_PROB_PASSES[olp], batch)
         metrics.update(set_old_log_probs(batch, olp, computed))
         if c.algorithm.rollout_correction.enabled:
             with self.timer.phase("rollout_correction"):
@@ -358,11 +359,11 @@ class RLTrainer:
                 # on-policy unless pi_old is the engine's (bypass mode, or the engine's pass): the
                 # first mini-batch's ratio is then exactly 1
                 metrics.update(self.call0(HostWorker.update_actor, batch, mini_rows=mini_rows, seed=self._seed(3),
-                                          on_policy=olp != "rollout" and not engine_pass))
+                                          on_policy=olp in ("pass", "update")))
             _chaos.kill_point("update", self.global_step + 1)
             metrics.update(self.source.after_update(self.global_step))  # the mode's weight sync
         timing["step"] = time.perf_counter() - t_step
-        metrics.update(self._step_metrics(batch, timing, old_log_prob_pass=olp == "pass" and not engine_pass))
+        metrics.update(self._step_metrics(batch, timing, old_log_prob_pass=olp == "pass"))
         metrics.update(self.source.end_step(timing))
         metrics["training/epoch"] = float(self.loader.epoch)
         return metrics
