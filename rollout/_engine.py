@@ -250,7 +250,7 @@ class Engine:
         self._decode_options = dict(decode_default if decode_compiler_options is None else decode_compiler_options)
         self._prefill_options = dict(prefill_default if prefill_compiler_options is None else prefill_compiler_options)
         self._sync = WeightSync(self._layout, self._layout_shardings, config.param_dtype, self._mesh,
-                                quantization, self._param_shardings)
+                                quantization, self._param_shardings, source_config.sparse_layers)
         self._state_shardings = self._decode_state_shardings()
         self._replicated = NamedSharding(self._mesh, PartitionSpec())
         self._prefix_shardings = self._prefix_sharding_tree()
@@ -378,9 +378,10 @@ class Engine:
         """((layers, k), dtype) of the recorded expert ids (`record_experts`): `Prefix.experts` is
         [p, bucket, layers, k] (the cached prompt tokens; -1 past them), the decode loop's
         `out["experts"]` [rows, steps, layers, k] (step g: the token that step fed, i.e. the prompt's
-        last token at g = 0, else response token g - 1)."""
+        last token at g = 0, else response token g - 1). `layers` counts the sparse layers only
+        (`config.sparse_layers`: all of them unless some layers are dense)."""
         c = self.config
-        return (c.num_hidden_layers, c.num_experts_per_tok), models.expert_index_dtype(c.num_experts)
+        return (len(c.sparse_layers), c.num_experts_per_tok), models.expert_index_dtype(c.num_experts)
 
     # ---------------------------------------------------------------- compiled pieces
     def _build_compiled(self):

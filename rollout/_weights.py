@@ -96,10 +96,12 @@ class WeightSync:
     sync of trainer params (any layout, same one included) runs the programs above with
     `_quant.quantize_params` after the cast and relayout (on device, no host round trip), and a
     tree already in the engine's quantized form (e.g. `engine.params`) is resharded as it is,
-    under the layout name "quantized". "none": exactly the programs and buffers above."""
+    under the layout name "quantized". "none": exactly the programs and buffers above.
+    `sparse_layers`: the model's `config.sparse_layers`, which a stacked tree with dense and
+    sparse MLPs needs to be split into layers (`models.unstack_layers`)."""
 
     def __init__(self, layout: str, layout_shardings: dict, dtype, mesh: jax.sharding.Mesh,
-                 quantization: str = "none", quantized_shardings=None):
+                 quantization: str = "none", quantized_shardings=None, sparse_layers: tuple[int, ...] = ()):
         self._layout, self._layout_shardings, self._mesh = layout, layout_shardings, mesh
         self._quant = check_quantization(quantization)
         self._shardings = layout_shardings[layout] if self._quant == "none" else quantized_shardings
@@ -113,10 +115,10 @@ class WeightSync:
 
         if self._quant == "none":
             def convert(p):
-                return convert_layers(self._cast(p), layout)
+                return convert_layers(self._cast(p), layout, sparse_layers)
         else:
             def convert(p):
-                return quantize_params(convert_layers(self._cast(p), layout), self._quant)
+                return quantize_params(convert_layers(self._cast(p), layout, sparse_layers), self._quant)
 
         self._relayout = jax.jit(convert, out_shardings=self._shardings)  # the whole sync, for `lower`
         # (program, program writing into donated old weights, which part of the tree it writes)

@@ -11,12 +11,15 @@ with transformers' own `save_pretrained` (fp32 safetensors, transformers-5 `conf
     python scripts/make_model_fixtures.py --dry-run                    # lists what it would write
     HF_HUB_OFFLINE=1 python scripts/make_model_fixtures.py --only qwen3_moe mixtral  # just these
 
-Made with torch 2.13.0 (CPU) and transformers 5.24.0 (qwen3_moe and mixtral: torch 2.14.1).
+Made with torch 2.13.0 (CPU) and transformers 5.24.0 (qwen3_moe and mixtral: torch 2.14.1;
+qwen3_moe_mixed: torch 2.11.0 and transformers 5.17.0 on the GPU machine, where the
+save_pretrained check below gave max |dlogit| = 0).
 
 Output, one folder per checkpoint (`qwen2`: biases + GQA; `qwen2_tied`: tied embeddings;
 `qwen3`: q/k norm and head_dim != hidden/heads; `llama3`: llama3 rope scaling; `qwen2_value`:
 Qwen2ForTokenClassification with num_labels=1; `qwen3_moe`: Qwen3MoeForCausalLM, 4 experts, top-2,
-norm_topk_prob=false, every layer sparse; `mixtral`: MixtralForCausalLM, 4 experts, top-2):
+norm_topk_prob=false, every layer sparse; `mixtral`: MixtralForCausalLM, 4 experts, top-2;
+`qwen3_moe_mixed`: Qwen3MoeForCausalLM with 4 layers, the first, third and fourth dense):
 - `config.json`, `model.safetensors`: exactly what transformers wrote.
 - `reference.npz`: `input_ids` int32[2, 16] (seeded random ids, no padding) and the fp32 model
   output on them: `logits` float32[2, 16, vocab] (causal LMs) or `values` float32[2, 16]
@@ -67,6 +70,11 @@ CHECKPOINTS = {
         moe_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         rope_theta=1000000.0, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    # Qwen3-MoE with dense layers: 4 layers, decoder_sparse_step=2 makes 0 and 2 dense,
+    # mlp_only_layers=[3] makes 3 dense too: dense, sparse, dense, dense
+    "qwen3_moe_mixed": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        rope_theta=1000000.0, head_dim=16, num_experts=4, num_experts_per_tok=2, num_hidden_layers=4,
+        moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[3])),
 }
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
@@ -143,7 +151,7 @@ def build_checkpoint(name: str, out: str, seed: int):
     import transformers
 
     config_cls, model_cls, extra = CHECKPOINTS[name]
-    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     _randomize(model, seed)

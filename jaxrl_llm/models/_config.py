@@ -116,6 +116,12 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # Qwen3-MoE's dense layers: layer i has a dense MLP (width `intermediate_size`) when i is in
+    # `mlp_only_layers` or (i + 1) % decoder_sparse_step != 0, as in transformers; every other
+    # layer is sparse (`sparse_layers`). Router logits, recorded and replayed experts, the aux
+    # loss and the expert-load metrics cover the sparse layers only, in layer order.
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
     router_aux_loss_coef: float = 0.001  # config.json's value, round trip only (actor: model.moe.aux_loss_coef)
     # The rollout engine's weight format for the dense linear layers (`_quant`): "none" (param_dtype),
     # "fp8" (e4m3 weights + activations, per-channel / per-token scales) or "int8" (weight-only);
@@ -150,6 +156,7 @@ class ModelConfig:
                                  f"1..num_experts={self.num_experts}")
             if int(self.moe_intermediate_size) <= 0:
                 raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+        self._check_layer_kinds()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -164,6 +171,49 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         object.__setattr__(self, "dtype", to_dtype(self.dtype))
         object.__setattr__(self, "param_dtype", to_dtype(self.param_dtype))
+
+    def _check_layer_kinds(self):
+        dense = self.mlp_only_layers
+        if isinstance(dense, (str, bytes)) or not hasattr(dense, "__iter__"):
+            raise ValueError(f"mlp_only_layers={dense!r} must be a list of layer indices")
+        dense = tuple(sorted({int(i) for i in dense}))
+        object.__setattr__(self, "mlp_only_layers", dense)
+        step = self.decoder_sparse_step
+        if isinstance(step, bool) or int(step) < 1:
+            raise ValueError(f"decoder_sparse_step={step!r} must be an int >= 1")
+        object.__setattr__(self, "decoder_sparse_step", int(step))
+        if (dense or step != 1) and self.model_type != "qwen3_moe":
+            raise ValueError(f"mlp_only_layers={list(dense)} / decoder_sparse_step={step}: dense layers "
+                             f"among sparse ones are a qwen3_moe feature, not {self.model_type!r}'s")
+        bad = [i for i in dense if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers={list(dense)}: {bad} not in 0..num_hidden_layers - 1 = "
+                             f"{self.num_hidden_layers - 1}")
+        if self.is_moe and not self.sparse_layers:
+            raise ValueError(f"mlp_only_layers={list(dense)}, decoder_sparse_step={step}: no layer of the "
+                             f"{self.num_hidden_layers} is sparse; a model without experts is model_type "
+                             f"'qwen3'")
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The indices of the layers with a sparse MLP (all layers of an MoE model unless
+        `mlp_only_layers` / `decoder_sparse_step` make some dense; none of a dense model)."""
+        if not self.is_moe:
+            return ()
+        dense = set(self.mlp_only_layers)
+        return tuple(i for i in range(self.num_hidden_layers)
+                     if i not in dense and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """The indices of the layers with a dense MLP."""
+        sparse = set(self.sparse_layers)
+        return tuple(i for i in range(self.num_hidden_layers) if i not in sparse)
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Whether an MoE model has dense layers too (stacked: two MLP stacks, `DecoderLayers`)."""
+        return self.is_moe and len(self.sparse_layers) < self.num_hidden_layers
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -732,14 +732,25 @@ class SparseMLP(nnx.Module):
 
 class DecoderLayers(nnx.Module):
     """All decoder layers; every parameter has a leading `layers` axis of size num_hidden_layers.
-    With `stacked=False`, one layer without that axis (an element of the per-layer layout)."""
+    With `stacked=False`, one layer without that axis (an element of the per-layer layout), with a
+    sparse MLP when `sparse` (default: whether the model has experts), else a dense one.
 
-    def __init__(self, c: ModelConfig, rngs: nnx.Rngs, *, stacked: bool = True, fused: bool = False):
+    A Qwen3-MoE model with dense layers too (`config.mixed_layers`) keeps, stacked, the attention
+    and norms of all layers, `mlp` the sparse MLPs of `config.sparse_layers` (leading axis of that
+    length) and `dense_mlp` the dense MLPs of `config.dense_layers`; per layer, each layer's MLP is
+    its `mlp`, as transformers names it."""
+
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs, *, stacked: bool = True, fused: bool = False,
+                 sparse: bool | None = None):
         n, e = (c.num_hidden_layers if stacked else None), c.hidden_size
         self.input_layernorm = RMSNorm(*_lead(n, (e,), ("embed",)), c.rms_norm_eps, c.param_dtype)
         self.self_attn = Attention(c, n, rngs, fused=fused)
         self.post_attention_layernorm = RMSNorm(*_lead(n, (e,), ("embed",)), c.rms_norm_eps, c.param_dtype)
-        if c.is_moe:  # under transformers' name: Mixtral's `block_sparse_moe`, Qwen3-MoE's `mlp`
+        if stacked and c.mixed_layers:
+            self.mlp = SparseMLP(c, len(c.sparse_layers), rngs)
+            self.dense_mlp = MLP(c, len(c.dense_layers), rngs)
+        elif c.is_moe if sparse is None else sparse:
+            # under transformers' name: Mixtral's `block_sparse_moe`, Qwen3-MoE's `mlp`
             setattr(self, "block_sparse_moe" if c.model_type == "mixtral" else "mlp", SparseMLP(c, n, rngs))
         else:
             self.mlp = MLP(c, n, rngs, fused=fused)
@@ -751,19 +762,28 @@ class DecoderLayers(nnx.Module):
         Returns (x, extra), followed by the router logits [b, t, E] with `return_router_logits` and
         the chosen expert ids int32 [b, t, k] with `return_experts` (sparse layers only).
         `experts` int [b, t, k]: router replay of these experts (`SparseMLP.choose`)."""
-        h = self.input_layernorm(x)
-        q, k, v = self.self_attn.qkv(h, positions, inv_freq)
-        k_all, v_all, mask, extra = kv_fn(k, v)
-        o = mask(q) if callable(mask) else attend(q, k_all, v_all, mask)
-        x = x + self.self_attn.out(o)
-        x = sharding.constrain(x, ("batch", "length", "embed"))
         mlp = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        if return_router_logits or return_experts or experts is not None:
-            y, *router = _as_tuple(mlp(self.post_attention_layernorm(x), return_router_logits=return_router_logits,
-                                       experts=experts, return_experts=return_experts))
-            return (sharding.constrain(x + y, ("batch", "length", "embed")), extra, *router)
-        x = x + mlp(self.post_attention_layernorm(x))
-        return sharding.constrain(x, ("batch", "length", "embed")), extra
+        return _layer(self.input_layernorm, self.self_attn, self.post_attention_layernorm, mlp, x, positions,
+                      inv_freq, kv_fn, return_router_logits=return_router_logits, experts=experts,
+                      return_experts=return_experts)
+
+
+def _layer(input_layernorm, self_attn, post_attention_layernorm, mlp, x, positions, inv_freq, kv_fn, *,
+           return_router_logits: bool = False, experts=None, return_experts: bool = False):
+    """`DecoderLayers.layer` on its parts (one layer's modules); a dense `mlp` returns no router
+    outputs whatever the flags ask."""
+    h = input_layernorm(x)
+    q, k, v = self_attn.qkv(h, positions, inv_freq)
+    k_all, v_all, mask, extra = kv_fn(k, v)
+    o = mask(q) if callable(mask) else attend(q, k_all, v_all, mask)
+    x = x + self_attn.out(o)
+    x = sharding.constrain(x, ("batch", "length", "embed"))
+    if isinstance(mlp, SparseMLP) and (return_router_logits or return_experts or experts is not None):
+        y, *router = _as_tuple(mlp(post_attention_layernorm(x), return_router_logits=return_router_logits,
+                                   experts=experts, return_experts=return_experts))
+        return (sharding.constrain(x + y, ("batch", "length", "embed")), extra, *router)
+    x = x + mlp(post_attention_layernorm(x))
+    return sharding.constrain(x, ("batch", "length", "embed")), extra
 
 
 def _as_tuple(x) -> tuple:
@@ -814,6 +834,25 @@ def causal_padding_mask(attention_mask):
     return causal[None] & same & (seg != 0)[:, None, :]
 
 
+def layer_segments(kinds: tuple) -> list[tuple[int, int, tuple]]:
+    """How the stacked layout runs layers of different kinds (e.g. dense / sparse MLPs): a list of
+    (first layer, repeats, pattern), each one lax.scan of `repeats` iterations whose body runs the
+    layers of `pattern` (a tuple of kinds) in order; together they cover the layers in order.
+    Of the two plans, runs of one kind (e.g. dense layers first, then sparse ones) and the whole
+    stack as repeats of its shortest period (e.g. dense, sparse, dense, sparse, ...), the one that
+    traces fewer layer bodies."""
+    kinds = tuple(kinds)
+    n = len(kinds)
+    runs, start = [], 0
+    for i in range(1, n + 1):
+        if i == n or kinds[i] != kinds[start]:
+            runs.append((start, i - start, (kinds[start],)))
+            start = i
+    period = next(p for p in range(1, n + 1) if n % p == 0 and kinds == kinds[:p] * (n // p))
+    periodic = [(0, n // period, kinds[:period])]
+    return min(runs, periodic, key=lambda plan: (sum(len(pattern) for _, _, pattern in plan), len(plan)))
+
+
 LAYER_LAYOUTS = ("stacked", "per_layer", "per_layer_fused")
 
 
@@ -840,9 +879,9 @@ class Transformer(nnx.Module):
         if _check_layout(layer_layout) == "stacked":
             self.layers = DecoderLayers(c, rngs)
         else:
-            fused = layer_layout == "per_layer_fused"
-            self.layers = nnx.List([DecoderLayers(c, rngs, stacked=False, fused=fused)
-                                    for _ in range(c.num_hidden_layers)])
+            fused, sparse = layer_layout == "per_layer_fused", set(c.sparse_layers)
+            self.layers = nnx.List([DecoderLayers(c, rngs, stacked=False, fused=fused, sparse=i in sparse)
+                                    for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm((c.hidden_size,), ("embed",), c.rms_norm_eps, c.param_dtype)
 
     @property
@@ -860,19 +899,25 @@ class Transformer(nnx.Module):
         """Runs the layers (lax.scan when stacked, a Python loop when per layer).
         kv_fn(layer_index, carry_extra, k, v) -> (k_all, v_all, mask, carry_extra); the index is a
         traced int32 when stacked, a Python int when per layer. Returns (hidden, carry_extra),
-        followed by every layer's router logits fp32 [L, b, t, E] with `router` and the chosen
-        expert ids int32 [L, b, t, k] with `record` (MoE models; the scan's per-layer outputs).
-        `experts` int [L, b, t, k]: router replay of these experts in every layer."""
+        followed by every sparse layer's router logits fp32 [S, b, t, E] with `router` and the
+        chosen expert ids int32 [S, b, t, k] with `record` (MoE models; the scan's per-layer
+        outputs; S = len(config.sparse_layers), all layers unless some are dense).
+        `experts` int [S, b, t, k]: router replay of these experts in every sparse layer."""
         inv_freq = rope_inv_freq(self.config)
         flags = dict(return_router_logits=router, return_experts=record)
         if self.layer_layout != "stacked":
-            outs = []
+            outs, slot = [], 0
             for i, layer in enumerate(self.layers):
+                sparse = not isinstance(getattr(layer, "mlp", None), MLP)
                 out = layer.layer(x, positions, inv_freq, lambda k, v, i=i, e=carry_extra: kv_fn(i, e, k, v),
-                                  experts=None if experts is None else experts[i], **flags)
+                                  experts=None if experts is None or not sparse else experts[slot], **flags)
                 x, carry_extra = out[:2]
-                outs.append(out[2:])
+                if sparse:
+                    outs.append(out[2:])
+                    slot += 1
             return (self.norm(x), carry_extra, *(jnp.stack(ys) for ys in zip(*outs)))
+        if self.config.mixed_layers:
+            return self._scan_mixed(x, positions, kv_fn, carry_extra, remat, unroll, inv_freq, flags, experts)
         graphdef, params = nnx.split(self.layers)
 
         def body(carry, xs):
@@ -888,6 +933,56 @@ class Transformer(nnx.Module):
         (x, carry_extra), ys = jax.lax.scan(body, (x, carry_extra), (jnp.arange(n), params, experts),
                                             unroll=unroll)
         return (self.norm(x), carry_extra, *ys)
+
+    def _scan_mixed(self, x, positions, kv_fn, carry_extra, remat, unroll, inv_freq, flags, experts):
+        """`_scan` of stacked layers with dense and sparse MLPs (`config.mixed_layers`): for each
+        segment of `layer_segments`, one lax.scan over its repeats, whose body runs the segment's
+        pattern of layers (attention and norms sliced from the all-layer stacks, each MLP from
+        its kind's stack). The sparse layers' outputs come back in layer order."""
+        c = self.config
+        kinds = tuple(i in set(c.sparse_layers) for i in range(c.num_hidden_layers))
+        common = {name: nnx.split(getattr(self.layers, name))
+                  for name in ("input_layernorm", "self_attn", "post_attention_layernorm")}
+        mlps = {True: nnx.split(self.layers.mlp), False: nnx.split(self.layers.dense_mlp)}
+        ys_all = []
+        for start, reps, pattern in layer_segments(kinds):
+            p = len(pattern)
+            before = {kind: sum(k == kind for k in kinds[:start]) for kind in (True, False)}
+            counts = {kind: pattern.count(kind) for kind in (True, False)}
+
+            def cut(tree, first, per):  # rows first .. first + reps * per, as [reps, per, ...]
+                return jax.tree.map(lambda a: a[first:first + reps * per].reshape((reps, per) + a.shape[1:]), tree)
+
+            xs_common = {name: cut(state, start, p) for name, (_, state) in common.items()}
+            xs_mlp = {kind: cut(mlps[kind][1], before[kind], counts[kind]) for kind in (True, False) if counts[kind]}
+            xs_given = None if experts is None or not counts[True] else cut(experts, before[True], counts[True])
+
+            def body(carry, xs, start=start, pattern=pattern):
+                h, extra = carry
+                r, parts, mlp_parts, given = xs
+                outs, seen = [], {True: 0, False: 0}
+                for j, kind in enumerate(pattern):
+                    i = start + r * len(pattern) + j
+                    mods = [nnx.merge(common[name][0], jax.tree.map(lambda a, j=j: a[j], parts[name]))
+                            for name in ("input_layernorm", "self_attn", "post_attention_layernorm")]
+                    mlp = nnx.merge(mlps[kind][0], jax.tree.map(lambda a, s=seen[kind]: a[s], mlp_parts[kind]))
+                    g = None if given is None or not kind else given[seen[True]]
+                    seen[kind] += 1
+                    out = _layer(*mods, mlp, h, positions, inv_freq, lambda k, v, i=i, e=extra: kv_fn(i, e, k, v),
+                                 experts=g, **flags)
+                    h, extra = out[:2]
+                    if kind:
+                        outs.append(out[2:])
+                return (h, extra), tuple(jnp.stack(ys) for ys in zip(*outs))
+
+            if remat and c.remat != "none":
+                body = jax.checkpoint(body, policy=_REMAT[c.remat], prevent_cse=False)
+            (x, carry_extra), ys = jax.lax.scan(body, (x, carry_extra),
+                                                (jnp.arange(reps), xs_common, xs_mlp, xs_given),
+                                                unroll=min(unroll, reps))
+            if ys:
+                ys_all.append(tuple(y.reshape((-1,) + y.shape[2:]) for y in ys))
+        return (self.norm(x), carry_extra, *(jnp.concatenate(ys) for ys in zip(*ys_all)))
 
     def _check_router(self, what: str) -> None:
         if not self.config.is_moe:
@@ -920,13 +1015,13 @@ class Transformer(nnx.Module):
         rules), attention runs context-parallel (`_context_parallel`: all-to-all under
         shard_map, the same kernel kind on whole sequences, masked by segment ids as above).
 
-        `router_logits` (static; MoE models only): return (hidden, every layer's router logits
-        fp32 [L, b, t, E]) in the input's token order, padding positions included (mask them
+        `router_logits` (static; MoE models only): return (hidden, every sparse layer's router
+        logits fp32 [S, b, t, E], S = len(config.sparse_layers)) in the input's token order, padding positions included (mask them
         with `attention_mask != 0`); the same program otherwise (the logits are the layer scan's
         per-layer output, under the same remat).
 
-        `routed_experts` (MoE models): router replay (R3). int [b, t, L, k], the expert ids every
-        layer uses for each token instead of its own top-k (the gate weights recomputed from this
+        `routed_experts` (MoE models): router replay (R3). int [b, t, S, k], the expert ids every
+        sparse layer uses for each token instead of its own top-k (the gate weights recomputed from this
         forward's router logits: `replay_route`); a token whose ids are negative keeps its own.
         """
         if router_logits:
@@ -944,7 +1039,7 @@ class Transformer(nnx.Module):
         given = routed_experts
 
         def layers(x, pos, kv_fn):  # -> (hidden, router logits or None)
-            experts = None if given is None else jnp.moveaxis(jnp.asarray(given), 2, 0)  # [L, b, t, k]
+            experts = None if given is None else jnp.moveaxis(jnp.asarray(given), 2, 0)  # [S, b, t, k]
             out = self._scan(x, pos, kv_fn, (), remat=True, unroll=unroll, router=router_logits,
                              experts=experts)
             return out[0], (out[2] if router_logits else None)
@@ -994,8 +1089,8 @@ class Transformer(nnx.Module):
     def prefill(self, input_ids, *, attention_mask=None, positions=None, record_experts: bool = False):
         """Full forward that also returns the cache. Returns (hidden [b, t, e], KVCache of t tokens
         in the model's layer layout: [L, b, t, kvh, d] stacked, or L arrays [b, t, kvh, d]), and with
-        `record_experts` (MoE models, router replay) every layer's chosen expert ids int32
-        [L, b, t, k] third."""
+        `record_experts` (MoE models, router replay) every sparse layer's chosen expert ids int32
+        [S, b, t, k] third (S = len(config.sparse_layers))."""
         if record_experts:
             self._check_router("record_experts=True")
         c = self.config
@@ -1036,7 +1131,7 @@ class Transformer(nnx.Module):
         stacked, a tuple of L [b, s, kvh, d] per layer); cache_index int32[b] is where row b's
         first new token is written. Query j of row b sees cache slots <= cache_index[b] + j.
         Returns (hidden [b, t, e], updated KVCache), and with `record_experts` (MoE models) every
-        layer's chosen expert ids int32 [L, b, t, k] third.
+        sparse layer's chosen expert ids int32 [S, b, t, k] third.
         """
         if record_experts:
             self._check_router("record_experts=True")
@@ -1233,13 +1328,35 @@ def _decode_attention(impl, mask, kv_lengths, k_i, v_i):
     return mask
 
 
-def unstack_layers(params: dict) -> dict:
+def unstack_layers(params: dict, sparse_layers: tuple[int, ...] | None = None) -> dict:
     """A pure param dict (`nnx.to_pure_dict` layout, `CausalLM` or `ValueModel`) with stacked
     layers -> the same weights in the per-layer layout (`params["model"]["layers"]` becomes
-    `{i: layer i's params}`). Slices, so it copies; run it inside a jit (fused with a cast)."""
-    layers = params["model"]["layers"]
-    n = jax.tree.leaves(layers)[0].shape[0]
-    per = {i: jax.tree.map(lambda x, i=i: x[i], layers) for i in range(n)}
+    `{i: layer i's params}`). Slices, so it copies; run it inside a jit (fused with a cast).
+    A model with dense and sparse layers (a `dense_mlp` stack) needs `sparse_layers`
+    (`config.sparse_layers`): which layer each row of the two MLP stacks belongs to."""
+    layers = dict(params["model"]["layers"])
+    n = layers["input_layernorm"]["scale"].shape[0]
+    owner = {}  # layer -> (stack name, row)
+    if "dense_mlp" in layers:
+        if sparse_layers is None:
+            raise ValueError("unstack_layers: these stacked layers have dense and sparse MLPs "
+                             "(`dense_mlp` and `mlp`); pass sparse_layers=config.sparse_layers")
+        sparse = tuple(sparse_layers)
+        dense = tuple(i for i in range(n) if i not in set(sparse))
+        rows = {"mlp": layers["mlp"]["gate"]["kernel"].shape[0],
+                "dense_mlp": jax.tree.leaves(layers["dense_mlp"])[0].shape[0]}
+        if (len(sparse), len(dense)) != (rows["mlp"], rows["dense_mlp"]):
+            raise ValueError(f"unstack_layers: sparse_layers={list(sparse)} gives {len(sparse)} sparse and "
+                             f"{len(dense)} dense layers of {n}, but the stacks hold {rows['mlp']} and "
+                             f"{rows['dense_mlp']}")
+        owner = {i: ("mlp", r) for r, i in enumerate(sparse)} | {i: ("dense_mlp", r) for r, i in enumerate(dense)}
+        mlps = {name: layers.pop(name) for name in ("mlp", "dense_mlp")}
+    per = {}
+    for i in range(n):
+        per[i] = jax.tree.map(lambda x, i=i: x[i], layers)
+        if owner:
+            name, r = owner[i]
+            per[i]["mlp"] = jax.tree.map(lambda x, r=r: x[r], mlps[name])
     return {**params, "model": {**params["model"], "layers": per}}
 
 
@@ -1294,20 +1411,21 @@ def params_layout(params: dict) -> str:
     return "per_layer_fused" if "qkv_proj" in layers[0]["self_attn"] else "per_layer"
 
 
-def convert_layers(params: dict, layout: str) -> dict:
+def convert_layers(params: dict, layout: str, sparse_layers: tuple[int, ...] | None = None) -> dict:
     """A pure param dict in any layer layout -> the same weights in `layout` (copies: run it inside
     a jit, fused with a cast). per_layer_fused concatenates each layer's q/k/v kernels (and biases)
     into `qkv_proj` [e, kvh, g + 2, d] (kv head j: its g query heads, its key, its value) and
-    stacks gate/up into `gate_up_proj` [e, 2, f]."""
+    stacks gate/up into `gate_up_proj` [e, 2, f]. `sparse_layers`: as `unstack_layers`."""
     source = params_layout(params)
     if source == _check_layout(layout):
         return params
-    if source == "stacked" and layout == "per_layer_fused":
+    mixed = source == "stacked" and "dense_mlp" in params["model"]["layers"]
+    if source == "stacked" and layout == "per_layer_fused" and not mixed:
         # fuse the stacked arrays, then slice the layers: one multi-output copy per weight
         return unstack_layers({**params, "model": {**params["model"],
                                                    "layers": _fuse_layer(params["model"]["layers"])}})
     if source == "stacked":
-        params = unstack_layers(params)
+        params = unstack_layers(params, sparse_layers)
     elif source == "per_layer_fused":
         layers = params["model"]["layers"]
         params = {**params, "model": {**params["model"],
@@ -1322,9 +1440,19 @@ def convert_layers(params: dict, layout: str) -> dict:
 
 
 def stack_layers(params: dict) -> dict:
-    """The inverse of `unstack_layers` (per-layer pure dict -> stacked)."""
+    """The inverse of `unstack_layers` (per-layer pure dict -> stacked). Layers whose `mlp` differ
+    in kind (dense and sparse) stack the sparse ones' as `mlp`, the dense ones' as `dense_mlp`."""
     per = params["model"]["layers"]
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(per[i] for i in range(len(per))))
+    layers = [per[i] for i in range(len(per))]
+    sparse = [i for i, layer in enumerate(layers) if "experts" in layer.get("mlp", {})]
+    if 0 < len(sparse) < len(layers):
+        common = [{k: v for k, v in layer.items() if k != "mlp"} for layer in layers]
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *common)
+        stacked["mlp"] = jax.tree.map(lambda *xs: jnp.stack(xs), *(layers[i]["mlp"] for i in sparse))
+        stacked["dense_mlp"] = jax.tree.map(lambda *xs: jnp.stack(xs),
+                                            *(layer["mlp"] for i, layer in enumerate(layers) if i not in sparse))
+    else:
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
     return {**params, "model": {**params["model"], "layers": stacked}}
 
 

@@ -112,9 +112,8 @@ def _require(hf: dict, name: str):
 
 
 def _moe_fields(hf: dict, model_type: str) -> dict:
-    """The ModelConfig MoE fields of a Qwen3-MoE / Mixtral config.json ({} for dense types).
-    Every layer must be sparse: Qwen3-MoE's dense layers (`mlp_only_layers`, `decoder_sparse_step`
-    > 1) would need a second MLP kind inside the one layer scan, which is not built yet."""
+    """The ModelConfig MoE fields of a Qwen3-MoE / Mixtral config.json ({} for dense types),
+    Qwen3-MoE's dense layers (`mlp_only_layers`, `decoder_sparse_step`) included."""
     if model_type == "mixtral":
         if hf.get("sliding_window") is not None:
             raise ValueError(f"config.json: sliding_window={hf['sliding_window']} is not supported "
@@ -128,19 +127,14 @@ def _moe_fields(hf: dict, model_type: str) -> dict:
             raise ValueError("config.json: missing field 'num_experts' (or 'num_local_experts')")
         width = int(_require(hf, "moe_intermediate_size"))
         normalize = bool(hf.get("norm_topk_prob", False))
-        step, dense = int(hf.get("decoder_sparse_step", 1)), sorted(hf.get("mlp_only_layers") or [])
-        layers = int(_require(hf, "num_hidden_layers"))
-        dense = sorted(set(dense) | {i for i in range(layers) if (i + 1) % max(step, 1)})
-        if dense:
-            raise ValueError(f"config.json: layers {dense} have a dense MLP (mlp_only_layers="
-                             f"{hf.get('mlp_only_layers') or []}, decoder_sparse_step={step}); mixing "
-                             f"dense and sparse layers is not supported yet: every layer must be sparse "
-                             f"(mlp_only_layers=[], decoder_sparse_step=1)")
+        mixing = dict(mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+                      decoder_sparse_step=hf.get("decoder_sparse_step", 1))
     else:
         return {}
     return dict(num_experts=int(experts), num_experts_per_tok=int(_require(hf, "num_experts_per_tok")),
                 moe_intermediate_size=width, norm_topk_prob=normalize,
-                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+                **(mixing if model_type == "qwen3_moe" else {}))
 
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
@@ -182,7 +176,10 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
         **moe,
     )
     fields.update(overrides)
-    return ModelConfig(**fields)
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:
+        raise ValueError(f"config.json: {e}") from None
 
 
 def config_to_hf(config: ModelConfig, *, value_head: bool = False) -> dict:
@@ -239,7 +236,8 @@ def config_to_hf(config: ModelConfig, *, value_head: bool = False) -> dict:
                 hf["head_dim"] = None  # as transformers writes it (derived from hidden / heads)
         else:
             hf.update(num_experts=c.num_experts, moe_intermediate_size=c.moe_intermediate_size,
-                      norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+                      norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=c.decoder_sparse_step,
+                      mlp_only_layers=list(c.mlp_only_layers),
                       attention_bias=False, use_sliding_window=False)
     else:
         hf.update(use_sliding_window=False, sliding_window=None,
@@ -339,8 +337,10 @@ class _Entry:
     one per expert for the stacked expert weights of a sparse MLP (`...experts.{j}.<name>`); the
     leading dims that index those tensors are `lead_shape`, the rest is one tensor's shape."""
 
-    def __init__(self, path: tuple[str, ...], shape: tuple[int, ...], stacked: bool, experts: bool = False):
+    def __init__(self, path: tuple[str, ...], shape: tuple[int, ...], stacked: bool, experts: bool = False,
+                 layer_ids: tuple[int, ...] | None = None):
         self.path, self.stacked = path, stacked
+        self.layer_ids = layer_ids  # row r of a stack is HF layer layer_ids[r] (None: r)
         lead = int(stacked) + int(experts)
         self.lead_shape, self.layer_shape = tuple(shape[:lead]), tuple(shape[lead:])
         parts = list(path)
@@ -353,6 +353,7 @@ class _Entry:
             parts = parts[:at] + ["{j}"] + parts[at:]
         if stacked:
             rest = parts[parts.index("layers") + 1:]
+            rest = ["mlp"] + rest[1:] if rest[:1] == ["dense_mlp"] else rest  # HF names every MLP `mlp`
             self.template = ".".join(["model.layers.{i}"] + rest + [suffix])
         else:
             self.template = ".".join(parts + [suffix])
@@ -373,6 +374,8 @@ class _Entry:
         names = []
         for idx in self.lead_indices():
             keys = dict(zip(("i", "j") if self.stacked else ("j",), idx))
+            if self.layer_ids is not None:
+                keys["i"] = self.layer_ids[keys["i"]]
             names.append(self.template.format(**keys) if keys else self.template)
         return names
 
@@ -388,14 +391,17 @@ class _Entry:
         return x.reshape(self.hf_shape)
 
 
-def _entries(state: nnx.State) -> list[tuple[_Entry, nnx.Variable]]:
+def _entries(state: nnx.State, config: ModelConfig) -> list[tuple[_Entry, nnx.Variable]]:
     out = []
     for path, var in nnx.to_flat_state(state):
         path = tuple(str(p) for p in path)
         axes = var.get_metadata().get("logical_axes") or ()
         stacked = bool(axes) and axes[0] == "layers"
         experts = "experts" in path and len(axes) > int(stacked) and axes[int(stacked)] == "expert"
-        out.append((_Entry(path, tuple(var.get_value().shape), stacked, experts), var))
+        ids = None  # stacked mixed layers: the MLP stacks hold the sparse / dense layers only
+        if stacked and config.mixed_layers and path[path.index("layers") + 1] in ("mlp", "dense_mlp"):
+            ids = config.sparse_layers if path[path.index("layers") + 1] == "mlp" else config.dense_layers
+        out.append((_Entry(path, tuple(var.get_value().shape), stacked, experts, ids), var))
     return out
 
 
@@ -492,7 +498,7 @@ def from_pretrained(path: str, dtype: Any = jnp.float32, *, param_dtype: Any = N
     fresh_score = value_head and not {"score.weight", "score.bias"} & files.names()
     ignore = ["lm_head.weight"] if (fresh_score or config.tie_word_embeddings) else []
     graphdef, state = nnx.split(abstract_model(config, value_head=value_head))
-    entries = _entries(state)
+    entries = _entries(state, config)
     _check_tensors(entries, files, fresh_score=fresh_score, ignore=ignore)
     np_dtype = np.dtype(to_dtype(param_dtype))
     rng = np.random.default_rng(seed)
@@ -542,7 +548,7 @@ def save_pretrained(model: CausalLM | ValueModel, path: str, *, max_shard_size: 
     model = merged_model(model)  # a LoRA model is written with W + (α/r)·A·B
     value_head = isinstance(model, ValueModel)
     config = model.config if dtype is None else model.config.replace(param_dtype=dtype)
-    entries = _entries(nnx.state(model, nnx.Param))
+    entries = _entries(nnx.state(model, nnx.Param), model.config)
     hf = config_to_hf(config, value_head=value_head)
     tensors = []
 

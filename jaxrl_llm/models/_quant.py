@@ -108,10 +108,11 @@ def quantize_layer(layer: dict, fmt: str, lead: int = 0) -> dict:
     attn = {k: (_quantize_proj(v, fmt, ATTENTION_PROJ[k], lead) if k in ATTENTION_PROJ else v)
             for k, v in layer["self_attn"].items()}
     out = {**layer, "self_attn": attn}
-    mlp = layer.get("mlp")
-    if mlp is not None and "experts" not in mlp:  # dense; Qwen3-MoE's sparse `mlp` stays
-        out["mlp"] = {k: (_quantize_proj(v, fmt, MLP_PROJ[k], lead) if k in MLP_PROJ else v)
-                      for k, v in mlp.items()}
+    for name in ("mlp", "dense_mlp"):  # dense_mlp: the dense layers of stacked mixed layers
+        mlp = layer.get(name)
+        if mlp is not None and "experts" not in mlp:  # dense; Qwen3-MoE's sparse `mlp` stays
+            out[name] = {k: (_quantize_proj(v, fmt, MLP_PROJ[k], lead) if k in MLP_PROJ else v)
+                         for k, v in mlp.items()}
     return out
 
 

@@ -118,13 +118,14 @@ def router_mismatch_rows(logits, m, top_k: int):
             jax.ops.segment_sum(cnt.reshape(-1), slot.reshape(-1), num_segments=n))
 
 
-def moe_router_terms(logits, attention_mask, top_k: int) -> dict[str, jax.Array]:
-    """The router terms of one micro-batch from its router logits [L, b, t, E] (real tokens:
+def moe_router_terms(logits, attention_mask, top_k: int, layers=None) -> dict[str, jax.Array]:
+    """The router terms of one micro-batch from its router logits [S, b, t, E] of the sparse
+    layers `layers` (their indices in the model, default 0 .. S - 1; real tokens:
     attention_mask != 0): `moe_aux_loss` (`models.load_balancing_loss`), `moe_z_loss`
     (`models.router_z_loss`) and the expert load relative to uniform (E x each expert's share
     of a layer's top-k choices; 1 = balanced), per layer `moe/expert_load/layer_{i}/{min,max,cv}`
-    (cv: std / mean over experts) and over layers `moe/expert_load/{min,max}` (the extremes)
-    and `moe/expert_load/cv` (the layers' mean)."""
+    (cv: std / mean over experts; i the layer's index in the model) and over layers
+    `moe/expert_load/{min,max}` (the extremes) and `moe/expert_load/cv` (the layers' mean)."""
     aux = models.load_balancing_loss(logits, top_k, attention_mask)
     z = models.router_z_loss(logits, attention_mask)
     load = models.expert_load(logits, top_k, attention_mask) * logits.shape[-1]  # [L, E], mean 1
@@ -132,9 +133,10 @@ def moe_router_terms(logits, attention_mask, top_k: int) -> dict[str, jax.Array]
     cv = load.std(-1) / jnp.maximum(load.mean(-1), 1e-9)
     out = {"moe_aux_loss": aux, "moe_z_loss": z, "moe/expert_load/min": lo.min(),
            "moe/expert_load/max": hi.max(), "moe/expert_load/cv": cv.mean()}
-    for i in range(load.shape[0]):
-        out.update({f"moe/expert_load/layer_{i}/min": lo[i], f"moe/expert_load/layer_{i}/max": hi[i],
-                    f"moe/expert_load/layer_{i}/cv": cv[i]})
+    for s, i in enumerate(range(load.shape[0]) if layers is None else layers):
+        lo_i, hi_i, cv_i = lo[s], hi[s], cv[s]
+        out.update({f"moe/expert_load/layer_{i}/min": lo_i, f"moe/expert_load/layer_{i}/max": hi_i,
+                    f"moe/expert_load/layer_{i}/cv": cv_i})
     return out
 
 
@@ -376,7 +378,8 @@ class ActorWorker(_Trained):
             # micro-batches, so the optimizer sees coef x the token-weighted mean of the micro-batch
             # losses. The logged values are plain per-micro-batch values, averaged like the other
             # metrics.
-            terms = moe_router_terms(router_logits, m["attention_mask"], model.config.num_experts_per_tok)
+            terms = moe_router_terms(router_logits, m["attention_mask"], model.config.num_experts_per_tok,
+                                     model.config.sparse_layers)
             share = mask.astype(jnp.float32).sum() / jnp.maximum(denoms["tokens"], 1.0)
             if self.moe.aux_loss_coef:
                 loss = loss + self.moe.aux_loss_coef * share * terms["moe_aux_loss"]

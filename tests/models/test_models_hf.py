@@ -293,6 +293,6 @@ def test_fixture_script_dry_run_lists_the_committed_fixtures():
     script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "make_model_fixtures.py")
     out = subprocess.run([sys.executable, script, "--dry-run", "--out", FIXTURES],
                          capture_output=True, text=True, check=True).stdout.split()
-    assert [os.path.basename(p) for p in out] == CAUSAL + ["qwen2_value", "qwen3_moe", "mixtral",
-                                                       "tokenizer_chatml"]
+    names = ["qwen2_value", "qwen3_moe", "mixtral", "qwen3_moe_mixed", "tokenizer_chatml"]
+    assert [os.path.basename(p) for p in out] == CAUSAL + names
     assert all(os.path.isdir(p) for p in out)

@@ -14,7 +14,7 @@ from jaxrl_llm import models
 from jaxrl_llm.models import _decoder
 from test_models_hf import copy_fixture, fixture, forward, loaded, params, reference
 
-MOE = ["qwen3_moe", "mixtral"]
+MOE = ["qwen3_moe", "mixtral", "qwen3_moe_mixed"]  # mixed: dense layers 0, 2, 3 and sparse layer 1
 
 
 @pytest.mark.parametrize("name", MOE)
@@ -78,7 +78,8 @@ def test_moe_greedy_argmax_reproduces_recorded_hf_generate(name):
 
 
 @pytest.mark.parametrize("name,layout", [("qwen3_moe", "per_layer"), ("mixtral", "per_layer"),
-                                         ("qwen3_moe", "per_layer_fused"), ("mixtral", "stacked")])
+                                         ("qwen3_moe", "per_layer_fused"), ("mixtral", "stacked"),
+                                         ("qwen3_moe_mixed", "per_layer_fused"), ("qwen3_moe_mixed", "stacked")])
 def test_moe_rollout_engine_greedy_equals_hf_generate(name, layout):
     """The engine's prefill/decode (every layer layout) go through the same SparseMLP."""
     import rollout
@@ -149,13 +150,16 @@ def test_moe_gradient_flows_to_every_used_expert_and_the_router():
     assert (np.abs(np.asarray(moe["experts"]["w2"]["kernel"])).sum(axis=(2, 3)) > 0).all()  # 32 tokens x top-2
 
 
-def test_dense_layers_in_a_moe_config_are_refused_naming_the_fields(tmp_path):
+def test_bad_moe_configs_are_refused_naming_the_fields(tmp_path):
     folder = copy_fixture("qwen3_moe", tmp_path)
     hf = json.loads((folder / "config.json").read_text())
-    with pytest.raises(ValueError, match=r"mlp_only_layers=\[1\].*every layer must be sparse"):
-        models.config_from_hf(dict(hf, mlp_only_layers=[1]))
-    with pytest.raises(ValueError, match=r"layers \[0\].*decoder_sparse_step=2"):
-        models.config_from_hf(dict(hf, decoder_sparse_step=2))
+    with pytest.raises(ValueError, match=r"config.json: mlp_only_layers=\[0, 1\].*no layer of the 2 is sparse"):
+        models.config_from_hf(dict(hf, mlp_only_layers=[0, 1]))
+    with pytest.raises(ValueError, match=r"config.json: mlp_only_layers=\[2\]: \[2\] not in 0..num_hidden_layers - 1 = 1"):
+        models.config_from_hf(dict(hf, mlp_only_layers=[2]))
+    with pytest.raises(ValueError, match=r"decoder_sparse_step=0 must be an int >= 1"):
+        models.config_from_hf(dict(hf, decoder_sparse_step=0))
+    assert models.config_from_hf(dict(hf, decoder_sparse_step=2)).sparse_layers == (1,)
     with pytest.raises(ValueError, match="sliding_window"):
         models.config_from_hf(dict(json.loads(open(os.path.join(fixture("mixtral"), "config.json")).read()),
                                    sliding_window=4096))

@@ -21,6 +21,7 @@ from jaxrl_llm.workers._roles import ActorWorker
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.py")
 FIXTURE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures", "models", "qwen3_moe"))
+MIXED = FIXTURE + "_mixed"  # 4 layers: dense, sparse, dense, dense (decoder_sparse_step 2, mlp_only_layers [3])
 REWARD_FN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "rewards", "length_parity.py")
 L, K = 2, 2  # the fixture's layers and experts per token (4 experts, norm_topk_prob False)
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14], [20, 21, 22, 23]]
@@ -33,11 +34,11 @@ def tiny():
     return load_config(f"{QUICKSTART}:tiny,local")
 
 
-@pytest.fixture(scope="module")
-def rolled():
+def _rolled(fixture, **engine_kw):
     """(the engine's RolloutBatch, the trainer Batch built from it) with experts recorded."""
-    engine = rollout.Engine.from_model(models.from_pretrained(FIXTURE), max_concurrent_decodes=4,
-                                       max_prefill_length=16, max_target_length=32, record_experts=True)
+    engine = rollout.Engine.from_model(models.from_pretrained(fixture), max_concurrent_decodes=4,
+                                       max_prefill_length=16, max_target_length=32, record_experts=True,
+                                       **engine_kw)
     out = rollout.RolloutDriver(engine, steps_per_sync=4).generate(PROMPTS, n=N, max_new_tokens=T, seed=0)
     gen = RolloutResult(responses=out.responses, response_mask=out.response_mask,
                         rollout_log_probs=out.rollout_log_probs, finish_reasons=tuple(out.finish_reasons),
@@ -48,11 +49,16 @@ def rolled():
     return out, batch
 
 
-def _actor(tiny, mode, *, perturb=0.0, remove_padding=False):
+@pytest.fixture(scope="module")
+def rolled():
+    return _rolled(FIXTURE)
+
+
+def _actor(tiny, mode, *, perturb=0.0, remove_padding=False, fixture=FIXTURE):
     cfg = dataclasses.replace(tiny.actor, ppo_micro_batch_size_per_device=3, use_dynamic_bsz=False,
                               router_replay=RouterReplayConfig(mode=mode),
                               optim=dataclasses.replace(tiny.actor.optim, lr=1e-3, warmup_steps=0))
-    model = models.from_pretrained(FIXTURE)
+    model = models.from_pretrained(fixture)
     if perturb:  # a small change to the trainer's router (its weights have std ~0.19): a few top-k choices flip
         gate = model.model.layers.mlp.gate
         noise = jax.random.normal(jax.random.key(3), gate["kernel"][...].shape)
@@ -108,6 +114,25 @@ def test_replay_routes_like_the_engine_and_the_on_policy_ratio_is_one(tiny, roll
     m = actor.update(batch, mini_rows=len(batch.responses), seed=0)
     assert m["actor/router_replay/mismatch_frac"] == 0.0
     assert abs(m["actor/ppo_kl"]) <= 1e-7 and m["actor/pg_clipfrac"] == 0.0  # ratio 1 (fp32)
+
+
+def test_dense_and_sparse_layers_record_and_replay_the_sparse_layers_experts(tiny):
+    """Qwen3-MoE with dense layers (only layer 1 of 4 sparse): the engine (stacked layout: the
+    segment scans) records one layer's experts per token and the replaying actor routes like it,
+    with the on-policy ratio 1."""
+    out, batch = _rolled(MIXED, layer_layout="stacked")
+    assert batch.routed_experts.shape == (len(PROMPTS) * N, P + T, 1, K)
+    actor = _actor(tiny, "replay", fixture=MIXED)
+    got = actor.compute_log_prob(batch)
+    assert got["router_compared"].sum() > 0 and got["router_mismatched"].sum() == 0
+    assert _abs_diff(got["old_log_probs"], batch) < 1e-4
+    batch.old_log_probs = got["old_log_probs"]
+    batch.advantages = np.where(batch.response_mask > 0, 1.0, 0.0).astype(np.float32)
+    m = actor.update(batch, mini_rows=len(batch.responses), seed=0)
+    assert m["actor/router_replay/mismatch_frac"] == 0.0
+    assert abs(m["actor/ppo_kl"]) <= 1e-7 and m["actor/pg_clipfrac"] == 0.0
+    assert {"moe/expert_load/min", "moe/expert_load/layer_1/cv"} <= set(m)  # named by the model's layer
+    assert not any(k.startswith(("moe/expert_load/layer_0", "moe/expert_load/layer_2")) for k in m)
 
 
 def test_perturbed_router_record_reports_mismatch_and_replay_restores_engine_log_probs(tiny, rolled):
