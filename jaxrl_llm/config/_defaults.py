@@ -33,7 +33,8 @@ def base_config() -> ConfigDict:
         init=dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0,
                   max_position_embeddings=1024, tie_word_embeddings=True, seed=0,
-                  num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, norm_topk_prob=True))
+                  num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, norm_topk_prob=True,
+                  mlp_only_layers=(), decoder_sparse_step=1))
     c.actor = dict(
         optim=_optim(1e-6), lora=dict(rank=0, alpha=16.0, dropout=0.0, target_modules=("all-linear",)),
         router_replay=dict(mode="disabled"),

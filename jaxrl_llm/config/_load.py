@@ -579,6 +579,18 @@ def _check_model_init(i) -> None:
         raise ConfigError(f"model.init.num_experts / num_experts_per_tok / moe_intermediate_size are for "
                           f"model_type qwen3_moe or mixtral; model.init.model_type is {i.model_type!r} "
                           f"(set them to 0, or pick a MoE model_type)")
+    dense, step = tuple(i.mlp_only_layers), i.decoder_sparse_step
+    if dense or step != 1:
+        if i.model_type != "qwen3_moe":
+            raise ConfigError(f"model.init.mlp_only_layers={list(dense)} / decoder_sparse_step={step} (dense layers "
+                              f"among sparse ones) are for model_type qwen3_moe; model.init.model_type is "
+                              f"{i.model_type!r}")
+        if step < 1 or any(not 0 <= k < i.num_hidden_layers for k in dense):
+            raise ConfigError(f"model.init.decoder_sparse_step={step} must be >= 1 and model.init.mlp_only_layers="
+                              f"{list(dense)} layer indices in [0, {i.num_hidden_layers - 1}]")
+        if all(k in dense or (k + 1) % step for k in range(i.num_hidden_layers)):
+            raise ConfigError(f"model.init.mlp_only_layers={list(dense)}, decoder_sparse_step={step}: no layer of "
+                              f"the {i.num_hidden_layers} has experts")
 
 
 def _check_lora(c: RunConfig) -> None:

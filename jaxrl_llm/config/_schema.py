@@ -49,6 +49,8 @@ class ModelInitConfig:
     num_experts_per_tok: int  # MoE: experts each token is routed to (top-k of the softmax router), 1..num_experts
     moe_intermediate_size: int  # MoE: each expert's SwiGLU width (intermediate_size is unused then)
     norm_topk_prob: bool  # MoE: renormalise the chosen experts' router probabilities to sum to 1 (Qwen3-MoE's option; Mixtral always does)
+    mlp_only_layers: tuple[int, ...]  # qwen3_moe: layers with a dense MLP (width intermediate_size) instead of experts, as transformers' Qwen3-MoE; [] = none
+    decoder_sparse_step: int  # qwen3_moe: layer i has experts only when (i + 1) % decoder_sparse_step == 0 (and i is not in mlp_only_layers); 1 = every layer
 
 
 @dataclasses.dataclass(frozen=True)

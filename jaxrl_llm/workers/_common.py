@@ -36,7 +36,8 @@ def model_config_for(section: ModelSection, vocab_size: int) -> models.ModelConf
         tie_word_embeddings=i.tie_word_embeddings, attention_bias=i.model_type == "qwen2",
         qk_norm=i.model_type in ("qwen3", "qwen3_moe"), num_experts=i.num_experts,
         num_experts_per_tok=i.num_experts_per_tok, moe_intermediate_size=i.moe_intermediate_size,
-        norm_topk_prob=i.norm_topk_prob, dtype=section.dtype, param_dtype=section.param_dtype,
+        norm_topk_prob=i.norm_topk_prob, mlp_only_layers=tuple(i.mlp_only_layers),
+        decoder_sparse_step=i.decoder_sparse_step, dtype=section.dtype, param_dtype=section.param_dtype,
         remat=section.remat, train_attention=section.train_attention,
         decode_attention=section.decode_attention)
 

@@ -43,6 +43,12 @@ def test_quickstart_moe_learns_arithmetic(tmp_path):
       "model.init.num_experts_per_tok=5"], r"num_experts_per_tok must be in \[1, model\.init\.num_experts=4\]"),
     (["model.init.num_experts=4"], r"for model_type qwen3_moe or mixtral; model\.init\.model_type is 'qwen2'"),
     (["model.init.model_type=gpt2"], r"model\.init\.model_type='gpt2'"),
+    (["model.init.decoder_sparse_step=2"], r"decoder_sparse_step=2 \(dense layers among sparse ones\) are for "
+                                           r"model_type qwen3_moe; model\.init\.model_type is 'qwen2'"),
+    (["model.init.model_type=qwen3_moe", "model.init.num_experts=4", "model.init.moe_intermediate_size=8",
+      "model.init.num_experts_per_tok=2", "model.init.mlp_only_layers=[0,1]"], r"no layer of the 2 has experts"),
+    (["model.init.model_type=qwen3_moe", "model.init.num_experts=4", "model.init.moe_intermediate_size=8",
+      "model.init.num_experts_per_tok=2", "model.init.mlp_only_layers=[5]"], r"layer indices in \[0, 1\]"),
 ])
 def test_bad_moe_init_names_the_field(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -57,3 +63,5 @@ def test_moe_variant_builds_a_sparse_model():
     assert cfg.is_moe and cfg.num_experts == 4 and cfg.num_experts_per_tok == 2 and cfg.qk_norm
     assert cfg.moe_intermediate_size == c.model.init.intermediate_size // 2
     assert c.trainer.default_local_dir.endswith("quickstart-tiny-moe")
+    mixed = model_config_for(load_config(QUICKSTART + ":tiny,moe", ["model.init.mlp_only_layers=[0]"]).model, 64)
+    assert mixed.sparse_layers == tuple(range(1, c.model.init.num_hidden_layers)) and mixed.mixed_layers
