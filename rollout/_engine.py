@@ -394,8 +394,8 @@ class Engine:
                                      out_shardings=(st, self._replicated, self._replicated), **opts)
         self._loop_jit = jax.jit(self._loop_core, donate_argnums=(1, 2),
                                  out_shardings=(st, None, self._replicated), **opts)
-        self._extend_jit = jax.jit(self._extend_core, static_argnums=(4,),  # records no experts
-                                   out_shardings=dataclasses.replace(self._prefix_shardings, experts=None), **pre)
+        self._extend_jit = jax.jit(self._extend_core, static_argnums=(4,), out_shardings=self._prefix_shardings,
+                                   **pre)
         self._append_jit = jax.jit(self._append_core, donate_argnums=(1,),
                                    out_shardings=(st, self._replicated if self.record_experts else None), **pre)
         self._init_jit = jax.jit(self._init_core, out_shardings=st)
@@ -494,7 +494,9 @@ class Engine:
 
     def _extend_core(self, params, prefix: Prefix, tokens, true_lengths, length: int) -> Prefix:
         """`prefix` (p rows) followed by tokens int32[p, bucket] (true_lengths int32[p] >= 1, the
-        first one being each row's pending token) -> a Prefix with a `length`-token cache."""
+        first one being each row's pending token) -> a Prefix with a `length`-token cache; with
+        `record_experts`, its experts are the prefix's followed by those of the newly cached tokens
+        (-1 past them)."""
         def resize(x, axis):  # the cache_length axis to `length` (zeros after the old entries)
             x = jax.lax.slice_in_dim(x, 0, min(x.shape[axis], length), axis=axis)
             pad = [(0, 0)] * x.ndim
@@ -503,10 +505,22 @@ class Engine:
 
         axis = 1 if self._per_layer else 2
         cache = jax.tree.map(lambda x: resize(x, axis), prefix.cache)
-        cache = self._extend_cache(params, cache, tokens, prefix.lengths)
+        experts = None
+        if self.record_experts:
+            cache, fed = self._extend_cache(params, cache, tokens, prefix.lengths, record=True)
+            p, t = tokens.shape
+            old = jnp.full((p, length) + fed.shape[2:], -1, fed.dtype)
+            if prefix.experts is not None:
+                n = min(prefix.experts.shape[1], length)
+                old = old.at[:, :n].set(prefix.experts[:, :n].astype(fed.dtype))
+            j = jnp.arange(t, dtype=jnp.int32)[None, :]
+            at = jnp.where(j < (true_lengths - 1)[:, None], prefix.lengths[:, None] + j, length)  # else dropped
+            experts = old.at[jnp.arange(p)[:, None], at].set(fed, mode="drop")
+        else:
+            cache = self._extend_cache(params, cache, tokens, prefix.lengths)
         last = jnp.take_along_axis(tokens, (true_lengths - 1)[:, None], axis=1)[:, 0]
         return Prefix(cache, (prefix.lengths + true_lengths - 1).astype(jnp.int32),
-                      last.astype(jnp.int32))
+                      last.astype(jnp.int32), experts)
 
     def _append_core(self, params, state: DecodeState, tokens, true_lengths, dst, rows, max_new,
                      temperature, top_k, top_p, key) -> DecodeState:

@@ -79,3 +79,20 @@ def test_a_sync_that_re_prefills_a_held_request_records_the_new_weights_experts(
     finally:
         monkeypatch.undo()
         engine.update_params(model)
+
+
+def test_jetstream_prefill_after_an_existing_prefix_keeps_and_extends_the_experts(model, engine):
+    """JetStream's `prefill(existing_prefix=...)` (chunked prefill over the cached tokens): the
+    result's experts are the prefix's, then the newly cached tokens' (the model's own top-k on a
+    full forward of the sequence), -1 past them."""
+    seq = list(range(5, 25))  # 20 tokens: more than one max_prefill_length (16)
+    params = engine.params
+    first = engine.prefill(params=params, padded_tokens=seq[:9], true_length=9)
+    rest = seq[int(first.lengths[0]):]  # from the pending token on
+    both = engine.prefill(params=params, existing_prefix=first, padded_tokens=rest, true_length=len(rest))
+    n = len(seq) - 1  # all but the pending last token are cached
+    assert int(both.lengths[0]) == n
+    ex = np.asarray(both.experts)[0]
+    np.testing.assert_array_equal(np.sort(ex[:n], -1), own_top_k(model, seq)[:n])
+    np.testing.assert_array_equal(ex[:8], np.asarray(first.experts)[0, :8])
+    assert (ex[n:] == -1).all()
