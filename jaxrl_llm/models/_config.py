@@ -76,7 +76,9 @@ class ModelConfig:
       head_dim is a power of two in 16..256 and the cache length a multiple of 16, else cudnn as
       above; else einsum.
     `decode_unroll`: layers unrolled per scan iteration of the stacked layout's decode (1 = a
-      rolled loop, 0 = all); the per-layer layout always unrolls.
+      rolled loop, 0 = all); the per-layer layout always unrolls. With dense and sparse layers
+      repeating in a period (`mlp_only_layers` / `decoder_sparse_step`), one scan iteration is
+      a period, so at least that many layers are unrolled.
     `layer_unroll`: the same for the stacked layout's full forward and prefill (XLA's cost
       analysis counts a loop body once, so `scripts/tpu/aot_compile.py` unrolls small models).
     "On TPU" / "on GPU" is the platform of the active `sharding.use_rules` mesh (so an

@@ -938,7 +938,8 @@ class Transformer(nnx.Module):
         """`_scan` of stacked layers with dense and sparse MLPs (`config.mixed_layers`): for each
         segment of `layer_segments`, one lax.scan over its repeats, whose body runs the segment's
         pattern of layers (attention and norms sliced from the all-layer stacks, each MLP from
-        its kind's stack). The sparse layers' outputs come back in layer order."""
+        its kind's stack). `unroll` counts layers, as in `_scan`: unroll // len(pattern)
+        iterations, at least one. The sparse layers' outputs come back in layer order."""
         c = self.config
         kinds = tuple(i in set(c.sparse_layers) for i in range(c.num_hidden_layers))
         common = {name: nnx.split(getattr(self.layers, name))
@@ -979,7 +980,7 @@ class Transformer(nnx.Module):
                 body = jax.checkpoint(body, policy=_REMAT[c.remat], prevent_cse=False)
             (x, carry_extra), ys = jax.lax.scan(body, (x, carry_extra),
                                                 (jnp.arange(reps), xs_common, xs_mlp, xs_given),
-                                                unroll=min(unroll, reps))
+                                                unroll=max(1, min(int(unroll) // p, reps)))
             if ys:
                 ys_all.append(tuple(y.reshape((-1,) + y.shape[2:]) for y in ys))
         return (self.norm(x), carry_extra, *(jnp.concatenate(ys) for ys in zip(*ys_all)))

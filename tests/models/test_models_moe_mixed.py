@@ -71,6 +71,8 @@ def test_segment_scans_equal_the_per_layer_loop(dense, step):
     assert logits.shape == (len(c.sparse_layers), 2, 12, 4)
     np.testing.assert_allclose(h, h_p, atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits, logits_p, atol=1e-5, rtol=0)
+    unrolled = nnx.merge(nnx.split(models.abstract_model(c.replace(layer_unroll=0)), nnx.Param)[0], pure)
+    np.testing.assert_allclose(unrolled.hidden_states(ids), h, atol=1e-5, rtol=0)  # every segment unrolled
     hp, cache, rec = stacked.prefill(ids, record_experts=True)
     _, cache_p, rec_p = per.prefill(ids, record_experts=True)
     assert rec.shape == (len(c.sparse_layers), 2, 12, 2) and cache.k.shape[0] == 4
