@@ -497,11 +497,11 @@ class Engine:
         first one being each row's pending token) -> a Prefix with a `length`-token cache; with
         `record_experts`, its experts are the prefix's followed by those of the newly cached tokens
         (-1 past them)."""
-        def resize(x, axis):  # the cache_length axis to `length` (zeros after the old entries)
+        def resize(x, axis, fill=0):  # the cache_length axis to `length` (`fill` after the old entries)
             x = jax.lax.slice_in_dim(x, 0, min(x.shape[axis], length), axis=axis)
             pad = [(0, 0)] * x.ndim
             pad[axis] = (0, length - x.shape[axis])
-            return jnp.pad(x, pad)
+            return jnp.pad(x, pad, constant_values=fill)
 
         axis = 1 if self._per_layer else 2
         cache = jax.tree.map(lambda x: resize(x, axis), prefix.cache)
@@ -509,10 +509,8 @@ class Engine:
         if self.record_experts:
             cache, fed = self._extend_cache(params, cache, tokens, prefix.lengths, record=True)
             p, t = tokens.shape
-            old = jnp.full((p, length) + fed.shape[2:], -1, fed.dtype)
-            if prefix.experts is not None:
-                n = min(prefix.experts.shape[1], length)
-                old = old.at[:, :n].set(prefix.experts[:, :n].astype(fed.dtype))
+            old = (jnp.full((p, length) + fed.shape[2:], -1, fed.dtype) if prefix.experts is None
+                   else resize(prefix.experts.astype(fed.dtype), 1, fill=-1))
             j = jnp.arange(t, dtype=jnp.int32)[None, :]
             at = jnp.where(j < (true_lengths - 1)[:, None], prefix.lengths[:, None] + j, length)  # else dropped
             experts = old.at[jnp.arange(p)[:, None], at].set(fed, mode="drop")

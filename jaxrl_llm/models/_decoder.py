@@ -906,9 +906,9 @@ class Transformer(nnx.Module):
         inv_freq = rope_inv_freq(self.config)
         flags = dict(return_router_logits=router, return_experts=record)
         if self.layer_layout != "stacked":
-            outs, slot = [], 0
+            outs, slot, sparse_layers = [], 0, set(self.config.sparse_layers)
             for i, layer in enumerate(self.layers):
-                sparse = not isinstance(getattr(layer, "mlp", None), MLP)
+                sparse = i in sparse_layers
                 out = layer.layer(x, positions, inv_freq, lambda k, v, i=i, e=carry_extra: kv_fn(i, e, k, v),
                                   experts=None if experts is None or not sparse else experts[slot], **flags)
                 x, carry_extra = out[:2]
@@ -941,7 +941,8 @@ class Transformer(nnx.Module):
         its kind's stack). `unroll` counts layers, as in `_scan`: unroll // len(pattern)
         iterations, at least one. The sparse layers' outputs come back in layer order."""
         c = self.config
-        kinds = tuple(i in set(c.sparse_layers) for i in range(c.num_hidden_layers))
+        sparse = set(c.sparse_layers)
+        kinds = tuple(i in sparse for i in range(c.num_hidden_layers))
         common = {name: nnx.split(getattr(self.layers, name))
                   for name in ("input_layernorm", "self_attn", "post_attention_layernorm")}
         mlps = {True: nnx.split(self.layers.mlp), False: nnx.split(self.layers.dense_mlp)}
@@ -1017,13 +1018,14 @@ class Transformer(nnx.Module):
         shard_map, the same kernel kind on whole sequences, masked by segment ids as above).
 
         `router_logits` (static; MoE models only): return (hidden, every sparse layer's router
-        logits fp32 [S, b, t, E], S = len(config.sparse_layers)) in the input's token order, padding positions included (mask them
-        with `attention_mask != 0`); the same program otherwise (the logits are the layer scan's
-        per-layer output, under the same remat).
+        logits fp32 [S, b, t, E], S = len(config.sparse_layers)) in the input's token order,
+        padding positions included (mask them with `attention_mask != 0`); the same program
+        otherwise (the logits are the layer scan's per-layer output, under the same remat).
 
         `routed_experts` (MoE models): router replay (R3). int [b, t, S, k], the expert ids every
-        sparse layer uses for each token instead of its own top-k (the gate weights recomputed from this
-        forward's router logits: `replay_route`); a token whose ids are negative keeps its own.
+        sparse layer uses for each token instead of its own top-k (the gate weights recomputed
+        from this forward's router logits: `replay_route`); a token whose ids are negative keeps
+        its own.
         """
         if router_logits:
             self._check_router("router_logits=True")

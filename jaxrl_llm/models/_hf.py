@@ -399,8 +399,9 @@ def _entries(state: nnx.State, config: ModelConfig) -> list[tuple[_Entry, nnx.Va
         stacked = bool(axes) and axes[0] == "layers"
         experts = "experts" in path and len(axes) > int(stacked) and axes[int(stacked)] == "expert"
         ids = None  # stacked mixed layers: the MLP stacks hold the sparse / dense layers only
-        if stacked and config.mixed_layers and path[path.index("layers") + 1] in ("mlp", "dense_mlp"):
-            ids = config.sparse_layers if path[path.index("layers") + 1] == "mlp" else config.dense_layers
+        if stacked and config.mixed_layers:
+            stack = path[path.index("layers") + 1]
+            ids = {"mlp": config.sparse_layers, "dense_mlp": config.dense_layers}.get(stack)
         out.append((_Entry(path, tuple(var.get_value().shape), stacked, experts, ids), var))
     return out
 

@@ -67,8 +67,8 @@ COMPUTED = ("pass", "engine")  # the sources that run a pass (its output goes to
 
 
 def set_old_log_probs(batch: Batch, source: str, computed: dict[str, np.ndarray] | None = None) -> dict[str, float]:
-    """Puts `batch.old_log_probs` from `source` (`computed`: the pass's output when it is
-    `"pass"`); returns the step's metrics: `training/old_log_prob_skipped` (1 when no pass ran)
+    """Puts `batch.old_log_probs` from `source` (`computed`: the pass's output when it is one of
+    `COMPUTED`); returns the step's metrics: `training/old_log_prob_skipped` (1 when no pass ran)
     and, after a pass, the engine/trainer mismatch metrics."""
     metrics = {"training/old_log_prob_skipped": float(source not in COMPUTED)}
     if source == "rollout":

@@ -134,9 +134,8 @@ def moe_router_terms(logits, attention_mask, top_k: int, layers=None) -> dict[st
     out = {"moe_aux_loss": aux, "moe_z_loss": z, "moe/expert_load/min": lo.min(),
            "moe/expert_load/max": hi.max(), "moe/expert_load/cv": cv.mean()}
     for s, i in enumerate(range(load.shape[0]) if layers is None else layers):
-        lo_i, hi_i, cv_i = lo[s], hi[s], cv[s]
-        out.update({f"moe/expert_load/layer_{i}/min": lo_i, f"moe/expert_load/layer_{i}/max": hi_i,
-                    f"moe/expert_load/layer_{i}/cv": cv_i})
+        out.update({f"moe/expert_load/layer_{i}/min": lo[s], f"moe/expert_load/layer_{i}/max": hi[s],
+                    f"moe/expert_load/layer_{i}/cv": cv[s]})
     return out
 
 

@@ -155,7 +155,8 @@ def test_bad_moe_configs_are_refused_naming_the_fields(tmp_path):
     hf = json.loads((folder / "config.json").read_text())
     with pytest.raises(ValueError, match=r"config.json: mlp_only_layers=\[0, 1\].*no layer of the 2 is sparse"):
         models.config_from_hf(dict(hf, mlp_only_layers=[0, 1]))
-    with pytest.raises(ValueError, match=r"config.json: mlp_only_layers=\[2\]: \[2\] not in 0..num_hidden_layers - 1 = 1"):
+    with pytest.raises(ValueError,
+                       match=r"config.json: mlp_only_layers=\[2\]: \[2\] not in 0..num_hidden_layers - 1 = 1"):
         models.config_from_hf(dict(hf, mlp_only_layers=[2]))
     with pytest.raises(ValueError, match=r"decoder_sparse_step=0 must be an int >= 1"):
         models.config_from_hf(dict(hf, decoder_sparse_step=0))
