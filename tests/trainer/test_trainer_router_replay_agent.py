@@ -94,10 +94,12 @@ def test_agent_rl_step_replays_the_servers_experts(tmp_path, monkeypatch):
 def test_colocate_async_replays_the_servers_experts_through_the_trajectory_queue(tmp_path):
     """colocate_async: groups go through the rollouter's queue (the warm-up batch's requests are
     held over the update, the engine sleeps and re-prefills them at wake); the first step is
-    on-policy: the replaying passes match the engine's routing on every recorded token."""
+    on-policy: the replaying passes match the engine's routing on every recorded token. The model
+    has a dense layer 0 before its sparse layer 1 (`model.init.mlp_only_layers`): only layer 1's
+    experts are recorded, replayed and measured."""
     o = {"trainer.v1.trainer_mode": "colocate_async", "trainer.backend": "local", "trainer.export_hf": False,
          "trainer.val_before_train": False, "data.builtin_val_size": 0,
-         "trainer.v1.colocate_async.num_warmup_batches": 1.0, **_MOE,
+         "trainer.v1.colocate_async.num_warmup_batches": 1.0, **_MOE, "model.init.mlp_only_layers": "[0]",
          "trainer.default_local_dir": tmp_path / "run", "trainer.progress_bar": False, "trainer.plot": False,
          "trainer.logger": "jsonl", "trainer.async_save": False, "trainer.save_freq": 0, "trainer.test_freq": 0,
          "reward.custom_reward_function.path": REWARD_FN, "reward.custom_reward_function.name": "compute_score"}
@@ -115,5 +117,6 @@ def test_colocate_async_replays_the_servers_experts_through_the_trajectory_queue
     assert first["rollout/router_replay/mismatch_frac"] == 0.0
     assert first["actor/router_replay/mismatch_frac"] == 0.0
     assert first["rollout/logprob_abs_diff/max"] < 1e-4
+    assert "moe/expert_load/layer_1/min" in first and "moe/expert_load/layer_0/min" not in first
     assert second["colocate_async/kv_bytes_released"] > 0  # slept: held requests re-prefilled at wake
     assert 0.0 <= second["actor/router_replay/mismatch_frac"] < 1.0  # recorded and replayed
